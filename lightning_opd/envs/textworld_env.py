@@ -1,0 +1,188 @@
+"""TextWorld adapter: compact prompts, explicit action parsing, score-change reward.
+
+What the agent sees (one user message per turn, built by :func:`format_observation`)::
+
+    Goal: <objective>                       (first turn only)
+    Observation: <text, whitespace-collapsed, last 600 characters>
+    Commands: <admissible commands without examine/look/inventory, comma-separated>
+
+Action parsing (:func:`parse_action`), explicit and deliberately simple: take the first non-empty line
+of the reply, drop a leading ``>``/``-``/``*``/``Command:``/``Action:`` and surrounding quotes or
+backticks, drop a trailing period, collapse whitespace and lower-case it. The result is valid if it
+is one of the game's admissible commands (the full list, including the hidden examine/look/inventory).
+An empty or invalid action does not reach the game: the agent gets an observation saying so, with the
+commands again, and the step is flagged ``invalid_action`` (counted as ``rollout/invalid_actions``, F11).
+
+Reward is the change in the game's score (TextWorld reports the points so far); ``won``/``lost`` come
+from the game; truncation (turn or context limit) is the agent loop's business and a separate flag.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from lightning_opd.envs.base import EnvFactory, StepResult
+
+SYSTEM_PROMPT = "You play a text adventure. Reply with exactly one command from the list."
+HIDDEN_COMMAND_PREFIXES = ("examine", "look", "inventory")
+_PREFIX = re.compile(r"^\s*(?:[>\-*]+|(?:command|action)\s*:)\s*", re.IGNORECASE)
+
+
+def _collapse(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def clean_feedback(text: str, max_chars: int = 600) -> str:
+    """Strip TextWorld's prompt/status line (everything from the last ``>``), collapse whitespace and
+    keep the last ``max_chars`` characters (characters, not tokens)."""
+    cut = text.rfind("\n>")
+    if cut >= 0:
+        text = text[:cut]
+    text = _collapse(text)
+    return text[-max_chars:] if max_chars > 0 else text
+
+
+def visible_commands(admissible: list[str]) -> list[str]:
+    """Admissible commands shown to the agent: without examine/look/inventory (they never score)."""
+    return [c for c in admissible if not c.startswith(HIDDEN_COMMAND_PREFIXES)]
+
+
+def format_observation(observation: str, admissible: list[str], goal: str | None = None) -> str:
+    """The user message of one turn (see the module docstring)."""
+    lines = [] if goal is None else [f"Goal: {_collapse(goal)}"]
+    lines.append(f"Observation: {observation}")
+    lines.append("Commands: " + ", ".join(visible_commands(admissible)))
+    return "\n".join(lines)
+
+
+def parse_action(reply: str) -> str:
+    """The action in a reply: first non-empty line, prefixes/quotes/trailing period removed, lower-case.
+
+    Returns ``""`` for an empty reply (the environment reports it as an invalid action).
+    """
+    for line in reply.splitlines():
+        line = _PREFIX.sub("", line).strip().strip("`'\"").strip()
+        if line:
+            line = line.rstrip(".!").strip()
+            return _collapse(line).lower()
+    return ""
+
+
+class TextWorldEnv:
+    """One TextWorld episode behind the :class:`~lightning_opd.envs.base.TextEnv` protocol.
+
+    Args:
+        game_file: compiled game (``.z8``/``.ulx``) made by ``lightning-opd make-games``.
+        max_observation_chars: characters of observation text kept per turn.
+    """
+
+    def __init__(self, game_file: str | Path, max_observation_chars: int = 600) -> None:
+        self.game_file = str(game_file)
+        self.max_observation_chars = max_observation_chars
+        self._env = None
+        self._admissible: list[str] = []
+        self._score = 0.0
+
+    def _infos(self):
+        from textworld import EnvInfos
+
+        return EnvInfos(admissible_commands=True, objective=True, won=True, lost=True, description=True,
+                        score=True, max_score=True)
+
+    def reset(self) -> str:
+        import textworld.gym
+
+        # max_episode_steps is not used for truncation: the agent loop owns the turn limit.
+        env_id = textworld.gym.register_game(self.game_file, request_infos=self._infos(), max_episode_steps=10_000)
+        self._env = textworld.gym.make(env_id)
+        _, infos = self._env.reset()
+        self._admissible = list(infos["admissible_commands"])
+        self._score = float(infos["score"])
+        obs = clean_feedback(infos["description"], self.max_observation_chars)
+        return format_observation(obs, self._admissible, goal=infos["objective"])
+
+    def parse_action(self, reply: str) -> str:
+        return parse_action(reply)
+
+    def step(self, action: str) -> StepResult:
+        if self._env is None:
+            raise RuntimeError("TextWorldEnv.step called before reset()")
+        if not action:
+            return StepResult(format_observation("Empty command. Reply with one command from the list.",
+                                                 self._admissible), invalid_action=True)
+        if action not in self._admissible:
+            msg = f"'{action[:80]}' is not a valid command here. Reply with one command from the list."
+            return StepResult(format_observation(msg, self._admissible), invalid_action=True)
+        obs, score, _done, infos = self._env.step(action)
+        reward = float(score) - self._score
+        self._score = float(score)
+        self._admissible = list(infos["admissible_commands"])
+        text = clean_feedback(obs, self.max_observation_chars)
+        return StepResult(format_observation(text, self._admissible), reward=reward,
+                          won=bool(infos["won"]), lost=bool(infos["lost"]))
+
+    def close(self) -> None:
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+
+
+class TextWorldEnvFactory(EnvFactory):
+    """TextWorld games made by ``lightning-opd make-games`` (``<games_dir>/{train,eval}/*.z8`` plus
+    ``manifest.json``).
+
+    Args:
+        games_dir: output folder of ``make-games``.
+        max_observation_chars: characters of observation text kept per turn.
+        num_train: use only the first ``num_train`` training games (``None``: all).
+        num_eval: use only the first ``num_eval`` held-out games (``None``: all).
+
+    Raises:
+        FileNotFoundError: no manifest in ``games_dir`` (run ``lightning-opd make-games``).
+        ValueError: the manifest's train and held-out splits overlap (same game hash in both).
+    """
+
+    system_prompt = SYSTEM_PROMPT
+
+    def __init__(self, games_dir: str = "artifacts/games/quest3", max_observation_chars: int = 600,
+                 num_train: int | None = None, num_eval: int | None = None) -> None:
+        self.games_dir = Path(games_dir)
+        self.max_observation_chars = max_observation_chars
+        manifest = self.games_dir / "manifest.json"
+        if not manifest.is_file():
+            raise FileNotFoundError(
+                f"no TextWorld games at {str(self.games_dir)!r} (missing manifest.json); run "
+                f"`lightning-opd make-games --out {self.games_dir}` first"
+            )
+        self.manifest = json.loads(manifest.read_text())
+        games = self.manifest["games"]
+        self._games = {g["task_id"]: g for g in games}
+        train = [g["task_id"] for g in games if g["split"] == "train"]
+        evals = [g["task_id"] for g in games if g["split"] == "eval"]
+        overlap = {self._games[t]["hash"] for t in train} & {self._games[t]["hash"] for t in evals}
+        if overlap:
+            raise ValueError(f"train and held-out TextWorld games overlap ({len(overlap)} shared hashes)")
+        self._train = train[:num_train] if num_train is not None else train
+        self._eval = evals[:num_eval] if num_eval is not None else evals
+        if not self._train and not self._eval:
+            raise ValueError(f"no games listed in {manifest}")
+
+    def train_tasks(self) -> list[str]:
+        return list(self._train)
+
+    def eval_tasks(self) -> list[str]:
+        return list(self._eval)
+
+    def game_file(self, task_id: str) -> Path:
+        try:
+            return self.games_dir / self._games[task_id]["file"]
+        except KeyError:
+            raise KeyError(f"unknown TextWorld task id {task_id!r} in {self.games_dir}") from None
+
+    def make(self, task_id: str) -> TextWorldEnv:
+        return TextWorldEnv(self.game_file(task_id), self.max_observation_chars)
+
+    def expert_actions(self, task_id: str) -> list[str]:
+        return list(self._games[task_id]["walkthrough"])

@@ -1,0 +1,126 @@
+"""Offline generation of TextWorld games with non-overlapping train / held-out splits.
+
+Games are generated from consecutive seeds with TextWorld's Python API (``make_game`` +
+``compile_game``, about 1.5 s each), deduplicated by a hash of their content (different seeds can give
+identical games), and assigned to a split *by that hash*: identical games always land in the same
+split, so the splits cannot overlap. Quest length is the horizon knob (the expert needs that many
+commands). Output: ``<out>/{train,eval}/<task_id>.z8`` and ``<out>/manifest.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GameSpec:
+    """Generation knobs (TextWorld ``tw-make custom`` equivalents)."""
+
+    quest_length: int = 3
+    world_size: int = 3
+    nb_objects: int = 6
+
+
+def _game_hash(game_json: dict) -> str:
+    content = {k: game_json.get(k) for k in ("world", "quests", "infos", "objective")}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+def _generate_one(args: tuple[int, GameSpec, str]) -> dict:
+    seed, spec, tmp_dir = args
+    import textworld
+    from textworld.generator import compile_game, make_game
+
+    opts = textworld.GameOptions()
+    opts.seeds = seed
+    opts.nb_rooms = spec.world_size
+    opts.nb_objects = spec.nb_objects
+    opts.quest_length = spec.quest_length
+    opts.path = os.path.join(tmp_dir, f"seed{seed}.z8")
+    opts.force_recompile = True
+    game = make_game(opts)
+    path = compile_game(game, opts)
+    meta = json.loads(Path(path).with_suffix(".json").read_text())
+    return {"seed": seed, "path": path, "hash": _game_hash(meta), "walkthrough": list(game.metadata["walkthrough"]),
+            "objective": game.objective}
+
+
+def in_eval_split(game_hash: str, eval_fraction: float) -> bool:
+    """Split rule: a game is held out iff the first 8 hex digits of its hash, read as a fraction of
+    2**32, fall below ``eval_fraction``."""
+    return int(game_hash[:8], 16) / 2**32 < eval_fraction
+
+
+def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: GameSpec = GameSpec(),
+               seed: int = 0, workers: int = 2, max_attempts: int | None = None) -> Path:
+    """Generate ``num_train`` training and ``num_eval`` held-out games into ``out``.
+
+    Args:
+        out: output folder (replaced atomically when generation finishes).
+        num_train, num_eval: games per split.
+        spec: quest length (horizon), world size (rooms) and number of objects.
+        seed: first generation seed; seeds ``seed, seed+1, ...`` are tried in order.
+        workers: generator processes.
+        max_attempts: give up after this many seeds (default ``4 * (num_train + num_eval) + 20``).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        RuntimeError: not enough distinct games within ``max_attempts`` seeds (raise quest length,
+            world size or number of objects).
+    """
+    out = Path(out)
+    total = num_train + num_eval
+    max_attempts = max_attempts or 4 * total + 20
+    frac = num_eval / total if total else 0.0
+    seen: set[str] = set()
+    splits: dict[str, list[dict]] = {"train": [], "eval": []}
+    want = {"train": num_train, "eval": num_eval}
+    next_seed = seed
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if out.parent.exists() else None))
+    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+        while any(len(splits[s]) < want[s] for s in splits):
+            if next_seed - seed >= max_attempts:
+                shutil.rmtree(stage, ignore_errors=True)
+                raise RuntimeError(
+                    f"only {len(splits['train'])} train / {len(splits['eval'])} held-out distinct games after "
+                    f"{max_attempts} seeds with {spec}; increase quest_length, world_size or nb_objects"
+                )
+            n = max(workers, sum(want[s] - len(splits[s]) for s in splits))
+            n = min(n, max_attempts - (next_seed - seed))
+            batch = [(s, spec, str(stage)) for s in range(next_seed, next_seed + n)]
+            next_seed += n
+            for res in pool.map(_generate_one, batch):
+                if res["hash"] in seen:
+                    continue
+                seen.add(res["hash"])
+                split = "eval" if in_eval_split(res["hash"], frac) else "train"
+                if len(splits[split]) < want[split]:
+                    splits[split].append(res)
+    games = []
+    for split, items in splits.items():
+        (stage / split).mkdir(parents=True, exist_ok=True)
+        for res in items:
+            task_id = f"{split}-s{res['seed']:05d}"
+            # the .json next to the .z8 carries the game's logic (admissible commands need it)
+            shutil.move(res["path"], stage / split / f"{task_id}.z8")
+            shutil.move(str(Path(res["path"]).with_suffix(".json")), stage / split / f"{task_id}.json")
+            games.append({"task_id": task_id, "split": split, "file": f"{split}/{task_id}.z8", "seed": res["seed"],
+                          "hash": res["hash"], "walkthrough": res["walkthrough"], "objective": res["objective"]})
+    for leftover in stage.glob("seed*"):
+        leftover.unlink()
+    manifest = {"spec": asdict(spec), "seed": seed, "num_train": num_train, "num_eval": num_eval, "games": games}
+    (stage / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage.rename(out)
+    return out

@@ -1,0 +1,105 @@
+"""Load a student or teacher from any Hugging Face causal-LM directory.
+
+Weights are read from safetensors (or, for ``.bin`` checkpoints, with ``torch.load(weights_only=True)``
+inside transformers); ``trust_remote_code`` stays off unless the caller sets it (F15).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name (``"float32"``, ``"bf16"``, ...) to a ``torch.dtype``.
+
+    Raises:
+        ValueError: unknown name; the message lists the accepted ones.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def _check_dir(path: str | os.PathLike, what: str) -> Path:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{what} path {str(p)!r} is not a Hugging Face model directory (no config.json). "
+            "Run `lightning-opd prepare-model` (SmolLM2) or point it at a `save_pretrained` directory."
+        )
+    return p
+
+
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load the tokenizer (with its chat template) saved next to a model.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a model directory.
+        ValueError: the tokenizer has no chat template (the agent loop renders every turn with it).
+    """
+    p = _check_dir(path, "tokenizer")
+    tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"tokenizer at {str(p)!r} has no chat template; the agent loop needs one")
+    return tok
+
+
+def load_causal_lm(
+    path: str | os.PathLike, dtype: str | torch.dtype = "float32", trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """Load a causal LM from a Hugging Face directory (safetensors preferred; no hub access).
+
+    Args:
+        path: directory written by ``save_pretrained``.
+        dtype: parameter dtype; fp32 is the right choice on CPU (bf16 measured 2x slower there).
+        trust_remote_code: run modelling code shipped with the checkpoint; off by default (F15).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a model directory.
+    """
+    p = _check_dir(path, "model")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(p), dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code, use_safetensors=None
+    )
+    return model
+
+
+def save_hf_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, path: str | os.PathLike) -> Path:
+    """Save ``model`` (safetensors) and ``tokenizer`` (with chat template) as a Hugging Face directory.
+
+    Written into a temporary sibling folder and renamed into place, so a crash mid-write leaves the
+    previous export loadable (F16). Returns the final path.
+    """
+    import shutil
+    import tempfile
+
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp.", dir=final.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        old = None
+        if final.exists():
+            old = final.parent / f".{final.name}.old"
+            if old.exists():
+                shutil.rmtree(old)
+            final.rename(old)
+        tmp.rename(final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

@@ -1,0 +1,167 @@
+"""The agent loop: batched multi-turn episodes, token in, token out.
+
+Per turn, every running episode sends its whole conversation (ids) to the generator, gets the
+sampled reply ids back unchanged, decodes them only to parse the action, steps its environment and
+appends the next user turn as the chat template's token difference (:class:`ChatFormat`). Episodes end
+on success/failure, on the turn limit (``truncated``, ``"max_turns"``), when the next turn would not
+fit in ``max_context_tokens`` (``truncated``, ``"max_context"``) or when the environment raises
+(``env_error``, counted, F11). Training and evaluation use this same loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from lightning_opd.envs.base import EnvFactory, StepResult, TextEnv
+from lightning_opd.rollout.chat import ChatFormat
+from lightning_opd.rollout.generator import GenerationRequest, Generator, SamplingParams
+from lightning_opd.rollout.types import NON_ASSISTANT, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class EnvironmentFailureError(RuntimeError):
+    """Too many episodes of one batch ended with an environment error."""
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """One episode to play: which task, with which seed, under which cap, in which GRPO group."""
+
+    task_id: str
+    seed: int = 0
+    max_turns: int | None = None  # None: the loop's default
+    is_probe: bool = False
+    group_id: int = 0
+
+
+class AgentLoop:
+    """Plays batches of episodes with a :class:`Generator` in :class:`TextEnv` environments.
+
+    Args:
+        envs: task pool and episode maker.
+        generator: sampling backend (must be attached to a policy).
+        tokenizer: the policy's tokenizer (with chat template).
+        max_turns: default turn limit per episode (turns).
+        max_context_tokens: an episode stops (``truncated``, ``"max_context"``) when its next prompt
+            plus ``max_new_tokens`` would exceed this many tokens.
+        max_env_error_rate: raise :class:`EnvironmentFailureError` when more than this fraction of a
+            batch's episodes hit an environment exception (1.0: never raise, only count).
+
+    Raises:
+        ValueError: a limit is not positive.
+    """
+
+    def __init__(self, envs: EnvFactory, generator: Generator, tokenizer: PreTrainedTokenizerBase,
+                 max_turns: int = 8, max_context_tokens: int = 4096, max_env_error_rate: float = 0.5) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns={max_turns} must be >= 1")
+        if max_context_tokens < 1:
+            raise ValueError(f"max_context_tokens={max_context_tokens} must be >= 1")
+        if not 0.0 <= max_env_error_rate <= 1.0:
+            raise ValueError(f"max_env_error_rate={max_env_error_rate} must be in [0, 1]")
+        self.envs = envs
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.chat = ChatFormat(tokenizer, envs.system_prompt)
+        self.max_turns = max_turns
+        self.max_context_tokens = max_context_tokens
+        self.max_env_error_rate = max_env_error_rate
+
+    def _start(self, spec: EpisodeSpec) -> tuple[Trajectory, TextEnv | None]:
+        cap = spec.max_turns if spec.max_turns is not None else self.max_turns
+        traj = Trajectory(task_id=spec.task_id, seed=spec.seed, rollout_cap=cap, is_probe=spec.is_probe,
+                          group_id=spec.group_id)
+        env = None
+        try:
+            env = self.envs.make(spec.task_id)
+            first = env.reset()
+        except Exception as err:  # noqa: BLE001 - any environment failure is counted, not fatal (F11)
+            self._fail(traj, env, err)
+            return traj, None
+        traj.messages.append({"role": "user", "content": first})
+        traj.append(self.chat.first_prompt(first), assistant=False, turn=NON_ASSISTANT)
+        return traj, env
+
+    @staticmethod
+    def _fail(traj: Trajectory, env: TextEnv | None, err: BaseException) -> None:
+        traj.env_error = True
+        traj.error_message = f"{type(err).__name__}: {err}"
+        log.warning("episode %s (task %s) ended by an environment error: %s", traj.seed, traj.task_id, traj.error_message)
+        if env is not None:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def run(self, episodes: list[EpisodeSpec], sampling: SamplingParams) -> list[Trajectory]:
+        """Play ``episodes`` to the end, all turns batched through the generator.
+
+        Returns:
+            One :class:`Trajectory` per episode, in order.
+
+        Raises:
+            EnvironmentFailureError: more than ``max_env_error_rate`` of the episodes hit an
+                environment exception.
+        """
+        started = [self._start(spec) for spec in episodes]
+        trajs = [t for t, _ in started]
+        envs: dict[int, TextEnv] = {i: e for i, (_, e) in enumerate(started) if e is not None}
+        turn = 0
+        try:
+            while envs:
+                active = sorted(envs)
+                reqs = [GenerationRequest(key=(id(self), i), prompt_ids=trajs[i].token_ids, turn=turn,
+                                          seed=trajs[i].seed, task_id=trajs[i].task_id) for i in active]
+                outs = self.generator.generate(reqs, sampling)
+                for i, out in zip(active, outs):
+                    if self._advance(trajs[i], envs[i], out, turn, sampling):
+                        envs.pop(i).close()
+                turn += 1
+        finally:
+            for env in envs.values():
+                env.close()
+            self.generator.release()
+        errors = sum(t.env_error for t in trajs)
+        if trajs and errors / len(trajs) > self.max_env_error_rate:
+            msgs = "; ".join(sorted({t.error_message for t in trajs if t.env_error})[:3])
+            raise EnvironmentFailureError(
+                f"{errors}/{len(trajs)} episodes ended with an environment error (max_env_error_rate="
+                f"{self.max_env_error_rate}); first errors: {msgs}"
+            )
+        return trajs
+
+    def _advance(self, traj: Trajectory, env: TextEnv, out, turn: int, sampling: SamplingParams) -> bool:
+        """Record one reply and step the environment; returns True when the episode is over."""
+        traj.append(out.token_ids, assistant=True, turn=turn, logprobs=out.logprobs)
+        traj.turn_versions.append(out.policy_version)
+        if not out.finished:  # cut by max_new_tokens: close the turn, not trained on
+            traj.append([self.chat.end_of_turn_id], assistant=False, turn=turn)
+            traj.cut_replies += 1
+        reply_ids = out.token_ids[:-1] if out.finished else out.token_ids
+        reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
+        traj.messages.append({"role": "assistant", "content": reply})
+        try:
+            result: StepResult = env.step(env.parse_action(reply))
+        except Exception as err:  # noqa: BLE001 - counted, the batch goes on (F11)
+            traj.rewards.append(0.0)
+            self._fail(traj, None, err)
+            return True
+        traj.rewards.append(float(result.reward))
+        traj.invalid_actions += int(result.invalid_action)
+        if result.done:
+            traj.success, traj.failure = bool(result.won), bool(result.lost)
+            return True
+        if turn + 1 >= traj.rollout_cap:
+            traj.truncated, traj.truncation_reason = True, "max_turns"
+            return True
+        user_ids = self.chat.user_turn(result.observation)
+        if traj.num_tokens + len(user_ids) + sampling.max_new_tokens > self.max_context_tokens:
+            traj.truncated, traj.truncation_reason = True, "max_context"
+            return True
+        traj.messages.append({"role": "user", "content": result.observation})
+        traj.append(user_ids, assistant=False, turn=NON_ASSISTANT)
+        return False

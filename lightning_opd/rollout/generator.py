@@ -1,0 +1,116 @@
+"""The ``Generator`` interface shared by every sampling backend (HF ``generate`` now, vLLM later).
+
+Token in, token out (F08): a request carries the whole conversation so far as token ids, and the
+result carries the sampled ids exactly as sampled, with the behaviour log-prob of each under the
+distribution actually sampled from (temperature, top-p and top-k applied; F02).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Hashable, Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling knobs, mapped one to one onto every backend.
+
+    Attributes:
+        temperature: softmax temperature; ``0`` means greedy decoding.
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+        max_new_tokens: per-turn reply limit, in tokens. A reply cut here is closed with the
+            template's end-of-turn token by the agent loop (masked out of the loss).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One reply to sample.
+
+    Attributes:
+        key: identifies the episode across turns (backends may reuse cached state for it).
+        prompt_ids: the whole conversation so far, ending with the generation prompt (tokens).
+        turn: zero-based turn index of the reply.
+        seed: per-episode seed (backends that support per-request seeds use it).
+        task_id: the episode's task (scripted generators look their replies up by it).
+    """
+
+    key: Hashable
+    prompt_ids: list[int]
+    turn: int = 0
+    seed: int = 0
+    task_id: str = ""
+
+
+@dataclass
+class GenerationOutput:
+    """A sampled reply.
+
+    Attributes:
+        token_ids: sampled ids, ending with the end-of-turn id if the model stopped (``finished``).
+        logprobs: behaviour log-prob of each sampled id under the sampling distribution (nats);
+            for greedy decoding, under the temperature-1 distribution (greedy rollouts are not trained on).
+        finished: the reply ended with the end-of-turn token; ``False`` = cut by ``max_new_tokens``.
+        policy_version: policy version of the weights that produced it.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+    policy_version: int = 0
+
+
+class PolicySource(Protocol):
+    """What a generator that shares the trainer's weights needs from the LightningModule."""
+
+    policy_version: int
+
+    @property
+    def policy_model(self): ...  # the student ``PreTrainedModel``
+
+
+class Generator(ABC):
+    """A backend that samples replies for a batch of episodes."""
+
+    end_of_turn_id: int = -1
+    _policy: PolicySource | None = None
+
+    def attach(self, policy: PolicySource, end_of_turn_id: int) -> None:
+        """Bind to the policy whose weights and version the backend samples with."""
+        self._policy = policy
+        self.end_of_turn_id = end_of_turn_id
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights the next ``generate`` call samples with."""
+        if self._policy is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a policy; call attach() first")
+        return int(self._policy.policy_version)
+
+    @abstractmethod
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
+        """Sample one reply per request (same order)."""
+
+    def release(self) -> None:
+        """Drop per-episode cached state (called when a batch of episodes is finished)."""

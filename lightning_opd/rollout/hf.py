@@ -1,0 +1,158 @@
+"""Hugging Face ``generate`` backend, sharing the trainer's student weights (synchronous mode).
+
+Multi-turn episodes re-send the whole conversation every turn (token in, token out). Re-encoding the
+history each turn costs O(turns^2) tokens of prefill, so this backend keeps the KV cache of the last
+call and, when the next call's requests extend the cached conversations token for token (same keys,
+same policy version), feeds only the new tokens. Rows are aligned with padding in the middle of the
+sequence; positions come from the attention mask, so the result equals a fresh left-padded prefill
+(pinned by tests/rollout/test_hf_generator.py). A version change or any mismatch falls back to a
+fresh prefill, so weights pushed between calls can never be served from a stale cache (F09).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+from lightning_opd.rollout.generator import GenerationOutput, GenerationRequest, Generator, SamplingParams
+
+
+@dataclass
+class _KVState:
+    cache: DynamicCache
+    mask: torch.Tensor  # (B, L) 1 = real cached token
+    rows: dict[Hashable, int]
+    cached_ids: list[list[int]]  # per row: the real tokens whose keys/values are in ``cache``
+    version: int
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) ids and mask, left-padded; the mask comes from lengths, never from token values (F03)."""
+    length = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long, device=device)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, length - len(s):] = torch.tensor(s, dtype=torch.long, device=device)
+            mask[i, length - len(s):] = 1
+    return ids, mask
+
+
+class HFGenerator(Generator):
+    """Batched sampling with ``transformers``' ``generate`` on the attached student model.
+
+    Args:
+        reuse_kv_cache: keep the KV cache between turns of the same episodes (see module docstring).
+        pad_token_id: id used for padding (any id works: masks come from lengths); default: the
+            end-of-turn id.
+    """
+
+    def __init__(self, reuse_kv_cache: bool = True, pad_token_id: int | None = None) -> None:
+        self.reuse_kv_cache = reuse_kv_cache
+        self.pad_token_id = pad_token_id
+        self._state: _KVState | None = None
+
+    def release(self) -> None:
+        self._state = None
+
+    def _generation_config(self, sampling: SamplingParams, pad_id: int) -> GenerationConfig:
+        # Every knob explicit: GenerationConfig defaults (top_k=50) or the model's own generation
+        # config must not leak into the sampling distribution (F02).
+        common = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, pad_token_id=pad_id,
+                      eos_token_id=self.end_of_turn_id, output_scores=True, return_dict_in_generate=True,
+                      use_cache=True, repetition_penalty=1.0, num_beams=1)
+        if sampling.greedy:
+            return GenerationConfig(do_sample=False, temperature=None, top_p=None, top_k=None, **common)
+        return GenerationConfig(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                                top_k=sampling.top_k, **common)
+
+    def _reusable(self, requests: list[GenerationRequest], version: int) -> bool:
+        st = self._state
+        if not self.reuse_kv_cache or st is None or st.version != version:
+            return False
+        for r in requests:
+            row = st.rows.get(r.key)
+            if row is None:
+                return False
+            cached = st.cached_ids[row]
+            if len(r.prompt_ids) <= len(cached) or r.prompt_ids[: len(cached)] != cached:
+                return False
+        return len({r.key for r in requests}) == len(requests)
+
+    @torch.no_grad()
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
+        """Sample one reply per request; see :class:`~lightning_opd.rollout.generator.Generator`.
+
+        Raises:
+            ValueError: an empty request list or an empty prompt.
+        """
+        if not requests:
+            raise ValueError("generate() needs at least one request")
+        if any(not r.prompt_ids for r in requests):
+            raise ValueError("every request needs a non-empty prompt_ids")
+        model = self._policy.policy_model if self._policy is not None else None
+        if model is None:
+            raise RuntimeError("HFGenerator is not attached to a loaded policy model")
+        version = self.policy_version
+        device = next(model.parameters()).device
+        pad_id = self.pad_token_id if self.pad_token_id is not None else self.end_of_turn_id
+
+        if self._reusable(requests, version):
+            st = self._state
+            rows = torch.tensor([st.rows[r.key] for r in requests], device=device)
+            cache = st.cache
+            cache.batch_select_indices(rows)
+            prev_mask = st.mask.index_select(0, rows)
+            suffixes = [r.prompt_ids[len(st.cached_ids[st.rows[r.key]]):] for r in requests]
+            seg_ids, seg_mask = _left_pad(suffixes, pad_id, device)
+            filler = torch.full_like(prev_mask, pad_id)
+            input_ids = torch.cat([filler, seg_ids], dim=1)  # (B, L_cache + S); cached part is not re-fed
+            attention_mask = torch.cat([prev_mask, seg_mask], dim=1)
+        else:
+            cache = DynamicCache()
+            input_ids, attention_mask = _left_pad([r.prompt_ids for r in requests], pad_id, device)
+        self._state = None
+
+        was_training = model.training
+        model.eval()
+        seed = hash((tuple(r.seed for r in requests), tuple(r.turn for r in requests))) & 0x7FFF_FFFF
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                                     generation_config=self._generation_config(sampling, pad_id))
+        finally:
+            model.train(was_training)
+
+        in_len = input_ids.shape[1]
+        new = out.sequences[:, in_len:]  # (B, n)
+        n = new.shape[1]
+        scores = torch.stack(out.scores, dim=1).float()  # (B, n, V) processed: temperature/top-k/top-p applied
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, n)
+        is_eot = new == self.end_of_turn_id
+        has_eot = is_eot.any(dim=1)
+        first_eot = torch.where(has_eot, is_eot.float().argmax(dim=1), torch.full_like(has_eot, n - 1, dtype=torch.long))
+        kept = (first_eot + 1).tolist()  # tokens kept per row (up to and including the end-of-turn id)
+
+        outputs = []
+        new_list, lp_list = new.tolist(), logprobs.tolist()
+        for i in range(len(requests)):
+            outputs.append(GenerationOutput(token_ids=new_list[i][: kept[i]], logprobs=lp_list[i][: kept[i]],
+                                            finished=bool(has_eot[i]), policy_version=version))
+
+        if self.reuse_kv_cache and out.past_key_values is not None:
+            # the cache holds keys/values of the input and of new tokens 0..n-2 (the last one was not fed)
+            pos = torch.arange(max(n - 1, 0), device=device)
+            new_mask = (pos.unsqueeze(0) < first_eot.unsqueeze(1) + 1).long()  # (B, n-1) 1 = real token
+            base = [r.prompt_ids for r in requests]
+            self._state = _KVState(
+                cache=out.past_key_values,
+                mask=torch.cat([attention_mask, new_mask], dim=1),
+                rows={r.key: i for i, r in enumerate(requests)},
+                cached_ids=[base[i] + new_list[i][: min(kept[i], n - 1)] for i in range(len(requests))],
+                version=version,
+            )
+        return outputs
