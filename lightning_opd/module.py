@@ -31,7 +31,7 @@ Metric glossary (logged every step):
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
@@ -163,6 +163,31 @@ class OPDModule(PolicyModule):
             )
         return max_lag
 
+    def backward_step(self, batch: RolloutBatch, step_tokens: torch.Tensor, backward: Callable[[torch.Tensor], None],
+                      world_size: int = 1) -> dict[str, torch.Tensor]:
+        """Forward and backward over ``batch`` in micro-batches; gradients accumulate in the student.
+
+        Each micro-batch's loss is its share of the step loss (§0.5): divided by ``step_tokens``, the
+        supervised tokens of the whole step on all ranks, and multiplied by ``world_size`` because
+        data-parallel gradient reduction averages over ranks. So the step gradient does not depend on
+        ``micro_batch_size`` or the number of ranks (F07), and an all-masked micro-batch adds 0 (F06).
+
+        Returns:
+            Detached sums on this rank: ``loss`` (the step loss share, nats), ``kl`` and ``entropy``
+            (summed over supervised tokens, nats).
+        """
+        sums = {k: torch.zeros((), device=self.device) for k in ("loss", "kl", "entropy")}
+        for mb in batch.split(self.micro_batch_size):
+            out, mask, turns = self.token_losses(mb)
+            loss = aggregate_token_loss(out.loss, mask, step_tokens, self.token_weights(mb)) * world_size
+            backward(loss)
+            keep = mask > 0
+            sums["loss"] += loss.detach() / world_size
+            sums["kl"] += torch.where(keep, out.kl, 0.0).sum()
+            sums["entropy"] += torch.where(keep, out.entropy, 0.0).sum()
+            self.turn_kl.update(out.kl[keep], turns[keep])
+        return sums
+
     def training_step(self, dataloader_iter: Iterator) -> torch.Tensor:
         t0 = time.perf_counter()
         batch, _, _ = next(dataloader_iter)  # generated now, with the current weights
@@ -172,19 +197,7 @@ class OPDModule(PolicyModule):
 
         opt = self.optimizers()
         step_tokens = self.trainer.strategy.reduce(batch.loss_mask[:, 1:].sum().to(self.device), reduce_op="sum")
-        world = self.trainer.world_size  # data-parallel gradients are averaged over ranks: undo it (F07)
-        loss_sum = torch.zeros((), device=self.device)
-        kl_sum = torch.zeros((), device=self.device)
-        ent_sum = torch.zeros((), device=self.device)
-        for mb in batch.split(self.micro_batch_size):
-            out, mask, turns = self.token_losses(mb)
-            loss = aggregate_token_loss(out.loss, mask, step_tokens, self.token_weights(mb)) * world
-            self.manual_backward(loss)
-            keep = mask > 0
-            loss_sum += loss.detach() / world
-            kl_sum += torch.where(keep, out.kl, 0.0).sum()
-            ent_sum += torch.where(keep, out.entropy, 0.0).sum()
-            self.turn_kl.update(out.kl[keep], turns[keep])
+        sums = self.backward_step(batch, step_tokens, self.manual_backward, self.trainer.world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.student.parameters(), self.grad_clip_norm if self.grad_clip_norm is not None else float("inf"))
         opt.step()
@@ -194,17 +207,18 @@ class OPDModule(PolicyModule):
             sched.step()
         self.policy_version += 1
         t2 = time.perf_counter()
-        self._log_step(batch, loss_sum, kl_sum, ent_sum, step_tokens, grad_norm, max_lag, t1 - t0, t2 - t1)
-        return loss_sum
+        self._log_step(batch, sums, step_tokens, grad_norm, max_lag, t1 - t0, t2 - t1)
+        return sums["loss"]
 
     # ----------------------------------------------------------------------------------------- logging
-    def _log_step(self, batch, loss_sum, kl_sum, ent_sum, step_tokens, grad_norm, max_lag, rollout_s, update_s) -> None:
+    def _log_step(self, batch, sums, step_tokens, grad_norm, max_lag, rollout_s, update_s) -> None:
         n = max(1, batch.size)
         tokens = step_tokens.clamp(min=1)
+        reduce = self.trainer.strategy.reduce
         scalars = {
-            "train/loss": loss_sum,
-            "train/kl": self.trainer.strategy.reduce(kl_sum, reduce_op="sum") / tokens,
-            "train/entropy": self.trainer.strategy.reduce(ent_sum, reduce_op="sum") / tokens,
+            "train/loss": reduce(sums["loss"], reduce_op="sum"),
+            "train/kl": reduce(sums["kl"], reduce_op="sum") / tokens,
+            "train/entropy": reduce(sums["entropy"], reduce_op="sum") / tokens,
             "train/grad_norm": grad_norm.detach().float(),
             "train/lr": torch.tensor(self.optimizers().param_groups[0]["lr"]),
             "train/supervised_tokens": step_tokens.float(),

@@ -67,6 +67,7 @@ class PolicyModule(L.LightningModule):
         if self.student is not None:
             return
         self.student = load_causal_lm(self.student_path, self.dtype_name, self.trust_remote_code)
+        self.student.train()  # from_pretrained returns eval mode; Lightning toggles modes from here on
         if self.gradient_checkpointing:
             self.student.gradient_checkpointing_enable()
             self.student.config.use_cache = False

@@ -1,0 +1,59 @@
+# lightning_opd: `make demo` (the main job end to end) and `make test` (every test but GPU ones).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+LOPD := $(BIN)/lightning-opd
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+MODEL := artifacts/models/smollm2-135m
+GAMES := artifacts/games/quest3
+TEACHER := artifacts/models/teacher-textworld
+PYTEST_ARGS ?=
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install model games teacher prepare demo test test-fast clean-demo
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: the CPU wheel (an open range would pull a multi-GB CUDA build)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/python -c "import torch; assert torch.version.cuda is None, 'got a CUDA build of torch: ' + torch.__version__; print('torch', torch.__version__, '(CPU build)')"
+	$(BIN)/pip install -q -c constraints.txt -e '.[textworld,convert,dev]'
+	$(BIN)/python -c "import torch, transformers, lightning; assert torch.version.cuda is None and torch.__version__.startswith('2.13.0'), torch.__version__; print('transformers', transformers.__version__, 'lightning', lightning.__version__)"
+	rm -f $(VENV)/.installed-*; touch $@
+
+install: $(STAMP)
+
+$(MODEL)/config.json: | $(STAMP)
+	$(LOPD) prepare-model --out $(MODEL)
+model: $(MODEL)/config.json
+
+$(GAMES)/manifest.json: | $(STAMP)
+	$(LOPD) make-games --out $(GAMES) --train 100 --eval 50 --quest-length 3 --world-size 3 --nb-objects 6 --seed 0
+games: $(GAMES)/manifest.json
+
+$(TEACHER)/config.json: | $(MODEL)/config.json $(GAMES)/manifest.json
+	$(LOPD) fit --config conf/textworld/teacher_sft.yaml
+teacher: $(TEACHER)/config.json
+
+prepare: model games
+
+# The main job: student before, teacher, OPD (validation during fit; the last one is the student after).
+demo: install model games teacher
+	rm -rf runs/demo
+	$(LOPD) validate --config conf/textworld/opd.yaml --trainer.logger.init_args.save_dir=runs/demo --trainer.logger.init_args.name=student_before
+	$(LOPD) validate --config conf/textworld/opd.yaml --trainer.logger.init_args.save_dir=runs/demo --trainer.logger.init_args.name=teacher --model.init_args.student=$(TEACHER)
+	$(LOPD) fit --config conf/textworld/opd.yaml --trainer.logger.init_args.save_dir=runs/demo --trainer.logger.init_args.name=opd
+	$(LOPD) results "student before=runs/demo/student_before" "teacher=runs/demo/teacher" "student after (OPD)=runs/demo/opd"
+
+test: install model games
+	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+clean-demo:
+	rm -rf runs/demo $(TEACHER) artifacts/models/student-opd

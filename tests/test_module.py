@@ -1,0 +1,229 @@
+"""OPDModule: F01 (a, b, c), F04, F06, F07 (micro-batches and 2 gloo ranks) and the teacher's scoring
+convention (F02, teacher side)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_opd.data.collate import collate_trajectories
+from lightning_opd.losses import FullVocabReverseKL, SampledTokenReverseKL, log_probs
+from lightning_opd.models.tokenizers import TokenizerMismatchError
+from lightning_opd.module import OPDModule
+from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
+from lightning_opd.rollout.generator import SamplingParams
+from lightning_opd.rollout.scripted import ScriptedGenerator
+from tests.helpers import KeywordEnvFactory, make_tokenizer, save_model_dir
+
+LOSSES = [FullVocabReverseKL, SampledTokenReverseKL]
+
+REPLIES = {"apple": ["apple", "apple"], "cherry": ["cherry is what I say", "cherry"],
+           "door": ["grape", "door", "door"], "key": ["key"]}
+
+
+def make_batch(tokenizer, temperature: float = 1.0):
+    """Four scripted episodes of different lengths (the key episode is cut by the context limit)."""
+    envs = KeywordEnvFactory(need=2)
+    gen = ScriptedGenerator(tokenizer, lambda r: REPLIES[r.task_id][min(r.turn, len(REPLIES[r.task_id]) - 1)])
+    loop = AgentLoop(envs, gen, tokenizer, max_turns=4)
+    sampling = SamplingParams(temperature=temperature)
+    trajs = loop.run([EpisodeSpec(t, seed=i) for i, t in enumerate(envs.train_tasks())], sampling)
+    return collate_trajectories(trajs, sampling, pad_id=tokenizer.pad_token_id)
+
+
+def make_module(model_dirs, loss_cls=FullVocabReverseKL, micro_batch_size=1, teacher=None):
+    m = OPDModule(student=model_dirs["student"], teacher=teacher or model_dirs["teacher"], loss=loss_cls(),
+                  micro_batch_size=micro_batch_size)
+    m.configure_model()
+    return m
+
+
+def step_grads(module, batch, world_size=1, step_tokens=None):
+    module.student.zero_grad(set_to_none=True)
+    tokens = batch.loss_mask[:, 1:].sum() if step_tokens is None else step_tokens
+    sums = module.backward_step(batch, tokens, lambda loss: loss.backward(), world_size)
+    grads = {n: p.grad.clone() for n, p in module.student.named_parameters() if p.grad is not None}
+    return sums, grads
+
+
+def test_batch_has_variable_lengths(tokenizer):
+    batch = make_batch(tokenizer)
+    lengths = batch.attention_mask.sum(1).tolist()
+    assert len(set(lengths)) == 4
+
+
+# ------------------------------------------------------------------------------------------------ F01
+def test_f01a_different_tokenizers_fail_at_setup_naming_both(tmp_path, model_dirs):
+    other = make_tokenizer(vocab_size=320, seed=7, extra_words=("zebra", "quokka"))
+    other_dir = save_model_dir(tmp_path / "other-teacher", other, seed=3)
+    with pytest.raises(TokenizerMismatchError) as err:
+        OPDModule(student=model_dirs["student"], teacher=str(other_dir))
+    assert model_dirs["student"] in str(err.value) and str(other_dir) in str(err.value)
+
+
+def test_f01_same_size_different_tokenizer_fails(tmp_path, model_dirs, tokenizer):
+    other = make_tokenizer(vocab_size=len(tokenizer), seed=11, extra_words=("zebra", "quokka", "walrus"))
+    assert len(other) == len(tokenizer) and other.get_vocab() != tokenizer.get_vocab()
+    other_dir = save_model_dir(tmp_path / "same-size", other, seed=3)
+    with pytest.raises(TokenizerMismatchError):
+        OPDModule(student=model_dirs["student"], teacher=str(other_dir))
+
+
+@pytest.mark.parametrize("loss_cls", LOSSES)
+def test_f01b_padded_teacher_embeddings_train_on_real_vocab(tmp_path, model_dirs, tokenizer, loss_cls):
+    """Same tokenizer, teacher embedding padded to 320 rows with the student's weights: compared over the real
+    vocabulary only, so the KL is exactly 0 and the step is finite."""
+    student = make_module(model_dirs, loss_cls).student
+    padded = save_model_dir(tmp_path / "padded", tokenizer, seed=0, vocab_size=len(tokenizer) + 20)
+    from transformers import AutoModelForCausalLM
+
+    big = AutoModelForCausalLM.from_pretrained(str(padded))
+    with torch.no_grad():
+        sd = {k: v for k, v in student.state_dict().items()}
+        emb = big.model.embed_tokens.weight
+        emb[: len(tokenizer)] = sd["model.embed_tokens.weight"]
+        emb[len(tokenizer):] = 5.0  # junk rows that must never be scored
+        big.load_state_dict({k: v for k, v in sd.items() if "embed_tokens" not in k and "lm_head" not in k},
+                            strict=False)
+    big.save_pretrained(str(padded))
+    module = make_module(model_dirs, loss_cls, teacher=str(padded))
+    assert module.vocab_size == len(tokenizer)
+    out, mask, _ = module.token_losses(make_batch(tokenizer))
+    assert out.kl[mask > 0].abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("loss_cls", LOSSES)
+def test_f01c_teacher_equal_student_kl_zero_on_every_token(model_dirs, tokenizer, loss_cls):
+    module = make_module({"student": model_dirs["student"], "teacher": model_dirs["student"]}, loss_cls)
+    out, mask, _ = module.token_losses(make_batch(tokenizer))
+    assert torch.equal(out.kl[mask > 0], torch.zeros_like(out.kl[mask > 0]))
+
+
+# ------------------------------------------------------------------------------------------------ F02
+@pytest.mark.parametrize("temperature", [0.6, 1.3])
+def test_teacher_scored_at_the_sampling_temperature(model_dirs, tokenizer, temperature):
+    module = make_module(model_dirs)
+    batch = make_batch(tokenizer, temperature)
+    out, _, _ = module.token_losses(batch)
+    with torch.no_grad():
+        logits = module.teacher(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    expect = log_probs(logits, temperature).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(out.teacher_logprobs, expect)
+
+
+# ------------------------------------------------------------------------------------------------ F04
+@pytest.mark.parametrize("loss_cls", LOSSES)
+@pytest.mark.parametrize("micro_batch_size", [1, 4])
+def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer, loss_cls, micro_batch_size):
+    module = make_module(model_dirs, loss_cls, micro_batch_size)
+    batch = make_batch(tokenizer)
+    sums, grads = step_grads(module, batch)
+
+    teacher = module.teacher
+    original = teacher.forward
+
+    def perturbed(*args, **kwargs):
+        out = original(*args, **kwargs)
+        ids = kwargs["input_ids"]
+        # rows of this micro-batch: find them in the batch by their ids
+        rows = [next(j for j in range(batch.size) if torch.equal(batch.input_ids[j, :ids.shape[1]], ids[i]))
+                for i in range(ids.shape[0])]
+        next_is_obs = torch.zeros(ids.shape, dtype=torch.bool)
+        next_is_obs[:, :-1] = batch.loss_mask[rows, 1:ids.shape[1]] == 0
+        noise = torch.randn(out.logits.shape) * 1e4
+        out.logits = torch.where(next_is_obs[..., None], out.logits + noise, out.logits)
+        return out
+
+    teacher.forward = perturbed
+    try:
+        sums2, grads2 = step_grads(module, batch)
+    finally:
+        teacher.forward = original
+    assert torch.equal(sums["loss"], sums2["loss"])
+    for name in grads:
+        assert torch.equal(grads[name], grads2[name]), name
+
+
+# ------------------------------------------------------------------------------------------------ F06
+@pytest.mark.parametrize("loss_cls", LOSSES)
+def test_f06_all_masked_micro_batch_is_finite_and_adds_nothing(model_dirs, tokenizer, loss_cls):
+    module = make_module(model_dirs, loss_cls, micro_batch_size=1)
+    batch = make_batch(tokenizer)
+    masked = replace(batch, loss_mask=batch.loss_mask.clone())
+    masked.loss_mask[1] = 0
+    sums, grads = step_grads(module, masked)
+    assert torch.isfinite(sums["loss"]) and all(torch.isfinite(g).all() for g in grads.values())
+    # the masked row contributes exactly nothing: same as dropping it
+    sums_drop, grads_drop = step_grads(module, masked.select(torch.tensor([0, 2, 3])))
+    torch.testing.assert_close(sums["loss"], sums_drop["loss"])
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_drop[name])
+    only = masked.select(torch.tensor([1]))
+    sums_only, grads_only = step_grads(module, only)
+    assert sums_only["loss"].item() == 0.0 and all(g.abs().max() == 0 for g in grads_only.values())
+
+
+# ------------------------------------------------------------------------------------------------ F07
+@pytest.mark.parametrize("loss_cls", LOSSES)
+def test_f07_micro_batch_layout_does_not_change_the_gradient(model_dirs, tokenizer, loss_cls):
+    batch = make_batch(tokenizer)
+    results = {}
+    for mbs in (4, 2, 1):
+        results[mbs] = step_grads(make_module(model_dirs, loss_cls, mbs), batch)
+    for mbs in (2, 1):
+        torch.testing.assert_close(results[mbs][0]["loss"], results[4][0]["loss"])
+        for name, g in results[4][1].items():
+            torch.testing.assert_close(results[mbs][1][name], g, atol=1e-6, rtol=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_worker(rank, world, port, model_dirs, loss_name, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    tokenizer = make_tokenizer()
+    batch = make_batch(tokenizer)
+    module = make_module(model_dirs, {"full": FullVocabReverseKL, "sampled": SampledTokenReverseKL}[loss_name], 1)
+    local = batch.select(slice(rank * 2, rank * 2 + 2))  # rank 0: rows 0-1, rank 1: rows 2-3
+    tokens = local.loss_mask[:, 1:].sum()
+    dist.all_reduce(tokens)  # the step's token count over all ranks
+    sums, grads = step_grads(module, local, world_size=world, step_tokens=tokens)
+    for g in grads.values():  # what DDP / FSDP do: average gradients over ranks
+        dist.all_reduce(g)
+        g /= world
+    loss = sums["loss"].clone()
+    dist.all_reduce(loss)
+    if rank == 0:
+        queue.put((loss, grads))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("loss_name", ["full", "sampled"])
+def test_f07_two_ranks_equal_single_process(model_dirs, tokenizer, loss_name):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, model_dirs, loss_name, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    loss2, grads2 = queue.get(timeout=150)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    loss_cls = {"full": FullVocabReverseKL, "sampled": SampledTokenReverseKL}[loss_name]
+    sums1, grads1 = step_grads(make_module(model_dirs, loss_cls, 4), make_batch(tokenizer))
+    torch.testing.assert_close(loss2, sums1["loss"])
+    for name, g in grads1.items():
+        torch.testing.assert_close(grads2[name], g, atol=1e-6, rtol=1e-5)
