@@ -12,6 +12,7 @@ Metric glossary (validation ``val/``, test ``test/``; means over held-out episod
 | ``{val,test}/turns`` | turns per episode | mean over episodes |
 | ``{val,test}/invalid_actions`` | invalid actions per episode | mean over episodes |
 | ``{val,test}/reward`` | points per episode | mean over episodes |
+| ``{val,test}/episodes`` | episodes evaluated | sum |
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 
 import lightning as L
 import torch
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, SumMetric
 
 from lightning_opd.data.collate import RolloutBatch
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer, save_hf_atomic
@@ -56,6 +57,7 @@ class PolicyModule(L.LightningModule):
         #: rollout iterations trained on so far (docs/algorithms.md §3.1 note); stamped on every rollout
         self.policy_version = 0
         self.eval_metrics = torch.nn.ModuleDict({k: MeanMetric() for k in ("success", "turns", "invalid_actions", "reward")})
+        self.eval_metrics["episodes"] = SumMetric()
 
     # ------------------------------------------------------------------------------------------ model
     @property
@@ -79,7 +81,8 @@ class PolicyModule(L.LightningModule):
         if n == 0:
             return
         values = {"success": [float(t.success) for t in trajs], "turns": [float(t.num_turns) for t in trajs],
-                  "invalid_actions": [float(t.invalid_actions) for t in trajs], "reward": [t.total_reward for t in trajs]}
+                  "invalid_actions": [float(t.invalid_actions) for t in trajs], "reward": [t.total_reward for t in trajs],
+                  "episodes": [1.0] * n}
         for key, vals in values.items():
             metric = self.eval_metrics[key]
             metric.update(torch.tensor(vals, dtype=torch.float32, device=self.device))

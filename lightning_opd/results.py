@@ -20,13 +20,16 @@ def last_scalar(run_dir: str | Path, tag: str) -> tuple[int, float] | None:
 
 
 def print_results(runs: list[str], metric: str = "val/success") -> None:
-    """Print a table with the last ``metric`` of each run (``LABEL=DIR`` or ``DIR``)."""
+    """Print a table with the last ``metric`` of each run (``LABEL=DIR`` or ``DIR``), the number of
+    episodes behind it (``<prefix>/episodes``) and the step it was logged at."""
+    count_tag = metric.rsplit("/", 1)[0] + "/episodes"
     rows = []
     for item in runs:
         label, _, path = item.partition("=") if "=" in item else (item, "", item)
-        res = last_scalar(path, metric)
-        rows.append((label, "-" if res is None else f"{res[1]:.3f}", "-" if res is None else str(res[0])))
-    width = max(len(r[0]) for r in rows)
-    print(f"{'run'.ljust(width)}  {metric}  step")
-    for label, value, step in rows:
-        print(f"{label.ljust(width)}  {value.rjust(len(metric))}  {step}")
+        res, count = last_scalar(path, metric), last_scalar(path, count_tag)
+        rows.append((label, "-" if res is None else f"{res[1]:.3f}", "-" if count is None else f"{count[1]:.0f}",
+                     "-" if res is None else str(res[0])))
+    width = max(len(r[0]) for r in rows + [("run",)])
+    print(f"{'run'.ljust(width)} | {metric} | episodes | step")
+    for label, value, count, step in rows:
+        print(f"{label.ljust(width)} | {value.rjust(len(metric))} | {count.rjust(8)} | {step}")

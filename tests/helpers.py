@@ -45,11 +45,12 @@ def make_model(tokenizer, seed: int = 0, vocab_size: int | None = None, layers: 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                      max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
     model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # larger logits than the default init, so distributions are not flat
+    with torch.no_grad():  # logits with std ~1.7: neither flat nor one-hot, so sampling matters
         model.model.embed_tokens.weight.normal_(0, 0.5)
+        model.lm_head.weight.normal_(0, 0.3)
     return model.float().eval()
 
 

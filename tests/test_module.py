@@ -86,9 +86,10 @@ def test_f01b_padded_teacher_embeddings_train_on_real_vocab(tmp_path, model_dirs
     big = AutoModelForCausalLM.from_pretrained(str(padded))
     with torch.no_grad():
         sd = {k: v for k, v in student.state_dict().items()}
-        emb = big.model.embed_tokens.weight
-        emb[: len(tokenizer)] = sd["model.embed_tokens.weight"]
-        emb[len(tokenizer):] = 5.0  # junk rows that must never be scored
+        for key, param in (("model.embed_tokens.weight", big.model.embed_tokens.weight),
+                           ("lm_head.weight", big.lm_head.weight)):
+            param[: len(tokenizer)] = sd[key]
+            param[len(tokenizer):] = 5.0  # junk rows that must never be scored
         big.load_state_dict({k: v for k, v in sd.items() if "embed_tokens" not in k and "lm_head" not in k},
                             strict=False)
     big.save_pretrained(str(padded))
@@ -188,7 +189,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_worker(rank, world, port, model_dirs, loss_name, queue):
+def _rank_worker(rank, world, port, model_dirs, loss_name, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -205,23 +206,22 @@ def _rank_worker(rank, world, port, model_dirs, loss_name, queue):
     loss = sums["loss"].clone()
     dist.all_reduce(loss)
     if rank == 0:
-        queue.put((loss, grads))
+        torch.save((loss, grads), out_path)
     dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("loss_name", ["full", "sampled"])
-def test_f07_two_ranks_equal_single_process(model_dirs, tokenizer, loss_name):
+def test_f07_two_ranks_equal_single_process(model_dirs, tokenizer, loss_name, tmp_path):
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, model_dirs, loss_name, queue)) for r in range(2)]
+    port, out_path = _free_port(), str(tmp_path / "rank0.pt")
+    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, model_dirs, loss_name, out_path)) for r in range(2)]
     for p in procs:
         p.start()
-    loss2, grads2 = queue.get(timeout=150)
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=150)
         assert p.exitcode == 0
+    loss2, grads2 = torch.load(out_path, weights_only=True)
     loss_cls = {"full": FullVocabReverseKL, "sampled": SampledTokenReverseKL}[loss_name]
     sums1, grads1 = step_grads(make_module(model_dirs, loss_cls, 4), make_batch(tokenizer))
     torch.testing.assert_close(loss2, sums1["loss"])

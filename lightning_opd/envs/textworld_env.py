@@ -7,8 +7,8 @@ What the agent sees (one user message per turn, built by :func:`format_observati
     Commands: <admissible commands without examine/look/inventory, comma-separated>
 
 Action parsing (:func:`parse_action`), explicit and deliberately simple: take the first non-empty line
-of the reply, drop a leading ``>``/``-``/``*``/``Command:``/``Action:`` and surrounding quotes or
-backticks, drop a trailing period, collapse whitespace and lower-case it. The result is valid if it
+of the reply that still has text once leading ``>``/``-``/``*``/``Command:``/``Action:``, surrounding
+quotes or backticks and trailing periods are removed; collapse whitespace and lower-case it. The result is valid if it
 is one of the game's admissible commands (the full list, including the hidden examine/look/inventory).
 An empty or invalid action does not reach the game: the agent gets an observation saying so, with the
 commands again, and the step is flagged ``invalid_action`` (counted as ``rollout/invalid_actions``, F11).
@@ -58,14 +58,18 @@ def format_observation(observation: str, admissible: list[str], goal: str | None
 
 
 def parse_action(reply: str) -> str:
-    """The action in a reply: first non-empty line, prefixes/quotes/trailing period removed, lower-case.
+    """The action in a reply: the first line that still has text once prefixes (``>``, ``-``, ``*``,
+    ``Command:``, ``Action:``), surrounding quotes/backticks and trailing ``.``/``!`` are removed
+    (repeatedly, in any order); whitespace collapsed, lower-cased.
 
-    Returns ``""`` for an empty reply (the environment reports it as an invalid action).
+    Returns ``""`` for a reply without such a line (the environment reports it as an invalid action).
     """
     for line in reply.splitlines():
-        line = _PREFIX.sub("", line).strip().strip("`'\"").strip()
+        previous = None
+        while line != previous:
+            previous = line
+            line = _PREFIX.sub("", line).strip().strip("`'\"").rstrip(".!").strip()
         if line:
-            line = line.rstrip(".!").strip()
             return _collapse(line).lower()
     return ""
 

@@ -71,7 +71,7 @@ class AgentLoop:
         self.max_context_tokens = max_context_tokens
         self.max_env_error_rate = max_env_error_rate
 
-    def _start(self, spec: EpisodeSpec) -> tuple[Trajectory, TextEnv | None]:
+    def _start(self, spec: EpisodeSpec, sampling: SamplingParams) -> tuple[Trajectory, TextEnv | None]:
         cap = spec.max_turns if spec.max_turns is not None else self.max_turns
         traj = Trajectory(task_id=spec.task_id, seed=spec.seed, rollout_cap=cap, is_probe=spec.is_probe,
                           group_id=spec.group_id)
@@ -84,6 +84,10 @@ class AgentLoop:
             return traj, None
         traj.messages.append({"role": "user", "content": first})
         traj.append(self.chat.first_prompt(first), assistant=False, turn=NON_ASSISTANT)
+        if traj.num_tokens + sampling.max_new_tokens > self.max_context_tokens:
+            traj.truncated, traj.truncation_reason = True, "max_context"  # not even one turn fits
+            env.close()
+            return traj, None
         return traj, env
 
     @staticmethod
@@ -107,7 +111,7 @@ class AgentLoop:
             EnvironmentFailureError: more than ``max_env_error_rate`` of the episodes hit an
                 environment exception.
         """
-        started = [self._start(spec) for spec in episodes]
+        started = [self._start(spec, sampling) for spec in episodes]
         trajs = [t for t, _ in started]
         envs: dict[int, TextEnv] = {i: e for i, (_, e) in enumerate(started) if e is not None}
         turn = 0

@@ -286,3 +286,13 @@ def test_cut_replies_are_closed_and_masked(tokenizer):
     assert t.token_ids[-4:] == ids + [eos]
     assert t.assistant_mask[-4:] == [1, 1, 1, 0] and t.turn_index[-4:] == [1, 1, 1, 1]
     assert t.num_assistant_tokens == 6
+
+
+def test_first_prompt_longer_than_context_plays_no_turn(tokenizer):
+    """An episode whose first prompt plus one reply cannot fit stops before turn 0 (truncated, max_context)."""
+    envs = KeywordEnvFactory(need=2)
+    gen = ScriptedGenerator(tokenizer, lambda r: r.task_id)
+    loop = AgentLoop(envs, gen, tokenizer, max_turns=3, max_context_tokens=40)
+    (traj,) = loop.run([EpisodeSpec("apple")], SamplingParams(max_new_tokens=16))
+    assert traj.num_turns == 0 and traj.truncated and traj.truncation_reason == "max_context"
+    assert traj.num_tokens > 24 and sum(traj.assistant_mask) == 0
