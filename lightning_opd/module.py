@@ -31,6 +31,7 @@ Metric glossary (logged every step):
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Callable, Iterator
 
 import torch
@@ -44,6 +45,12 @@ from lightning_opd.metrics.per_turn import PerTurnMean
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer
 from lightning_opd.models.tokenizers import check_tokenizers_compatible
 from lightning_opd.policy import PolicyModule
+
+
+# Pulling the batch inside the step (the ``dataloader_iter`` flavour) is deliberate: it is what keeps
+# synchronous OPD on-policy (docs/design.md, Lightning prefetch). Lightning warns that it is experimental.
+warnings.filterwarnings("ignore", message="You are using the `dataloader_iter` step flavor")
+warnings.filterwarnings("ignore", message="Found `dataloader_iter` argument")
 
 
 class OffPolicyBatchError(RuntimeError):

@@ -1,0 +1,88 @@
+"""Collate (F03: masks from lengths, never from token values) and the RolloutBuffer."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from lightning_opd.data.collate import collate_trajectories, rollout_stats
+from lightning_opd.rollout.buffer import RolloutBuffer
+from lightning_opd.rollout.generator import SamplingParams
+from lightning_opd.rollout.types import Trajectory
+
+EOS = PAD = 2  # the F03 case: pad id == eos id
+
+
+def _traj(reply_lengths: list[int], task="t") -> Trajectory:
+    t = Trajectory(task_id=task)
+    t.append([5, 6, 7], assistant=False, turn=-1)
+    for k, n in enumerate(reply_lengths):
+        t.append([9] * (n - 1) + [EOS], assistant=True, turn=k, logprobs=[-0.5] * n)
+        t.turn_versions.append(0)
+        if k + 1 < len(reply_lengths):
+            t.append([EOS, 8, 8], assistant=False, turn=-1)  # observation turn that also contains the pad id
+    return t
+
+
+def test_f03_loss_mask_counts_every_completion_token_including_eos():
+    trajs = [_traj([3]), _traj([5, 2]), _traj([1, 1, 4])]
+    batch = collate_trajectories(trajs, SamplingParams(), pad_id=PAD)
+    assert batch.loss_mask.sum(1).tolist() == [3.0, 7.0, 6.0]
+    # every EOS that ends a reply is trained on although it equals the pad id
+    for i, t in enumerate(trajs):
+        n = t.num_tokens
+        eos_pos = [p for p in range(n) if t.token_ids[p] == EOS and t.assistant_mask[p]]
+        assert all(batch.loss_mask[i, p] == 1 for p in eos_pos)
+        assert batch.attention_mask[i].sum().item() == n
+        assert (batch.input_ids[i, n:] == PAD).all() and (batch.loss_mask[i, n:] == 0).all()
+    assert batch.input_ids.shape == (3, max(t.num_tokens for t in trajs))
+
+
+def test_turn_index_and_behaviour_logprobs_are_aligned():
+    batch = collate_trajectories([_traj([2, 3])], SamplingParams(), pad_id=PAD)
+    row_turn = batch.turn_index[0].tolist()
+    assert row_turn == [-1, -1, -1, 0, 0, -1, -1, -1, 1, 1, 1]
+    assert batch.behaviour_logprobs[0].tolist() == [0, 0, 0, -0.5, -0.5, 0, 0, 0, -0.5, -0.5, -0.5]
+
+
+def test_empty_trajectories_are_left_out_of_tensors_but_counted():
+    empty = Trajectory(task_id="broken", env_error=True)
+    batch = collate_trajectories([_traj([2]), empty], SamplingParams(), pad_id=PAD)
+    assert batch.size == 1 and len(batch.trajectories) == 2
+    assert rollout_stats(batch.trajectories)["env_errors"] == 1.0
+
+
+def test_split_trims_each_micro_batch_to_its_longest_row():
+    batch = collate_trajectories([_traj([2]), _traj([2, 5, 5])], SamplingParams(), pad_id=PAD)
+    short, long = batch.split(1)
+    assert short.input_ids.shape == (1, 5) and long.input_ids.shape == (1, batch.input_ids.shape[1])
+
+
+def test_mismatched_token_lists_raise():
+    t = _traj([2])
+    t.behaviour_logprobs.pop()
+    with pytest.raises(ValueError, match="per-token lists differ"):
+        collate_trajectories([t], SamplingParams())
+
+
+def test_buffer_back_pressure_and_error_propagation():
+    buf = RolloutBuffer(capacity=1)
+    buf.put([_traj([1])])
+    with pytest.raises(TimeoutError, match="still full"):
+        buf.put([_traj([1])], timeout=0.05)
+    assert buf.versions() == [(0,)]
+    assert len(buf.get(timeout=1)) == 1
+
+    def fail():
+        time.sleep(0.05)
+        buf.put_error(ValueError("engine died"))
+
+    threading.Thread(target=fail).start()
+    with pytest.raises(RuntimeError, match="producer failed") as err:
+        buf.get(timeout=5)
+    assert isinstance(err.value.__cause__, ValueError)
+    with pytest.raises(ValueError):
+        RolloutBuffer(capacity=0)
