@@ -78,11 +78,11 @@ def _results(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lightning-opd`` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in HELPERS:
-        {"prepare-model": _prepare_model, "make-games": _make_games, "results": _results}[argv[0]](argv[1:])
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in HELPERS:
+        {"prepare-model": _prepare_model, "make-games": _make_games, "results": _results}[args[0]](args[1:])
         return
-    OPDCLI(args=argv)
+    OPDCLI(args=argv)  # None: LightningCLI reads sys.argv itself
 
 
 if __name__ == "__main__":

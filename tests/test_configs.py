@@ -117,13 +117,22 @@ def config_files(path: Path) -> list[Path]:
 
 
 def build(files: list[Path], model_dirs: dict, games_dir: Path, tmp: Path, extra: list[str] = ()):
-    """``OPDCLI(run=False)`` on ``files`` (in order) plus the overrides; returns ``(cli, merged raw, keys)``."""
+    """``lightning-opd fit`` on ``files`` (in order) plus the overrides, with ``Trainer.fit`` stubbed out, as
+    users run it (the subcommand matters: relative interpolation ``${...data...}`` is resolved under it);
+    returns ``(cli, merged raw, keys)`` with ``cli.config`` narrowed to the ``fit`` section."""
     merged = {}
     for f in files:
         merged = merge(merged, load_yaml(f))
     args, keys = overrides(merged, model_dirs, games_dir, tmp)
-    argv = [a for f in files for a in ("--config", str(f))] + args + list(extra)
-    return OPDCLI(args=argv, run=False), merged, keys
+    argv = ["fit"] + [a for f in files for a in ("--config", str(f))] + args + list(extra)
+    fit = Trainer.fit
+    Trainer.fit = lambda *a, **k: None
+    try:
+        cli = OPDCLI(args=argv)
+    finally:
+        Trainer.fit = fit
+    cli.config = cli.config["fit"]
+    return cli, merged, keys
 
 
 def leaves(node: dict, prefix: str = ""):
@@ -147,7 +156,7 @@ def same(expected, actual) -> bool:
     return str(expected) == str(actual)
 
 
-INTERP = re.compile(r"^\$\{([\w.]+)\}$")
+INTERP = re.compile(r"^\$\{\.*([\w.]+)\}")
 
 
 def assert_values_land(cli, cfg: dict, skip: set[str]) -> None:
@@ -339,7 +348,7 @@ TYPOS = [  # (section, overlay YAML, equivalent command-line argument, misspelle
 def rejects(key: str) -> re.Pattern:
     """jsonargparse's wording for an unknown key (not just the echoed value dump)."""
     k = re.escape(key)
-    return re.compile(rf"Option '(?:[\w.]+\.)?{k}(?:\.[\w.]+)?' is not accepted|does not accept option '{k}'"
+    return re.compile(rf"Option '(?:[\w.]+\.)?{k}(?:\.[\w.]+)?' is not accepted|does not accept option '(?:[\w.]+\.)?{k}(?:\.[\w.]+)?'"
                       rf"|unrecognized arguments: .*--(?:[\w.]+\.)?{k}\b")
 
 
