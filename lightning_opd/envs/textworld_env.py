@@ -8,8 +8,9 @@ What the agent sees (one user message per turn, built by :func:`format_observati
 
 Action parsing (:func:`parse_action`), explicit and deliberately simple: take the first non-empty line
 of the reply that still has text once leading ``>``/``-``/``*``/``Command:``/``Action:``, surrounding
-quotes or backticks and trailing periods are removed; collapse whitespace and lower-case it. The result is valid if it
-is one of the game's admissible commands (the full list, including the hidden examine/look/inventory).
+quotes or backticks and trailing periods are removed; collapse whitespace and lower-case it. The result
+is valid if it equals, ignoring case, one of the game's admissible commands (the full list, including
+the hidden examine/look/inventory); the game receives the admissible spelling.
 An empty or invalid action does not reach the game: the agent gets an observation saying so, with the
 commands again, and the step is flagged ``invalid_action`` (counted as ``rollout/invalid_actions``, F11).
 
@@ -116,10 +117,11 @@ class TextWorldEnv:
         if not action:
             return StepResult(format_observation("Empty command. Reply with one command from the list.",
                                                  self._admissible), invalid_action=True)
-        if action not in self._admissible:
+        command = {c.lower(): c for c in self._admissible}.get(action.lower())
+        if command is None:
             msg = f"'{action[:80]}' is not a valid command here. Reply with one command from the list."
             return StepResult(format_observation(msg, self._admissible), invalid_action=True)
-        obs, score, _done, infos = self._env.step(action)
+        obs, score, _done, infos = self._env.step(command)
         reward = float(score) - self._score
         self._score = float(score)
         self._admissible = list(infos["admissible_commands"])

@@ -337,3 +337,16 @@ def test_garbage_policy_is_counted_and_truncated(factory, tokenizer, reply, expe
         observations = [m["content"] for m in t.messages if m["role"] == "user"][1:]
         assert len(observations) == 2
         assert [o.splitlines()[0] for o in observations] == [f"Observation: {expected}"] * 2
+
+
+def test_commands_with_capitals_are_matched_ignoring_case():
+    """Object names can carry capitals ('type X latchkey'); parse_action lower-cases, so matching must not care."""
+    from lightning_opd.envs.textworld_env import TextWorldEnv
+
+    env = TextWorldEnv("unused.z8")
+    env._env = type("Fake", (), {"step": lambda self, c: (f"did {c}\n>", 1, False,
+                                                          {"admissible_commands": ["look"], "won": True, "lost": False})})()
+    env._admissible = ["take type X latchkey", "go east"]
+    res = env.step(parse_action("Take type x LATCHKEY."))
+    assert not res.invalid_action and res.won and res.reward == 1.0
+    assert res.observation.startswith("Observation: did take type X latchkey")
