@@ -2,7 +2,7 @@
 
 What the agent sees (one user message per turn, built by :func:`format_observation`)::
 
-    Goal: <objective>                       (first turn only)
+    Goal: <objective>                       (every turn; first turn only with repeat_goal=False)
     Observation: <text, whitespace-collapsed, last 600 characters>
     Commands: <admissible commands without examine/look/inventory, comma-separated>
 
@@ -13,6 +13,9 @@ is valid if it equals, ignoring case, one of the game's admissible commands (the
 the hidden examine/look/inventory); the game receives the admissible spelling.
 An empty or invalid action does not reach the game: the agent gets an observation saying so, with the
 commands again, and the step is flagged ``invalid_action`` (counted as ``rollout/invalid_actions``, F11).
+
+The goal is repeated every turn by default, as verl-agent's ALFWorld prompts do: a 135M-parameter
+policy follows a goal in the current message far more reliably than one several turns back.
 
 Reward is the change in the game's score (TextWorld reports the points so far); ``won``/``lost`` come
 from the game; truncation (turn or context limit) is the agent loop's business and a separate flag.
@@ -81,11 +84,14 @@ class TextWorldEnv:
     Args:
         game_file: compiled game (``.z8``/``.ulx``) made by ``lightning-opd make-games``.
         max_observation_chars: characters of observation text kept per turn.
+        repeat_goal: show the goal in every user message (``False``: first message only).
     """
 
-    def __init__(self, game_file: str | Path, max_observation_chars: int = 600) -> None:
+    def __init__(self, game_file: str | Path, max_observation_chars: int = 600, repeat_goal: bool = True) -> None:
         self.game_file = str(game_file)
         self.max_observation_chars = max_observation_chars
+        self.repeat_goal = repeat_goal
+        self._goal: str | None = None
         self._env = None
         self._admissible: list[str] = []
         self._score = 0.0
@@ -106,7 +112,11 @@ class TextWorldEnv:
         self._admissible = list(infos["admissible_commands"])
         self._score = float(infos["score"])
         obs = clean_feedback(infos["description"], self.max_observation_chars)
-        return format_observation(obs, self._admissible, goal=infos["objective"])
+        self._goal = infos["objective"]
+        return format_observation(obs, self._admissible, goal=self._goal)
+
+    def _message(self, text: str) -> str:
+        return format_observation(text, self._admissible, goal=self._goal if self.repeat_goal else None)
 
     def parse_action(self, reply: str) -> str:
         return parse_action(reply)
@@ -115,18 +125,18 @@ class TextWorldEnv:
         if self._env is None:
             raise RuntimeError("TextWorldEnv.step called before reset()")
         if not action:
-            return StepResult(format_observation("Empty command. Reply with one command from the list.",
-                                                 self._admissible), invalid_action=True)
+            return StepResult(self._message("Empty command. Reply with one command from the list."),
+                              invalid_action=True)
         command = {c.lower(): c for c in self._admissible}.get(action.lower())
         if command is None:
             msg = f"'{action[:80]}' is not a valid command here. Reply with one command from the list."
-            return StepResult(format_observation(msg, self._admissible), invalid_action=True)
+            return StepResult(self._message(msg), invalid_action=True)
         obs, score, _done, infos = self._env.step(command)
         reward = float(score) - self._score
         self._score = float(score)
         self._admissible = list(infos["admissible_commands"])
         text = clean_feedback(obs, self.max_observation_chars)
-        return StepResult(format_observation(text, self._admissible), reward=reward,
+        return StepResult(self._message(text), reward=reward,
                           won=bool(infos["won"]), lost=bool(infos["lost"]))
 
     def close(self) -> None:
@@ -144,6 +154,7 @@ class TextWorldEnvFactory(EnvFactory):
         max_observation_chars: characters of observation text kept per turn.
         num_train: use only the first ``num_train`` training games (``None``: all).
         num_eval: use only the first ``num_eval`` held-out games (``None``: all).
+        repeat_goal: show the goal in every user message (``False``: first message only).
 
     Raises:
         FileNotFoundError: no manifest in ``games_dir`` (run ``lightning-opd make-games``).
@@ -153,8 +164,9 @@ class TextWorldEnvFactory(EnvFactory):
     system_prompt = SYSTEM_PROMPT
 
     def __init__(self, games_dir: str = "artifacts/games/quest3", max_observation_chars: int = 600,
-                 num_train: int | None = None, num_eval: int | None = None) -> None:
+                 num_train: int | None = None, num_eval: int | None = None, repeat_goal: bool = True) -> None:
         self.games_dir = Path(games_dir)
+        self.repeat_goal = repeat_goal
         self.max_observation_chars = max_observation_chars
         manifest = self.games_dir / "manifest.json"
         if not manifest.is_file():
@@ -188,7 +200,7 @@ class TextWorldEnvFactory(EnvFactory):
             raise KeyError(f"unknown TextWorld task id {task_id!r} in {self.games_dir}") from None
 
     def make(self, task_id: str) -> TextWorldEnv:
-        return TextWorldEnv(self.game_file(task_id), self.max_observation_chars)
+        return TextWorldEnv(self.game_file(task_id), self.max_observation_chars, self.repeat_goal)
 
     def expert_actions(self, task_id: str) -> list[str]:
         return list(self._games[task_id]["walkthrough"])

@@ -131,7 +131,8 @@ def manifest(games_dir):
 
 @pytest.fixture(scope="session")
 def factory(games_dir):
-    return TextWorldEnvFactory(str(games_dir))
+    """Goal on the first message only, so later observations are exactly comparable."""
+    return TextWorldEnvFactory(str(games_dir), repeat_goal=False)
 
 
 def test_manifest(games_dir, manifest):
@@ -350,3 +351,18 @@ def test_commands_with_capitals_are_matched_ignoring_case():
     res = env.step(parse_action("Take type x LATCHKEY."))
     assert not res.invalid_action and res.won and res.reward == 1.0
     assert res.observation.startswith("Observation: did take type X latchkey")
+
+
+def test_goal_repeated_every_turn_by_default(games_dir, manifest):
+    g = manifest["games"][0]
+    env = TextWorldEnvFactory(str(games_dir)).make(g["task_id"])
+    try:
+        first = env.reset()
+        goal_line = first.splitlines()[0]
+        assert goal_line.startswith("Goal: ")
+        results = _play(env, g["walkthrough"][:-1])
+        results.append(env.step("xyzzy"))
+        assert all(r.observation.splitlines()[0] == goal_line for r in results)
+        assert results[-1].invalid_action and results[-1].observation.splitlines()[1].startswith("Observation: ")
+    finally:
+        env.close()
