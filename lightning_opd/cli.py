@@ -4,6 +4,7 @@
     lightning-opd validate --config conf/textworld/opd.yaml       # held-out success of the student
     lightning-opd prepare-model [--out DIR]                       # SmolLM2-135M-Instruct, offline
     lightning-opd make-games [--out DIR --train N --eval N ...]   # TextWorld games, train/held-out
+    lightning-opd merge-adapter --adapter DIR --out DIR           # base + LoRA adapter -> HF directory
     lightning-opd results RUN_DIR...                              # table of val/success from TensorBoard
 
 The helper commands go through a thin dispatcher in front of LightningCLI (its sub-commands are the
@@ -21,7 +22,7 @@ import sys
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
-HELPERS = ("prepare-model", "make-games", "results")
+HELPERS = ("prepare-model", "make-games", "merge-adapter", "results")
 
 
 class OPDCLI(LightningCLI):
@@ -60,9 +61,24 @@ def _make_games(argv: list[str]) -> None:
     p.add_argument("--nb-objects", type=int, default=6)
     p.add_argument("--seed", type=int, default=0, help="first generation seed")
     p.add_argument("--workers", type=int, default=2, help="generator processes")
+    p.add_argument("--eval-fraction", type=float, default=0.2,
+                   help="a game is held out iff its hash falls in this fraction (fixed: independent of the counts)")
     a = p.parse_args(argv)
     spec = GameSpec(quest_length=a.quest_length, world_size=a.world_size, nb_objects=a.nb_objects)
-    print(make_games(a.out, a.train, a.eval, spec, seed=a.seed, workers=a.workers))
+    print(make_games(a.out, a.train, a.eval, spec, seed=a.seed, workers=a.workers, eval_fraction=a.eval_fraction))
+
+
+def _merge_adapter(argv: list[str]) -> None:
+    from lightning_opd.models.loading import merge_adapter
+
+    p = argparse.ArgumentParser(prog="lightning-opd merge-adapter",
+                                description="Merge a LoRA adapter (e.g. the committed teacher adapter) into its base "
+                                            "model and save a Hugging Face directory.")
+    p.add_argument("--base", default="artifacts/models/smollm2-135m", help="base model directory")
+    p.add_argument("--adapter", default="assets/teacher-textworld-lora", help="adapter directory")
+    p.add_argument("--out", default="artifacts/models/teacher-textworld", help="output directory")
+    a = p.parse_args(argv)
+    print(merge_adapter(a.base, a.adapter, a.out))
 
 
 def _results(argv: list[str]) -> None:
@@ -80,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lightning-opd`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in HELPERS:
-        {"prepare-model": _prepare_model, "make-games": _make_games, "results": _results}[args[0]](args[1:])
+        {"prepare-model": _prepare_model, "make-games": _make_games, "merge-adapter": _merge_adapter,
+         "results": _results}[args[0]](args[1:])
         return
     OPDCLI(args=argv)  # None: LightningCLI reads sys.argv itself
 

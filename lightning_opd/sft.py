@@ -5,6 +5,10 @@ the *same* agent loop and chat template the student will later play with
 (:class:`lightning_opd.data.expert.ExpertDataModule`). The loss is token-mean cross-entropy on the
 expert's reply tokens (observation tokens masked, F04), with the common aggregation (§0.5).
 Run: ``lightning-opd fit --config conf/textworld/teacher_sft.yaml`` (exports to ``model.export_dir``).
+
+With ``lora_rank`` set, only a LoRA adapter (peft) is trained; at the end it is saved on its own to
+``adapter_dir`` (small enough to commit) and merged into the exported model. ``lightning-opd
+merge-adapter`` rebuilds the merged teacher from a committed adapter.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning_opd.data.collate import RolloutBatch
 from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.divergences import log_probs
+from lightning_opd.models.loading import save_adapter_atomic, save_hf_atomic
 from lightning_opd.policy import PolicyModule
 
 
@@ -29,17 +34,58 @@ class SFTModule(PolicyModule):
         student: model directory to fine-tune.
         optimizer: optimizer factory (default AdamW, lr 3e-5).
         lr_scheduler: optional scheduler factory, stepped per optimizer step.
+        lora_rank: train a LoRA adapter of this rank on every linear layer instead of all weights
+            (``None``: full fine-tuning).
+        lora_alpha: LoRA scaling numerator (default ``2 * lora_rank``).
+        adapter_dir: where the LoRA adapter alone is saved at the end of fit (bf16 safetensors).
         dtype, trust_remote_code, export_dir, gradient_checkpointing: see :class:`PolicyModule`.
+
+    Raises:
+        ValueError: ``lora_rank < 1``, or ``adapter_dir`` without ``lora_rank``.
     """
 
     def __init__(self, student: str, optimizer: OptimizerCallable | None = None,
-                 lr_scheduler: LRSchedulerCallable | None = None, dtype: str = "float32",
+                 lr_scheduler: LRSchedulerCallable | None = None, lora_rank: int | None = None,
+                 lora_alpha: float | None = None, adapter_dir: str | None = None, dtype: str = "float32",
                  trust_remote_code: bool = False, export_dir: str | None = None,
                  gradient_checkpointing: bool = False) -> None:
         super().__init__(student=student, dtype=dtype, trust_remote_code=trust_remote_code, export_dir=export_dir,
                          gradient_checkpointing=gradient_checkpointing)
+        if lora_rank is not None and lora_rank < 1:
+            raise ValueError(f"model.lora_rank={lora_rank} must be >= 1 (or null for full fine-tuning)")
+        if adapter_dir and lora_rank is None:
+            raise ValueError("model.adapter_dir needs model.lora_rank (there is no adapter in full fine-tuning)")
         self.optimizer_factory = optimizer if optimizer is not None else _default_optimizer
         self.lr_scheduler_factory = lr_scheduler
+        self.lora_rank = lora_rank
+        self.lora_alpha = lora_alpha if lora_alpha is not None else (2 * lora_rank if lora_rank else None)
+        self.adapter_dir = adapter_dir
+
+    def configure_model(self) -> None:
+        if self.student is not None:
+            return
+        super().configure_model()
+        if self.lora_rank is not None:
+            from peft import LoraConfig, get_peft_model
+
+            cfg = LoraConfig(r=self.lora_rank, lora_alpha=self.lora_alpha, lora_dropout=0.0,
+                             target_modules="all-linear", bias="none", task_type="CAUSAL_LM")
+            self.student = get_peft_model(self.student, cfg)
+
+    @property
+    def policy_model(self):
+        return self.student
+
+    def on_train_end(self) -> None:
+        if not self.trainer.is_global_zero:
+            return
+        if self.lora_rank is None:
+            super().on_train_end()
+            return
+        if self.adapter_dir:
+            save_adapter_atomic(self.student, self.adapter_dir)
+        if self.export_dir:
+            save_hf_atomic(self.student.merge_and_unload(), self.tokenizer, self.export_dir)
 
     def configure_optimizers(self):
         opt = self.optimizer_factory(self.student.parameters())

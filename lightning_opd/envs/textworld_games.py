@@ -59,7 +59,7 @@ def in_eval_split(game_hash: str, eval_fraction: float) -> bool:
 
 
 def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: GameSpec = GameSpec(),
-               seed: int = 0, workers: int = 2, max_attempts: int | None = None) -> Path:
+               seed: int = 0, workers: int = 2, max_attempts: int | None = None, eval_fraction: float = 0.2) -> Path:
     """Generate ``num_train`` training and ``num_eval`` held-out games into ``out``.
 
     Args:
@@ -69,6 +69,8 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
         seed: first generation seed; seeds ``seed, seed+1, ...`` are tried in order.
         workers: generator processes.
         max_attempts: give up after this many seeds (default ``4 * (num_train + num_eval) + 20``).
+        eval_fraction: split rule (:func:`in_eval_split`); fixed, not derived from the counts, so a
+            game's split never depends on how many games are asked for.
 
     Returns:
         ``out``.
@@ -80,7 +82,8 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
     out = Path(out)
     total = num_train + num_eval
     max_attempts = max_attempts or 4 * total + 20
-    frac = num_eval / total if total else 0.0
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction={eval_fraction} must be in (0, 1)")
     seen: set[str] = set()
     splits: dict[str, list[dict]] = {"train": [], "eval": []}
     want = {"train": num_train, "eval": num_eval}
@@ -102,7 +105,7 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
                 if res["hash"] in seen:
                     continue
                 seen.add(res["hash"])
-                split = "eval" if in_eval_split(res["hash"], frac) else "train"
+                split = "eval" if in_eval_split(res["hash"], eval_fraction) else "train"
                 if len(splits[split]) < want[split]:
                     splits[split].append(res)
     games = []
@@ -117,7 +120,8 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
                           "hash": res["hash"], "walkthrough": res["walkthrough"], "objective": res["objective"]})
     for leftover in stage.glob("seed*"):
         leftover.unlink()
-    manifest = {"spec": asdict(spec), "seed": seed, "num_train": num_train, "num_eval": num_eval, "games": games}
+    manifest = {"spec": asdict(spec), "seed": seed, "num_train": num_train, "num_eval": num_eval,
+                "eval_fraction": eval_fraction, "games": games}
     (stage / "manifest.json").write_text(json.dumps(manifest, indent=1))
     if out.exists():
         shutil.rmtree(out)

@@ -74,12 +74,9 @@ def load_causal_lm(
     return model
 
 
-def save_hf_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, path: str | os.PathLike) -> Path:
-    """Save ``model`` (safetensors) and ``tokenizer`` (with chat template) as a Hugging Face directory.
-
-    Written into a temporary sibling folder and renamed into place, so a crash mid-write leaves the
-    previous export loadable (F16). Returns the final path.
-    """
+def _atomic_dir(path: str | os.PathLike, write) -> Path:
+    """Run ``write(tmp_dir)`` into a temporary sibling folder, then rename it to ``path`` (replacing a
+    previous one only once the new one is complete, F16). Returns the final path."""
     import shutil
     import tempfile
 
@@ -87,9 +84,7 @@ def save_hf_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp.", dir=final.parent))
     try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+        write(tmp)
         old = None
         if final.exists():
             old = final.parent / f".{final.name}.old"
@@ -103,3 +98,46 @@ def save_hf_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def save_hf_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, path: str | os.PathLike) -> Path:
+    """Save ``model`` (safetensors) and ``tokenizer`` (with chat template) as a Hugging Face directory,
+    atomically (F16). Returns the final path."""
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+    return _atomic_dir(path, write)
+
+
+def save_adapter_atomic(peft_model, path: str | os.PathLike) -> Path:
+    """Save only the LoRA adapter of a peft model (``adapter_config.json`` + bf16
+    ``adapter_model.safetensors``), atomically. Returns the final path."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    def write(tmp: Path) -> None:
+        peft_model.peft_config["default"].save_pretrained(str(tmp))
+        state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    return _atomic_dir(path, write)
+
+
+def merge_adapter(base: str | os.PathLike, adapter: str | os.PathLike, out: str | os.PathLike,
+                  dtype: str = "float32") -> Path:
+    """Load ``base``, apply the LoRA ``adapter`` (peft), merge it into the weights and save a plain
+    Hugging Face directory (with the base's tokenizer) at ``out``, atomically.
+
+    Raises:
+        FileNotFoundError: ``base`` is not a model directory or ``adapter`` has no adapter_config.json.
+    """
+    from peft import PeftModel
+
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"no LoRA adapter at {str(adapter)!r} (adapter_config.json missing)")
+    model = load_causal_lm(base, dtype)
+    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    return save_hf_atomic(merged, load_tokenizer(base), out)
