@@ -85,6 +85,7 @@ def _atomic_dir(path: str | os.PathLike, write) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp.", dir=final.parent))
     try:
         write(tmp)
+        tmp.chmod(0o755)  # mkdtemp creates 0700
         old = None
         if final.exists():
             old = final.parent / f".{final.name}.old"

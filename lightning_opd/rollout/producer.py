@@ -1,0 +1,142 @@
+"""The rollout producer: plays episodes beside training and fills the :class:`RolloutBuffer`.
+
+Modes:
+
+* ``sync``: no background work; the learner asks for a batch inside its training step and the
+  batch is generated then, by exactly the weights being trained (lag 0).
+* ``async``: a background thread generates batch ``i`` (the batch the learner will consume at
+  version ``i``) as soon as the learner has reached version ``i - max_lag``, so it runs at most
+  ``max_lag`` versions ahead; the bounded buffer gives back-pressure.
+
+Errors: anything the producer raises (an engine crash, too many environment errors) is put into the
+buffer and re-raised by the learner's next ``get`` with the original traceback chained; a producer
+thread that died without a word is detected within ``poll_seconds``. ``stop`` ends the thread and
+never hangs (the thread is a daemon, joined with a timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from typing import Callable
+
+from lightning_opd.rollout.buffer import RolloutBuffer
+from lightning_opd.rollout.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+MODES = ("sync", "async")
+
+
+class ProducerError(RuntimeError):
+    """The background rollout producer failed; the cause is chained and its traceback quoted."""
+
+
+class RolloutProducer:
+    """Generates rollout batches with ``make_batch`` and hands them to the learner.
+
+    Args:
+        make_batch: plays one rollout batch with the generator's current weights.
+        learner_version: returns the learner's current policy version.
+        mode: ``"sync"`` or ``"async"``.
+        max_lag: async only: how many versions the producer may run ahead (>= 1).
+        capacity: buffered batches (async; default ``max_lag``).
+        poll_seconds: how often a waiting side re-checks stop flags and liveness (seconds).
+
+    Raises:
+        ValueError: unknown mode or ``max_lag < 1`` in async mode.
+    """
+
+    def __init__(self, make_batch: Callable[[], list[Trajectory]], learner_version: Callable[[], int],
+                 mode: str = "sync", max_lag: int = 1, capacity: int | None = None, poll_seconds: float = 0.2) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: use one of {MODES}")
+        if mode == "async" and max_lag < 1:
+            raise ValueError(f"max_lag={max_lag} must be >= 1 in async mode (use mode='sync' for lag 0)")
+        self.make_batch = make_batch
+        self.learner_version = learner_version
+        self.mode = mode
+        self.max_lag = max_lag if mode == "async" else 0
+        self.buffer = RolloutBuffer(capacity or max(1, self.max_lag))
+        self.poll_seconds = poll_seconds
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._produced = 0  # batches handed to the buffer (async)
+        self._version_changed = threading.Condition()
+
+    # ------------------------------------------------------------------------------------- lifecycle
+    def start(self, first_batch_index: int = 0) -> None:
+        """Start the background thread (async mode; no-op in sync mode or if running)."""
+        if self.mode != "async" or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._stop.clear()
+        self._produced = first_batch_index
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread; waits at most ``timeout`` seconds (it is a daemon: it cannot outlive the process)."""
+        self._stop.set()
+        self.notify_version()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("rollout producer still finishing a batch after %.0f s; left as a daemon", timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def notify_version(self) -> None:
+        """Wake the producer: the learner's version moved."""
+        with self._version_changed:
+            self._version_changed.notify_all()
+
+    # -------------------------------------------------------------------------------------- producing
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                index = self._produced
+                with self._version_changed:  # at most max_lag versions ahead of the learner
+                    while not self._stop.is_set() and self.learner_version() < index - self.max_lag:
+                        self._version_changed.wait(self.poll_seconds)
+                if self._stop.is_set():
+                    return
+                batch = self.make_batch()
+                while not self._stop.is_set():
+                    try:
+                        self.buffer.put(batch, timeout=self.poll_seconds)
+                        break
+                    except TimeoutError:
+                        continue
+                self._produced += 1
+        except BaseException as err:  # noqa: BLE001 - everything goes to the learner
+            err.add_note("traceback in the rollout producer thread:\n" + traceback.format_exc())
+            self.buffer.put_error(err)
+
+    def next_batch(self, timeout: float | None = None) -> list[Trajectory]:
+        """The next batch for the learner: generated now (sync) or taken from the buffer (async).
+
+        Raises:
+            ProducerError: the producer failed (cause chained) or died silently.
+            TimeoutError: nothing arrived within ``timeout`` seconds.
+        """
+        if self.mode == "sync":
+            return self.make_batch()
+        self.start()
+        waited = 0.0
+        while True:
+            try:
+                return self.buffer.get(timeout=self.poll_seconds)
+            except TimeoutError:
+                waited += self.poll_seconds
+                if not self.running and len(self.buffer) == 0:
+                    raise ProducerError("the rollout producer thread stopped without producing a batch") from None
+                if timeout is not None and waited >= timeout:
+                    raise
+            except RuntimeError as err:
+                cause = err.__cause__ or err
+                notes = "\n".join(getattr(cause, "__notes__", []))
+                raise ProducerError(f"rollout producer failed: {type(cause).__name__}: {cause}\n{notes}") from cause
