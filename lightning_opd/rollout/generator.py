@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Hashable, Protocol
+from typing import Hashable, Mapping, Protocol
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,14 @@ class Generator(ABC):
     @abstractmethod
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
         """Sample one reply per request (same order)."""
+
+    def push_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+        """Serve ``state`` (a student ``state_dict``) from now on, stamped ``version``; returns seconds.
+
+        Backends that sample from their own copy of the weights (vLLM; HF in asynchronous or
+        ``forced_lag`` mode) implement it; thread-safe against a concurrent ``generate``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot load pushed weights")
 
     def release(self) -> None:
         """Drop per-episode cached state (called when a batch of episodes is finished)."""

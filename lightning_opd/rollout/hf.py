@@ -5,14 +5,22 @@ history each turn costs O(turns^2) tokens of prefill, so this backend keeps the 
 call and, when the next call's requests extend the cached conversations token for token (same keys,
 same policy version), feeds only the new tokens. Rows are aligned with padding in the middle of the
 sequence; positions come from the attention mask, so the result equals a fresh left-padded prefill
-(pinned by tests/rollout/test_hf_generator.py). A version change or any mismatch falls back to a
+(pinned by tests/rollout/test_chat_and_generators.py). A version change or any mismatch falls back to a
 fresh prefill, so weights pushed between calls can never be served from a stale cache (F09).
+
+Weights: by default the backend samples from the attached student itself (synchronous mode: always
+the current weights, no copy). The first :meth:`HFGenerator.push_weights` gives it a private copy
+that later pushes overwrite (asynchronous and ``forced_lag`` modes); a lock keeps a push from
+landing in the middle of a ``generate`` call, so every reply comes from one version.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
+import time
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, Mapping
 
 import torch
 from transformers import DynamicCache, GenerationConfig
@@ -54,9 +62,31 @@ class HFGenerator(Generator):
         self.reuse_kv_cache = reuse_kv_cache
         self.pad_token_id = pad_token_id
         self._state: _KVState | None = None
+        self._own_model: torch.nn.Module | None = None
+        self._own_version: int | None = None
+        self._lock = threading.RLock()
 
     def release(self) -> None:
         self._state = None
+
+    @property
+    def policy_version(self) -> int:
+        if self._own_model is not None:
+            return int(self._own_version)
+        return super().policy_version
+
+    def push_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+        """Copy ``state`` into the backend's private model (created from the attached student on the
+        first push) and stamp it ``version``; returns seconds."""
+        t0 = time.perf_counter()
+        with self._lock:
+            if self._own_model is None:
+                self._own_model = copy.deepcopy(self._policy.policy_model).eval().requires_grad_(False)
+            with torch.no_grad():
+                self._own_model.load_state_dict(state, strict=True)
+            self._own_version = int(version)
+            self._state = None  # no KV entry computed with other weights survives (F09)
+        return time.perf_counter() - t0
 
     def _generation_config(self, sampling: SamplingParams, pad_id: int) -> GenerationConfig:
         # Every knob explicit: GenerationConfig defaults (top_k=50) or the model's own generation
@@ -93,7 +123,14 @@ class HFGenerator(Generator):
             raise ValueError("generate() needs at least one request")
         if any(not r.prompt_ids for r in requests):
             raise ValueError("every request needs a non-empty prompt_ids")
-        model = self._policy.policy_model if self._policy is not None else None
+        with self._lock:
+            return self._generate(requests, sampling)
+
+    def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
+        if self._own_model is not None:
+            model = self._own_model
+        else:
+            model = self._policy.policy_model if self._policy is not None else None
         if model is None:
             raise RuntimeError("HFGenerator is not attached to a loaded policy model")
         version = self.policy_version

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -85,6 +86,10 @@ class VLLMGenerator(Generator):
         self.sync: VLLMWeightSync | None = None
         self._engine_version: int | None = None
         self.last_push_seconds: float | None = None
+        #: push the attached policy's weights before sampling whenever its version moved (synchronous
+        #: mode); the DataModule turns it off when it manages pushes itself (async, forced_lag)
+        self.follow_policy = True
+        self._lock = threading.RLock()
 
     # ----------------------------------------------------------------------------------------- engine
     def start(self) -> None:
@@ -113,24 +118,27 @@ class VLLMGenerator(Generator):
 
     @property
     def policy_version(self) -> int:
+        """The engine's version; before the first push: the policy's when following it, else -1
+        (the engine serves its start checkpoint, whose version is unknown)."""
         if self._engine_version is None:
-            return super().policy_version
+            return super().policy_version if self.follow_policy else -1
         return self._engine_version
 
-    def push_weights(self, model: torch.nn.Module, version: int) -> float:
-        """Load ``model``'s weights into the engine and stamp it with ``version``; returns seconds."""
-        self.start()
-        self.last_push_seconds = self.sync.push(model.state_dict().items())
-        self._engine_version = int(version)
-        return self.last_push_seconds
+    def push_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+        """Load ``state`` (a student ``state_dict``) into the engine and stamp it ``version``; returns seconds."""
+        with self._lock:
+            self.start()
+            self.last_push_seconds = self.sync.push(state.items())
+            self._engine_version = int(version)
+            return self.last_push_seconds
 
     def _ensure_current(self) -> None:
-        """Before sampling: make sure the engine serves the attached policy's current weights."""
+        """Before sampling (``follow_policy``): serve the attached policy's current weights."""
         self.start()
         policy = self._policy
         model = getattr(policy, "policy_model", None) if policy is not None else None
-        if model is not None and self._engine_version != int(policy.policy_version):
-            self.push_weights(model, int(policy.policy_version))
+        if self.follow_policy and model is not None and self._engine_version != int(policy.policy_version):
+            self.push_weights(model.state_dict(), int(policy.policy_version))
 
     # --------------------------------------------------------------------------------------- sampling
     def sampling_params(self, sampling: SamplingParams, seed: int):
@@ -151,6 +159,10 @@ class VLLMGenerator(Generator):
             raise ValueError("generate() needs at least one request")
         if any(not r.prompt_ids for r in requests):
             raise ValueError("every request needs a non-empty prompt_ids")
+        with self._lock:
+            return self._generate(requests, sampling)
+
+    def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
         self._ensure_current()
         version = self.policy_version
         prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]

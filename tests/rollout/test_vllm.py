@@ -110,17 +110,18 @@ def test_f08_vllm_sampled_ids_survive_the_agent_loop(engine, tokenizer):
 
 def test_f09_weight_push_moves_engine_logprobs_to_the_trainer(engine, vllm_models, tokenizer):
     gen, policy = engine
+    gen.follow_policy = False
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     probe = _prompts(tokenizer)
     requests = [GenerationRequest(key=i, prompt_ids=p, seed=i) for i, p in enumerate(probe)]
     model_a, model_b = vllm_models["a"][1], vllm_models["b"][1]
-    gen.push_weights(model_a, version=0)
+    gen.push_weights(model_a.state_dict(), version=0)
     before = gen.generate(requests, greedy)  # also fills the prefix cache with model-a keys/values
 
     t0 = time.perf_counter()
     copy = {k: v.clone() for k, v in model_b.state_dict().items()}  # the plain-copy baseline
     copy_s = time.perf_counter() - t0
-    push_s = gen.push_weights(model_b, version=7)
+    push_s = gen.push_weights(model_b.state_dict(), version=7)
     assert gen.engine_version == 7 and gen.policy_version == 7
     after = gen.generate(requests, greedy)
     assert all(o.policy_version == 7 for o in after)
@@ -138,6 +139,7 @@ def test_f09_weight_push_moves_engine_logprobs_to_the_trainer(engine, vllm_model
 def test_engine_follows_the_attached_policy_version(engine, vllm_models, tokenizer):
     """generate() pushes the policy's current weights when its version moved (sync mode)."""
     gen, policy = engine
+    gen.follow_policy = True
     policy.policy_version = 11
     out = gen.generate([GenerationRequest(key=0, prompt_ids=_prompts(tokenizer)[0])], SamplingParams(max_new_tokens=3))
     assert gen.engine_version == 11 and out[0].policy_version == 11
