@@ -151,7 +151,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.loop = AgentLoop(self.env, self.generator, tok, max_turns=self.max_turns,
                               max_context_tokens=self.max_context_tokens, max_env_error_rate=self.max_env_error_rate)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        self.producer = RolloutProducer(self._play_batch, lambda: int(policy.policy_version), mode=self.mode,
+        self.producer = RolloutProducer(self._play_batch, lambda: int(self.generator.policy_version), mode=self.mode,
                                         max_lag=max(1, self.max_lag))
 
     def teardown(self, stage: str) -> None:

@@ -5,8 +5,10 @@ Modes:
 * ``sync``: no background work; the learner asks for a batch inside its training step and the
   batch is generated then, by exactly the weights being trained (lag 0).
 * ``async``: a background thread generates batch ``i`` (the batch the learner will consume at
-  version ``i``) as soon as the learner has reached version ``i - max_lag``, so it runs at most
-  ``max_lag`` versions ahead; the bounded buffer gives back-pressure.
+  version ``i``) as soon as the weights it samples with have reached version ``i - max_lag``, so
+  every batch is at most ``max_lag`` versions behind the learner that trains on it (measured on the
+  weights actually used, not on the learner's counter, which moves before the push lands); the
+  bounded buffer gives back-pressure.
 
 Errors: anything the producer raises (an engine crash, too many environment errors) is put into the
 buffer and re-raised by the learner's next ``get`` with the original traceback chained; a producer
@@ -38,7 +40,7 @@ class RolloutProducer:
 
     Args:
         make_batch: plays one rollout batch with the generator's current weights.
-        learner_version: returns the learner's current policy version.
+        weights_version: returns the policy version of the weights ``make_batch`` samples with.
         mode: ``"sync"`` or ``"async"``.
         max_lag: async only: how many versions the producer may run ahead (>= 1).
         capacity: buffered batches (async; default ``max_lag``).
@@ -48,14 +50,14 @@ class RolloutProducer:
         ValueError: unknown mode or ``max_lag < 1`` in async mode.
     """
 
-    def __init__(self, make_batch: Callable[[], list[Trajectory]], learner_version: Callable[[], int],
+    def __init__(self, make_batch: Callable[[], list[Trajectory]], weights_version: Callable[[], int],
                  mode: str = "sync", max_lag: int = 1, capacity: int | None = None, poll_seconds: float = 0.2) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: use one of {MODES}")
         if mode == "async" and max_lag < 1:
             raise ValueError(f"max_lag={max_lag} must be >= 1 in async mode (use mode='sync' for lag 0)")
         self.make_batch = make_batch
-        self.learner_version = learner_version
+        self.weights_version = weights_version
         self.mode = mode
         self.max_lag = max_lag if mode == "async" else 0
         self.buffer = RolloutBuffer(capacity or max(1, self.max_lag))
@@ -90,7 +92,7 @@ class RolloutProducer:
         return self._thread is not None and self._thread.is_alive()
 
     def notify_version(self) -> None:
-        """Wake the producer: the learner's version moved."""
+        """Wake the producer: the weights' version moved."""
         with self._version_changed:
             self._version_changed.notify_all()
 
@@ -99,8 +101,8 @@ class RolloutProducer:
         try:
             while not self._stop.is_set():
                 index = self._produced
-                with self._version_changed:  # at most max_lag versions ahead of the learner
-                    while not self._stop.is_set() and self.learner_version() < index - self.max_lag:
+                with self._version_changed:  # at most max_lag versions behind when consumed
+                    while not self._stop.is_set() and self.weights_version() < index - self.max_lag:
                         self._version_changed.wait(self.poll_seconds)
                 if self._stop.is_set():
                     return

@@ -1,0 +1,100 @@
+"""Asynchronous and forced-lag rollouts end to end on the tiny model: version tagging, lag bounds,
+that stale batches really come from old weights, crash propagation and shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_opd.data import RolloutDataModule
+from lightning_opd.losses.divergences import log_probs
+from lightning_opd.rollout.producer import ProducerError
+from tests.helpers import KeywordEnvFactory
+from tests.test_training import RecordingOPD
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _dm(**kw):
+    args = dict(env=KeywordEnvFactory(need=2), episodes_per_step=2, max_turns=2, max_new_tokens=4, eval_batch_size=2)
+    args.update(kw)
+    return RolloutDataModule(**args)
+
+
+def _trainer(steps):
+    return L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+
+
+class RecordingWithLogprobs(RecordingOPD):
+    """Also recomputes, for each batch, the behaviour log-probs under the learner's current weights."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.drift = []
+
+    def _check_on_policy(self, batch):
+        with torch.no_grad():
+            logits = self.student(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+            lp = log_probs(logits, batch.sampling.temperature).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        mask = batch.loss_mask[:, 1:] > 0
+        self.drift.append((lp - batch.behaviour_logprobs[:, 1:])[mask].abs().max().item())
+        return super()._check_on_policy(batch)
+
+
+def test_forced_lag_uses_the_weights_of_version_v_minus_k(model_dirs):
+    model = RecordingWithLogprobs(student=model_dirs["student"], teacher=model_dirs["teacher"],
+                                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    dm = _dm(forced_lag=2)
+    _trainer(6).fit(model, datamodule=dm)
+    assert [(v, b) for v, b in model.seen] == [(0, [0, 0]), (1, [0, 0]), (2, [0, 0]), (3, [1, 1]), (4, [2, 2]),
+                                               (5, [3, 3])]
+    # versions 0 (lag 0) match the learner; lagged batches were really sampled by older weights
+    assert model.drift[0] < 1e-4
+    assert min(model.drift[1:]) > 1e-3
+    assert dm.max_allowed_lag == 2 and sorted(dm._snapshots) == [4, 5, 6]
+
+
+def test_sync_hf_run_has_lag_zero_and_no_weight_copy(model_dirs):
+    model = RecordingWithLogprobs(student=model_dirs["student"], teacher=model_dirs["teacher"])
+    dm = _dm()
+    _trainer(3).fit(model, datamodule=dm)
+    assert all(b == [v, v] for v, b in model.seen)
+    assert max(model.drift) < 1e-4
+    assert dm.generator._own_model is None  # synchronous HF samples from the live student
+
+
+@pytest.mark.parametrize("max_lag", [1, 2])
+def test_async_lags_are_bounded_and_the_producer_stops(model_dirs, max_lag):
+    model = RecordingOPD(student=model_dirs["student"], teacher=model_dirs["teacher"])
+    dm = _dm(mode="async", max_lag=max_lag)
+    _trainer(6).fit(model, datamodule=dm)
+    lags = [v - b for v, bs in model.seen for b in bs]
+    assert len(model.seen) == 6 and all(0 <= lag <= max_lag for lag in lags)
+    assert not dm.producer.running
+    assert not any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())
+
+
+def test_async_producer_crash_surfaces_in_the_trainer(model_dirs):
+    model = RecordingOPD(student=model_dirs["student"], teacher=model_dirs["teacher"])
+    dm = _dm(mode="async", max_lag=1, env=KeywordEnvFactory(reset_error=True), max_env_error_rate=0.0)
+    t0 = time.time()
+    with pytest.raises(ProducerError, match="EnvironmentFailureError"):
+        _trainer(3).fit(model, datamodule=dm)
+    assert time.time() - t0 < 60
+    assert not any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())
+
+
+def test_group_ids_are_shared_within_a_group_and_unique_across(model_dirs):
+    dm = _dm(episodes_per_step=4, group_size=2)
+    specs = dm.next_episodes(4) + dm.next_episodes(4)
+    assert [s.group_id for s in specs] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert specs[0].task_id == specs[1].task_id and specs[0].seed != specs[1].seed
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        _dm(episodes_per_step=3, group_size=2)
+    with pytest.raises(ValueError, match="forced_lag"):
+        _dm(mode="async", forced_lag=2)
