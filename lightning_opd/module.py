@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import replace
 from typing import Callable, Iterator
 
 import torch
@@ -40,7 +41,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_opd.data.collate import RolloutBatch, rollout_stats
 from lightning_opd.losses.aggregation import aggregate_token_loss
-from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss
+from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss, log_probs
+from lightning_opd.losses.weighting import Weighting
 from lightning_opd.metrics.per_turn import PerTurnMean
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer
 from lightning_opd.models.tokenizers import check_tokenizers_compatible
@@ -108,6 +110,7 @@ class OPDModule(PolicyModule):
         self.log_text_every_n_steps = log_text_every_n_steps
         self.strict_on_policy = strict_on_policy
         self.turn_kl = PerTurnMean(max_logged_turns)
+        self._weightings: dict[str, Weighting] = {}
         self._teacher: list = []  # kept out of the module tree: frozen, never checkpointed
         # F01: compare tokenizers before any rollout
         self.vocab_size = check_tokenizers_compatible(self.tokenizer, load_tokenizer(teacher, trust_remote_code),
@@ -137,28 +140,111 @@ class OPDModule(PolicyModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.lr_scheduler_factory(opt), "interval": "step"}}
 
     # ------------------------------------------------------------------------------------------- loss
+    def supervised_columns(self, batch: RolloutBatch) -> torch.Tensor:
+        """``(K,)`` positions whose logits are needed: those predicting a supervised token in any row
+        (logits at position t predict token t+1). Never empty: an all-masked micro-batch keeps
+        position 0 so every rank still runs a forward and backward (its loss is exactly 0)."""
+        cols = (batch.loss_mask[:, 1:] > 0).any(dim=0).nonzero().squeeze(1)
+        return cols if cols.numel() else torch.zeros(1, dtype=torch.long, device=cols.device)
+
     def token_losses(self, batch: RolloutBatch) -> tuple[TokenLoss, torch.Tensor, torch.Tensor]:
         """Per-token divergence of one micro-batch.
 
+        Only the positions that predict a supervised token go through the LM head and the softmax
+        (``logits_to_keep``): observation tokens (most of a multi-turn episode) cost a transformer
+        forward but no ``(T, V)`` work, and cannot reach the loss (F04).
+
         Returns:
-            ``(token_loss, mask, turns)``: a :class:`TokenLoss` over the ``(B, T-1)`` target positions,
-            the ``(B, T-1)`` loss mask and the ``(B, T-1)`` turn index of each target token.
+            ``(token_loss, mask, turns)``: a :class:`TokenLoss` over the ``(B, T-1)`` target positions
+            (zeros where no logits were computed), the ``(B, T-1)`` loss mask and turn index.
         """
         ids, attn = batch.input_ids, batch.attention_mask
         v = self.vocab_size
-        student_logits = self.student(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1, :v]  # (B, T-1, V)
+        cols = self.supervised_columns(batch)  # (K,)
+        student_logits = self.student(input_ids=ids, attention_mask=attn, use_cache=False,
+                                      logits_to_keep=cols).logits[..., :v]  # (B, K, V)
         with torch.no_grad():
-            teacher_logits = self.teacher(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1, :v]
-        targets = ids[:, 1:]  # (B, T-1): logits at position t predict token t+1
+            teacher_logits = self.teacher(input_ids=ids, attention_mask=attn, use_cache=False,
+                                          logits_to_keep=cols).logits[..., :v]  # (B, K, V)
+        targets = ids[:, 1:].index_select(1, cols)  # (B, K): logits at position t predict token t+1
         out = self.loss_fn(student_logits, teacher_logits, targets, temperature=batch.sampling.temperature or 1.0)
+        dense = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=ids.device)  # (B, T-1)
+
+        def scatter(x: torch.Tensor) -> torch.Tensor:
+            return dense.to(x.dtype).index_copy(1, cols, x)
+
+        out = TokenLoss(loss=scatter(out.loss), kl=scatter(out.kl), student_logprobs=scatter(out.student_logprobs),
+                        teacher_logprobs=scatter(out.teacher_logprobs), entropy=scatter(out.entropy))
         return out, batch.loss_mask[:, 1:], batch.turn_index[:, 1:]
 
-    def token_weights(self, batch: RolloutBatch) -> torch.Tensor | None:
-        """``(B, T-1)`` per-token weights multiplied into the aggregation (§0.5); ``None`` = all 1.
-        Weighting schemes (turn blend, freshness) hook in here."""
-        return None
+    # -------------------------------------------------------------------------------------- weighting
+    def set_weighting(self, name: str, scheme: Weighting | None) -> None:
+        """Register (or, with ``None``, remove) a weighting scheme under ``name`` (§0.5: weights multiply).
+
+        Raises:
+            TypeError: ``scheme`` does not implement :class:`~lightning_opd.losses.weighting.Weighting`.
+        """
+        if scheme is None:
+            self._weightings.pop(name, None)
+            return
+        if not isinstance(scheme, Weighting):
+            raise TypeError(f"weighting {name!r}: {type(scheme).__name__} lacks prepare/token_weights/needs_student_logprobs")
+        self._weightings[name] = scheme
+
+    @torch.no_grad()
+    def student_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """``(B, T-1)`` log-probs of the sampled tokens under the current student, at the batch's sampling
+        temperature (nats); a no-grad pass in micro-batches."""
+        parts = []
+        for mb in batch.split(self.micro_batch_size):
+            cols = self.supervised_columns(mb)
+            logits = self.student(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
+                                  logits_to_keep=cols).logits[..., :self.vocab_size]  # (b, K, V)
+            lp = log_probs(logits, mb.sampling.temperature or 1.0)
+            lp = lp.gather(-1, mb.input_ids[:, 1:].index_select(1, cols)[..., None]).squeeze(-1)  # (b, K)
+            dense = torch.zeros(mb.size, batch.input_ids.shape[1] - 1, device=lp.device).index_copy(1, cols, lp)
+            parts.append(dense)
+        return torch.cat(parts) if parts else batch.behaviour_logprobs[:, 1:].clone()
+
+    def plan_batch(self, batch: RolloutBatch) -> RolloutBatch:
+        """Apply every scheme's :class:`BatchPlan`: dropped samples get an all-zero loss mask, kept ones
+        the product of the per-sample weights (in ``batch.sample_weight``)."""
+        if not self._weightings:
+            return batch
+        lp = self.student_logprobs(batch) if any(w.needs_student_logprobs for w in self._weightings.values()) else None
+        keep = torch.ones(batch.size, dtype=torch.bool, device=batch.input_ids.device)
+        weight = batch.sample_weight.clone()
+        for scheme in self._weightings.values():
+            plan = scheme.prepare(self, replace(batch, loss_mask=batch.loss_mask * keep[:, None]), lp)
+            if plan.keep is not None:
+                keep &= plan.keep.to(keep.device)
+            if plan.sample_weight is not None:
+                weight = weight * plan.sample_weight.to(weight)
+        return replace(batch, loss_mask=batch.loss_mask * keep[:, None].to(batch.loss_mask), sample_weight=weight)
+
+    def token_weights(self, batch: RolloutBatch, token_loss: TokenLoss) -> torch.Tensor | None:
+        """``(b, T-1)`` weights of one micro-batch: its per-sample weights times every scheme's per-token
+        weights; ``None`` when all are 1."""
+        weights = None
+        if not torch.all(batch.sample_weight == 1):
+            weights = batch.sample_weight[:, None].expand(-1, batch.input_ids.shape[1] - 1)
+        for scheme in self._weightings.values():
+            w = scheme.token_weights(self, batch, token_loss)
+            if w is not None:
+                weights = w if weights is None else weights * w
+        return weights
 
     # ---------------------------------------------------------------------------------------- training
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum ``value`` over data-parallel ranks (through the trainer's strategy, or plain
+        ``torch.distributed`` when used without a trainer); identity on one process."""
+        if self._trainer is not None:
+            return self.trainer.strategy.reduce(value, reduce_op="sum")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            value = value.clone()
+            torch.distributed.all_reduce(value)
+        return value
+
     def _allowed_lag(self) -> int:
         dm = self.trainer.datamodule if self._trainer is not None else None
         return int(getattr(dm, "max_allowed_lag", 0))
@@ -201,7 +287,7 @@ class OPDModule(PolicyModule):
         sums = {k: torch.zeros((), device=self.device) for k in ("loss", "kl", "entropy")}
         for mb in batch.split(self.micro_batch_size):
             out, mask, turns = self.token_losses(mb)
-            loss = aggregate_token_loss(out.loss, mask, step_tokens, self.token_weights(mb)) * world_size
+            loss = aggregate_token_loss(out.loss, mask, step_tokens, self.token_weights(mb, out)) * world_size
             backward(loss)
             keep = mask > 0
             sums["loss"] += loss.detach() / world_size
@@ -218,7 +304,8 @@ class OPDModule(PolicyModule):
         max_lag = self._check_on_policy(batch)
 
         opt = self.optimizers()
-        step_tokens = self.trainer.strategy.reduce(batch.loss_mask[:, 1:].sum().to(self.device), reduce_op="sum")
+        batch = self.plan_batch(batch)  # weighting schemes: drop / weight samples for the whole step
+        step_tokens = self.reduce_sum(batch.loss_mask[:, 1:].sum().to(self.device))
         sums = self.backward_step(batch, step_tokens, self.manual_backward, self.trainer.world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.student.parameters(), self.grad_clip_norm if self.grad_clip_norm is not None else float("inf"))
@@ -237,11 +324,10 @@ class OPDModule(PolicyModule):
     def _log_step(self, batch, sums, step_tokens, grad_norm, max_lag, rollout_s, update_s) -> None:
         n = max(1, batch.size)
         tokens = step_tokens.clamp(min=1)
-        reduce = self.trainer.strategy.reduce
         scalars = {
-            "train/loss": reduce(sums["loss"], reduce_op="sum"),
-            "train/kl": reduce(sums["kl"], reduce_op="sum") / tokens,
-            "train/entropy": reduce(sums["entropy"], reduce_op="sum") / tokens,
+            "train/loss": self.reduce_sum(sums["loss"]),
+            "train/kl": self.reduce_sum(sums["kl"]) / tokens,
+            "train/entropy": self.reduce_sum(sums["entropy"]) / tokens,
             "train/grad_norm": grad_norm.detach().float(),
             "train/lr": torch.tensor(self.optimizers().param_groups[0]["lr"]),
             "train/supervised_tokens": step_tokens.float(),

@@ -95,11 +95,14 @@ class SFTModule(PolicyModule):
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
         """Token-mean cross-entropy (nats/token) on the batch's reply tokens."""
-        logits = self.student(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        lp = log_probs(logits[:, :-1])  # (B, T-1, V)
-        nll = -lp.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, T-1)
         mask = batch.loss_mask[:, 1:]
-        loss = aggregate_token_loss(nll, mask, mask.sum())
+        cols = (mask > 0).any(dim=0).nonzero().squeeze(1)  # positions predicting a reply token
+        cols = cols if cols.numel() else torch.zeros(1, dtype=torch.long, device=mask.device)
+        logits = self.student(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                              logits_to_keep=cols).logits  # (B, K, V)
+        lp = log_probs(logits)
+        nll = -lp.gather(-1, batch.input_ids[:, 1:].index_select(1, cols).unsqueeze(-1)).squeeze(-1)  # (B, K)
+        loss = aggregate_token_loss(nll, mask.index_select(1, cols), mask.sum())
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.size)
         self.log("train/supervised_tokens", mask.sum(), batch_size=batch.size)
         return loss

@@ -44,9 +44,26 @@ def make_module(model_dirs, loss_cls=FullVocabReverseKL, micro_batch_size=1, tea
     return m
 
 
+def with_freshness(module, batch):
+    """Register a StalenessMonitor (M1 weights + M3 ratios) and make the batch stale enough for
+    non-trivial weights: lags 0..3 and behaviour log-probs off the learner's by per-sample drifts."""
+    from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
+
+    module.set_weighting("freshness", StalenessMonitor(filtering=False, truncated_ratio=True, max_lag=4))
+    module.policy_version = 3
+    lp = module.student_logprobs(batch)
+    drift = torch.tensor([0.0, 0.02, 0.05, 0.1])[: batch.size, None]
+    blp = batch.behaviour_logprobs.clone()
+    blp[:, 1:] = torch.where(batch.loss_mask[:, 1:] > 0, lp - drift, blp[:, 1:])
+    return replace(batch, behaviour_logprobs=blp, behaviour_version=torch.tensor([3, 2, 1, 0])[: batch.size])
+
+
 def step_grads(module, batch, world_size=1, step_tokens=None):
     module.student.zero_grad(set_to_none=True)
+    batch = module.plan_batch(batch)
     tokens = batch.loss_mask[:, 1:].sum() if step_tokens is None else step_tokens
+    if step_tokens is None:
+        tokens = module.reduce_sum(tokens)
     sums = module.backward_step(batch, tokens, lambda loss: loss.backward(), world_size)
     grads = {n: p.grad.clone() for n, p in module.student.named_parameters() if p.grad is not None}
     return sums, grads
@@ -99,11 +116,18 @@ def test_f01b_padded_teacher_embeddings_train_on_real_vocab(tmp_path, model_dirs
     assert out.kl[mask > 0].abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("freshness", [False, True])
 @pytest.mark.parametrize("loss_cls", LOSSES)
-def test_f01c_teacher_equal_student_kl_zero_on_every_token(model_dirs, tokenizer, loss_cls):
+def test_f01c_teacher_equal_student_kl_zero_on_every_token(model_dirs, tokenizer, loss_cls, freshness):
     module = make_module({"student": model_dirs["student"], "teacher": model_dirs["student"]}, loss_cls)
-    out, mask, _ = module.token_losses(make_batch(tokenizer))
+    batch = make_batch(tokenizer)
+    if freshness:
+        batch = with_freshness(module, batch)
+    out, mask, _ = module.token_losses(batch)
     assert torch.equal(out.kl[mask > 0], torch.zeros_like(out.kl[mask > 0]))
+    sums, grads = step_grads(module, batch)
+    # the analytic gradient at p_S = p_T is 0; in float32 it is 0 up to rounding of sum_v p_v (d_j - p_j)
+    assert sums["loss"].abs().item() == 0.0 and all(g.abs().max() < 1e-6 for g in grads.values())
 
 
 # ------------------------------------------------------------------------------------------------ F02
@@ -111,51 +135,63 @@ def test_f01c_teacher_equal_student_kl_zero_on_every_token(model_dirs, tokenizer
 def test_teacher_scored_at_the_sampling_temperature(model_dirs, tokenizer, temperature):
     module = make_module(model_dirs)
     batch = make_batch(tokenizer, temperature)
-    out, _, _ = module.token_losses(batch)
+    out, mask, _ = module.token_losses(batch)
     with torch.no_grad():
         logits = module.teacher(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
     expect = log_probs(logits, temperature).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    torch.testing.assert_close(out.teacher_logprobs, expect)
+    keep = mask > 0
+    torch.testing.assert_close(out.teacher_logprobs[keep], expect[keep])
+    # logits are computed only where a supervised token is predicted (in any row): elsewhere 0
+    assert torch.equal(out.teacher_logprobs[:, ~keep.any(0)], torch.zeros_like(out.teacher_logprobs[:, ~keep.any(0)]))
 
 
 # ------------------------------------------------------------------------------------------------ F04
+@pytest.mark.parametrize("freshness", [False, True])
 @pytest.mark.parametrize("loss_cls", LOSSES)
 @pytest.mark.parametrize("micro_batch_size", [1, 4])
-def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer, loss_cls, micro_batch_size):
+def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer, loss_cls, micro_batch_size, freshness):
     module = make_module(model_dirs, loss_cls, micro_batch_size)
     batch = make_batch(tokenizer)
+    if freshness:
+        batch = with_freshness(module, batch)
     sums, grads = step_grads(module, batch)
 
     teacher = module.teacher
-    original = teacher.forward
+    seen = {}
 
-    def perturbed(*args, **kwargs):
-        out = original(*args, **kwargs)
-        ids = kwargs["input_ids"]
-        # rows of this micro-batch: find them in the batch by their ids
+    def capture_ids(_module, args, kwargs):
+        seen["ids"] = kwargs["input_ids"]
+
+    def perturb_hidden(_module, _inputs, hidden):
+        # extreme teacher disagreement at every position whose next token is not supervised (observations,
+        # padding, cut-reply closers), per row of this micro-batch
+        ids = seen["ids"]
         rows = [next(j for j in range(batch.size) if torch.equal(batch.input_ids[j, :ids.shape[1]], ids[i]))
                 for i in range(ids.shape[0])]
-        next_is_obs = torch.zeros(ids.shape, dtype=torch.bool)
+        next_is_obs = torch.ones(ids.shape, dtype=torch.bool)
         next_is_obs[:, :-1] = batch.loss_mask[rows, 1:ids.shape[1]] == 0
-        noise = torch.randn(out.logits.shape) * 1e4
-        out.logits = torch.where(next_is_obs[..., None], out.logits + noise, out.logits)
-        return out
+        return torch.where(next_is_obs[..., None], hidden + torch.randn(hidden.shape) * 1e3, hidden)
 
-    teacher.forward = perturbed
+    handles = [teacher.register_forward_pre_hook(capture_ids, with_kwargs=True),
+               teacher.model.norm.register_forward_hook(perturb_hidden)]
     try:
         sums2, grads2 = step_grads(module, batch)
     finally:
-        teacher.forward = original
+        for h in handles:
+            h.remove()
     assert torch.equal(sums["loss"], sums2["loss"])
     for name in grads:
         assert torch.equal(grads[name], grads2[name]), name
 
 
 # ------------------------------------------------------------------------------------------------ F06
+@pytest.mark.parametrize("freshness", [False, True])
 @pytest.mark.parametrize("loss_cls", LOSSES)
-def test_f06_all_masked_micro_batch_is_finite_and_adds_nothing(model_dirs, tokenizer, loss_cls):
+def test_f06_all_masked_micro_batch_is_finite_and_adds_nothing(model_dirs, tokenizer, loss_cls, freshness):
     module = make_module(model_dirs, loss_cls, micro_batch_size=1)
     batch = make_batch(tokenizer)
+    if freshness:
+        batch = with_freshness(module, batch)
     masked = replace(batch, loss_mask=batch.loss_mask.clone())
     masked.loss_mask[1] = 0
     sums, grads = step_grads(module, masked)
@@ -171,12 +207,15 @@ def test_f06_all_masked_micro_batch_is_finite_and_adds_nothing(model_dirs, token
 
 
 # ------------------------------------------------------------------------------------------------ F07
+@pytest.mark.parametrize("freshness", [False, True])
 @pytest.mark.parametrize("loss_cls", LOSSES)
-def test_f07_micro_batch_layout_does_not_change_the_gradient(model_dirs, tokenizer, loss_cls):
+def test_f07_micro_batch_layout_does_not_change_the_gradient(model_dirs, tokenizer, loss_cls, freshness):
     batch = make_batch(tokenizer)
     results = {}
     for mbs in (4, 2, 1):
-        results[mbs] = step_grads(make_module(model_dirs, loss_cls, mbs), batch)
+        module = make_module(model_dirs, loss_cls, mbs)
+        b = with_freshness(module, batch) if freshness else batch
+        results[mbs] = step_grads(module, b)
     for mbs in (2, 1):
         torch.testing.assert_close(results[mbs][0]["loss"], results[4][0]["loss"])
         for name, g in results[4][1].items():
@@ -189,17 +228,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_worker(rank, world, port, model_dirs, loss_name, out_path):
+def _rank_worker(rank, world, port, model_dirs, loss_name, freshness, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     tokenizer = make_tokenizer()
     batch = make_batch(tokenizer)
     module = make_module(model_dirs, {"full": FullVocabReverseKL, "sampled": SampledTokenReverseKL}[loss_name], 1)
+    if freshness:
+        batch = with_freshness(module, batch)
     local = batch.select(slice(rank * 2, rank * 2 + 2))  # rank 0: rows 0-1, rank 1: rows 2-3
-    tokens = local.loss_mask[:, 1:].sum()
-    dist.all_reduce(tokens)  # the step's token count over all ranks
-    sums, grads = step_grads(module, local, world_size=world, step_tokens=tokens)
+    sums, grads = step_grads(module, local, world_size=world)  # token count and f̄ all-reduced inside
     for g in grads.values():  # what DDP / FSDP do: average gradients over ranks
         dist.all_reduce(g)
         g /= world
@@ -211,11 +250,12 @@ def _rank_worker(rank, world, port, model_dirs, loss_name, out_path):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("loss_name", ["full", "sampled"])
-def test_f07_two_ranks_equal_single_process(model_dirs, tokenizer, loss_name, tmp_path):
+@pytest.mark.parametrize(("loss_name", "freshness"), [("full", False), ("sampled", False), ("full", True)])
+def test_f07_two_ranks_equal_single_process(model_dirs, tokenizer, loss_name, freshness, tmp_path):
     ctx = mp.get_context("spawn")
     port, out_path = _free_port(), str(tmp_path / "rank0.pt")
-    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, model_dirs, loss_name, out_path)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, model_dirs, loss_name, freshness, out_path))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -223,7 +263,9 @@ def test_f07_two_ranks_equal_single_process(model_dirs, tokenizer, loss_name, tm
         assert p.exitcode == 0
     loss2, grads2 = torch.load(out_path, weights_only=True)
     loss_cls = {"full": FullVocabReverseKL, "sampled": SampledTokenReverseKL}[loss_name]
-    sums1, grads1 = step_grads(make_module(model_dirs, loss_cls, 4), make_batch(tokenizer))
+    module = make_module(model_dirs, loss_cls, 4)
+    batch = with_freshness(module, make_batch(tokenizer)) if freshness else make_batch(tokenizer)
+    sums1, grads1 = step_grads(module, batch)
     torch.testing.assert_close(loss2, sums1["loss"])
     for name, g in grads1.items():
         torch.testing.assert_close(grads2[name], g, atol=1e-6, rtol=1e-5)

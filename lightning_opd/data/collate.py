@@ -32,6 +32,7 @@ class RolloutBatch:
         group_id: ``(B,)`` long, GRPO group.
         is_probe: ``(B,)`` bool, full-depth probe rollout.
         rollout_cap: ``(B,)`` long, turn cap the episode ran under.
+        sample_weight: ``(B,)`` float, per-sample loss weight set by weighting schemes (default 1).
         sampling: sampling parameters the batch was generated with (the learner scores at the same
             temperature, F02).
         trajectories: the source trajectories (all of them, including empty ones), for logging.
@@ -49,11 +50,17 @@ class RolloutBatch:
     group_id: torch.Tensor
     is_probe: torch.Tensor
     rollout_cap: torch.Tensor
+    sample_weight: torch.Tensor | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trajectories: list[Trajectory] = field(default_factory=list)
 
     _TENSORS = ("input_ids", "attention_mask", "loss_mask", "turn_index", "behaviour_logprobs", "behaviour_version",
-                "rewards", "success", "num_turns", "group_id", "is_probe", "rollout_cap")
+                "rewards", "success", "num_turns", "group_id", "is_probe", "rollout_cap", "sample_weight")
+
+    def __post_init__(self) -> None:
+        if self.sample_weight is None:
+            self.sample_weight = torch.ones(self.input_ids.shape[0], dtype=torch.float32,
+                                            device=self.input_ids.device)
 
     @property
     def size(self) -> int:
