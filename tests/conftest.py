@@ -8,6 +8,7 @@ import torch
 from tests.helpers import make_model, make_tokenizer, save_model_dir
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines in tests
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
