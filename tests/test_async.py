@@ -3,6 +3,7 @@ that stale batches really come from old weights, crash propagation and shutdown.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -98,3 +99,32 @@ def test_group_ids_are_shared_within_a_group_and_unique_across(model_dirs):
         _dm(episodes_per_step=3, group_size=2)
     with pytest.raises(ValueError, match="forced_lag"):
         _dm(mode="async", forced_lag=2)
+
+
+class RaiseAt(L.Callback):
+    def __init__(self, step, exc):
+        self.step, self.exc = step, exc
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            raise self.exc
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), RuntimeError("boom in a callback")], ids=["ctrl-c", "error"])
+def test_ctrl_c_and_errors_stop_the_producer(model_dirs, exc):
+    model = RecordingOPD(student=model_dirs["student"], teacher=model_dirs["teacher"])
+    dm = _dm(mode="async", max_lag=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[RaiseAt(2, exc)])
+    expected = SystemExit if isinstance(exc, KeyboardInterrupt) else RuntimeError
+    t0 = time.time()
+    handler = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a Ctrl-C: restore it
+    try:
+        with pytest.raises(expected):
+            trainer.fit(model, datamodule=dm)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert time.time() - t0 < 120
+    assert not dm.producer.running
+    assert not any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())

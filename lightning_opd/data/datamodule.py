@@ -158,6 +158,11 @@ class RolloutDataModule(L.LightningDataModule):
         if self.producer is not None:
             self.producer.stop()
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Any error or Ctrl-C in fit stops the background producer (Lightning calls this hook)."""
+        if self.producer is not None:
+            self.producer.stop(timeout=10.0)
+
     # ------------------------------------------------------------------------------ policy versions
     @property
     def manages_weights(self) -> bool:
