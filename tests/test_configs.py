@@ -23,6 +23,7 @@ import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.cli import OPDCLI, main
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.data.expert import ExpertDataModule
@@ -228,10 +229,11 @@ def check_opd(cli, tmp):
 
 def check_teacher_sft(cli, tmp):
     assert type(cli.model) is SFTModule and type(cli.datamodule) is ExpertDataModule
-    assert cli.trainer.max_epochs == 2 and cli.trainer.limit_val_batches == 0
+    assert cli.trainer.max_epochs == 3 and cli.trainer.limit_val_batches == 0
     assert cli.datamodule.batch_size == 4 and cli.datamodule.max_turns == 8
     assert cli.model.export_dir == str(tmp / "export")
-    assert cli.config["model.init_args.optimizer.init_args.lr"] == pytest.approx(3e-5)
+    assert cli.model.lora_rank == 16 and cli.model.lora_alpha == 32
+    assert cli.config["model.init_args.optimizer.init_args.lr"] == pytest.approx(2e-4)
 
 
 def check_opd_sampled(cli, tmp):
@@ -255,9 +257,44 @@ def check_fast_dev_run(cli, tmp):
     assert cli.trainer.logger.name == "debug" and Path(cli.trainer.logger.save_dir) == tmp / "logs"
 
 
+def _monitors(cli):
+    return [c for c in cli.trainer.callbacks if isinstance(c, StalenessMonitor)]
+
+
+def check_staleness_monitor(cli, tmp):
+    (mon,) = _monitors(cli)  # appended to opd.yaml, which has no callbacks of its own
+    assert mon.truncated_ratio and mon.filtering and mon.weighting and mon.lag_cap == 8
+
+
+def check_fopd_async(cli, tmp):
+    assert cli.datamodule.mode == "async" and cli.datamodule.max_lag == 2 and cli.datamodule.max_allowed_lag == 2
+    assert len(_monitors(cli)) == 1
+
+
+def check_vllm(cli, tmp):
+    from lightning_opd.rollout.vllm import VLLMGenerator
+
+    gen = cli.datamodule.generator
+    assert isinstance(gen, VLLMGenerator) and gen.llm is None  # the engine starts lazily, at the first rollout
+    assert gen.kv_cache_memory_bytes == 1 << 30 and gen.dtype == "float32"
+
+
 EXPECT = {"textworld/opd.yaml": check_opd, "textworld/teacher_sft.yaml": check_teacher_sft,
           "model/opd_sampled.yaml": check_opd_sampled, "data/textworld.yaml": check_data_textworld,
-          "debug/fast_dev_run.yaml": check_fast_dev_run}
+          "debug/fast_dev_run.yaml": check_fast_dev_run, "callbacks/staleness_monitor.yaml": check_staleness_monitor,
+          "textworld/fopd_async.yaml": check_fopd_async, "data/vllm.yaml": check_vllm}
+
+
+def test_callback_overlays_append_instead_of_replacing(build_cli, tmp_path):
+    """``trainer.callbacks+:`` in an overlay appends to the callbacks of the files before it (two monitors
+    need different state keys: Lightning refuses duplicates)."""
+    extra = tmp_path / "second_monitor.yaml"
+    extra.write_text("trainer:\n  callbacks+:\n    - class_path: lightning_opd.callbacks.staleness_monitor.StalenessMonitor\n"
+                     "      init_args:\n        lag_cap: 6\n")
+    cli, _, _ = build_cli(CONF / "textworld/fopd_async.yaml", extra)
+    assert sorted(m.lag_cap for m in _monitors(cli)) == [6, 8]
+    cli, _, _ = build_cli(BASE, CONF / "callbacks/staleness_monitor.yaml", extra)
+    assert sorted(m.lag_cap for m in _monitors(cli)) == [6, 8]
 
 
 def test_configs_found():
