@@ -1,0 +1,51 @@
+"""Shared helpers for the benchmark scripts: resumable result files and the memory-bandwidth probe."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class ResultFile:
+    """A JSON dict of finished measurements; a rerun skips keys already there (resumable)."""
+
+    def __init__(self, name: str) -> None:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        self.path = RESULTS / f"{name}.json"
+        self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.data
+
+    def __getitem__(self, key: str):
+        return self.data[key]
+
+    def put(self, key: str, value) -> None:
+        self.data[key] = value
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+        tmp.replace(self.path)  # atomic: a crash leaves the previous file
+
+
+def memory_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s (10^9 bytes), measured as the best of ``repeats`` sums over an fp32 tensor
+    of ``nbytes`` bytes (a sum reads every byte once and writes almost nothing)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
