@@ -7,6 +7,7 @@ distribution actually sampled from (temperature, top-p and top-k applied; F02).
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Protocol
@@ -93,10 +94,18 @@ class PolicySource(Protocol):
 
 
 class Generator(ABC):
-    """A backend that samples replies for a batch of episodes."""
+    """A backend that samples replies for a batch of episodes.
+
+    ``generate`` validates the requests and holds the backend's lock while the subclass's
+    ``_generate`` samples, so a concurrent ``push_weights`` (which takes the same lock) never lands
+    in the middle of a call: every reply comes from one policy version.
+    """
 
     end_of_turn_id: int = -1
     _policy: PolicySource | None = None
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
 
     def attach(self, policy: PolicySource, end_of_turn_id: int) -> None:
         """Bind to the policy whose weights and version the backend samples with."""
@@ -110,9 +119,22 @@ class Generator(ABC):
             raise RuntimeError(f"{type(self).__name__} is not attached to a policy; call attach() first")
         return int(self._policy.policy_version)
 
-    @abstractmethod
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
-        """Sample one reply per request (same order)."""
+        """Sample one reply per request (same order).
+
+        Raises:
+            ValueError: an empty request list or an empty prompt.
+        """
+        if not requests:
+            raise ValueError("generate() needs at least one request")
+        if any(not r.prompt_ids for r in requests):
+            raise ValueError("every request needs a non-empty prompt_ids")
+        with self._lock:
+            return self._generate(requests, sampling)
+
+    @abstractmethod
+    def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
+        """The backend's sampling (called under the lock with validated requests)."""
 
     def push_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
         """Serve ``state`` (a student ``state_dict``) from now on, stamped ``version``; returns seconds.

@@ -17,7 +17,6 @@ landing in the middle of a ``generate`` call, so every reply comes from one vers
 from __future__ import annotations
 
 import copy
-import threading
 import time
 from dataclasses import dataclass
 from typing import Hashable, Mapping
@@ -59,12 +58,12 @@ class HFGenerator(Generator):
     """
 
     def __init__(self, reuse_kv_cache: bool = True, pad_token_id: int | None = None) -> None:
+        super().__init__()
         self.reuse_kv_cache = reuse_kv_cache
         self.pad_token_id = pad_token_id
         self._state: _KVState | None = None
         self._own_model: torch.nn.Module | None = None
         self._own_version: int | None = None
-        self._lock = threading.RLock()
 
     def release(self) -> None:
         self._state = None
@@ -113,19 +112,6 @@ class HFGenerator(Generator):
         return len({r.key for r in requests}) == len(requests)
 
     @torch.no_grad()
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
-        """Sample one reply per request; see :class:`~lightning_opd.rollout.generator.Generator`.
-
-        Raises:
-            ValueError: an empty request list or an empty prompt.
-        """
-        if not requests:
-            raise ValueError("generate() needs at least one request")
-        if any(not r.prompt_ids for r in requests):
-            raise ValueError("every request needs a non-empty prompt_ids")
-        with self._lock:
-            return self._generate(requests, sampling)
-
     def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
         if self._own_model is not None:
             model = self._own_model

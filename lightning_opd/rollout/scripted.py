@@ -26,6 +26,7 @@ class ScriptedGenerator(Generator):
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, reply_fn: Callable[[GenerationRequest], str],
                  policy_version: int = 0) -> None:
+        super().__init__()
         self.tokenizer = tokenizer
         self.reply_fn = reply_fn
         self._fixed_version = policy_version
@@ -35,7 +36,7 @@ class ScriptedGenerator(Generator):
     def policy_version(self) -> int:
         return int(self._policy.policy_version) if self._policy is not None else self._fixed_version
 
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
+    def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
         outs = []
         for r in requests:
             ids = self.tokenizer.encode(self.reply_fn(r), add_special_tokens=False) + [self.end_of_turn_id]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import Iterable, Mapping
 
@@ -75,6 +74,7 @@ class VLLMGenerator(Generator):
     def __init__(self, model: str | None = None, dtype: str = "float32", kv_cache_memory_bytes: int = 1 << 30,
                  max_model_len: int = 4096, enable_prefix_caching: bool = True, seed: int = 0,
                  engine_kwargs: dict | None = None) -> None:
+        super().__init__()
         self.model = model
         self.dtype = dtype
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
@@ -89,7 +89,6 @@ class VLLMGenerator(Generator):
         #: push the attached policy's weights before sampling whenever its version moved (synchronous
         #: mode); the DataModule turns it off when it manages pushes itself (async, forced_lag)
         self.follow_policy = True
-        self._lock = threading.RLock()
 
     # ----------------------------------------------------------------------------------------- engine
     def start(self) -> None:
@@ -148,19 +147,6 @@ class VLLMGenerator(Generator):
             max_tokens=sampling.max_new_tokens, min_tokens=0, seed=seed, logprobs=0,
             stop_token_ids=[self.end_of_turn_id], detokenize=False, skip_special_tokens=False, ignore_eos=False,
             repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0)
-
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
-        """Sample one reply per request (see :class:`Generator`).
-
-        Raises:
-            ValueError: an empty request list or prompt.
-        """
-        if not requests:
-            raise ValueError("generate() needs at least one request")
-        if any(not r.prompt_ids for r in requests):
-            raise ValueError("every request needs a non-empty prompt_ids")
-        with self._lock:
-            return self._generate(requests, sampling)
 
     def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
         self._ensure_current()

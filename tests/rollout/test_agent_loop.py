@@ -246,6 +246,7 @@ class _CutGenerator(Generator):
     """Always returns the same three tokens, not ending with the end-of-turn id (cut by max_new_tokens)."""
 
     def __init__(self, ids: list[int]) -> None:
+        super().__init__()
         self.ids = ids
         self.calls = 0
 
@@ -253,7 +254,7 @@ class _CutGenerator(Generator):
     def policy_version(self) -> int:
         return 0
 
-    def generate(self, requests, sampling):
+    def _generate(self, requests, sampling):
         self.calls += len(requests)
         return [GenerationOutput(token_ids=list(self.ids), logprobs=[-0.5, -1.0, -1.5], finished=False,
                                  policy_version=0) for _ in requests]
