@@ -77,6 +77,25 @@ def run(backend: str, batch: int, policy: Policy, envs: TextWorldEnvFactory, tur
             "tokens_per_s": timed.tokens / timed.seconds}
 
 
+def push_timing(policy: Policy, repeats: int = 3) -> dict:
+    """Seconds to push the student's weights into a running vLLM engine (F09 path) vs a plain copy."""
+    from lightning_opd.rollout.vllm import VLLMGenerator
+
+    gen = VLLMGenerator(kv_cache_memory_bytes=1 << 28, max_model_len=2048)
+    gen.attach(policy, policy.tokenizer.eos_token_id)
+    gen.start()
+    state = policy.policy_model.state_dict()
+    pushes, copies = [], []
+    for v in range(repeats):
+        pushes.append(gen.push_weights(state, v + 1))
+        t0 = time.perf_counter()
+        copy = {k: t.clone() for k, t in state.items()}
+        copies.append(time.perf_counter() - t0)
+        del copy
+    gen.shutdown()
+    return {"push_s": min(pushes), "copy_s": min(copies)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="artifacts/models/smollm2-135m")
@@ -98,6 +117,8 @@ def main() -> None:
             if key not in results:
                 print(f"running {key} ...", flush=True)
                 results.put(key, run(backend, batch, policy, envs, a.turns))
+    if "vllm" in a.backends and "push" not in results:
+        results.put("push", push_timing(policy))
     bw = results["bandwidth_gbs"]
     rows = []
     for batch in a.batches:
@@ -112,6 +133,10 @@ def main() -> None:
         rows.append(row)
     print(f"\nmemory bandwidth {bw:.1f} GB/s, weights {weight_bytes / 1e6:.0f} MB (fp32), {a.turns} turns, 16 new tokens/turn")
     print(markdown_table(["batch", "HF tokens/s", "vLLM tokens/s", "vLLM / HF", "decode bound tokens/s"], rows))
+    if "push" in results:
+        push = results["push"]
+        print(f"\nweight push into vLLM: {push['push_s']:.2f} s vs plain copy of the same weights {push['copy_s']:.2f} s "
+              f"({push['push_s'] / push['copy_s']:.1f}x)")
 
 
 if __name__ == "__main__":

@@ -99,10 +99,15 @@ class VLLMGenerator(Generator):
         path = self.model or getattr(self._policy, "student_path", None)
         if path is None:
             raise ValueError("VLLMGenerator needs `model` (a model directory) or a policy with `student_path`")
+        # Chunked prefill off: with per-request seeds, vLLM 0.32 on CPU crashes when a partly prefilled
+        # request's sample is discarded ("CPU Generator does not use offset"); then every prompt must
+        # fit in one scheduler step, hence max_num_batched_tokens >= max_model_len.
+        kwargs = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(16384, self.max_model_len))
+        kwargs.update(self.engine_kwargs)
         self.llm = vllm.LLM(model=str(path), dtype=self.dtype, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
                             seed=self.seed, logprobs_mode="processed_logprobs", max_logprobs=1,
-                            enforce_eager=True, **self.engine_kwargs)
+                            enforce_eager=True, **kwargs)
         self.sync = VLLMWeightSync(self.llm)
         self._engine_version = None
 

@@ -143,3 +143,13 @@ def test_engine_follows_the_attached_policy_version(engine, vllm_models, tokeniz
     policy.policy_version = 11
     out = gen.generate([GenerationRequest(key=0, prompt_ids=_prompts(tokenizer)[0])], SamplingParams(max_new_tokens=3))
     assert gen.engine_version == 11 and out[0].policy_version == 11
+
+
+def test_many_long_seeded_prompts_do_not_crash_the_cpu_engine(engine, tokenizer):
+    """Regression: with chunked prefill, seeded requests crashed vLLM 0.32 on CPU ("CPU Generator does
+    not use offset"); the generator turns chunked prefill off."""
+    gen, _ = engine
+    gen.follow_policy = False
+    requests = [GenerationRequest(key=i, prompt_ids=[5 + (j % 200) for j in range(700 + i)], seed=i) for i in range(24)]
+    outs = gen.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=4))
+    assert len(outs) == 24 and all(1 <= len(o.token_ids) <= 4 for o in outs)
