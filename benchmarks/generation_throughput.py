@@ -110,7 +110,8 @@ def main() -> None:
         results.put("bandwidth_gbs", memory_bandwidth_gbs())
     policy = Policy(a.model)
     envs = TextWorldEnvFactory(a.games)
-    weight_bytes = sum(t.numel() * t.element_size() for t in policy.policy_model.state_dict().values())
+    # parameters read per decoded token; tied embeddings share one storage and are counted once
+    weight_bytes = sum(p.numel() * p.element_size() for p in policy.policy_model.parameters())
     for batch in a.batches:
         for backend in a.backends:
             key = f"{backend}/b{batch}/t{a.turns}"
