@@ -19,7 +19,11 @@ The module reports every new policy version through :meth:`RolloutDataModule.on_
 Validation/test: the held-out tasks, played by the same agent loop with ``eval_temperature``
 (greedy by default), in chunks of ``eval_batch_size`` episodes.
 
-Knobs for controllers go through named setters (``set_max_turns``).
+Knobs for controllers go through named setters (``set_max_turns``, ``set_probe_schedule``). Training
+batch ``k`` (``k`` = the learner version it is meant for = training batches started before it) is a
+full-depth probe batch when a probe schedule is set and ``k < warmup or k % interval == 0`` (TurnOPD,
+docs/algorithms.md §2.5); its cap and probe flag are fixed when the batch starts and travel with every
+sample (``Trajectory.rollout_cap``/``is_probe``), so a later change applies to later batches only.
 """
 
 from __future__ import annotations
@@ -131,6 +135,9 @@ class RolloutDataModule(L.LightningDataModule):
         self._epoch = 0
         self._cursor = 0
         self._episodes_started = 0
+        self._batches_started = 0  # training batches started (index of the next one)
+        self._batches_taken = 0  # training batches handed to the learner
+        self.probe_schedule: tuple[int, int, int] | None = None  # (warmup, interval, full_depth)
 
     # ----------------------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
@@ -207,6 +214,40 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"max_turns={max_turns} must be >= 1")
         self.max_turns = int(max_turns)
 
+    def set_probe_schedule(self, warmup: int, interval: int, full_depth: int) -> None:
+        """Make training batch ``k`` a probe batch when ``k < warmup or k % interval == 0``: played at
+        ``full_depth`` turns with ``EpisodeSpec(is_probe=True)``; other batches use ``max_turns``.
+
+        ``k`` counts training batches from 0 (= the learner version the batch is meant for, also in
+        async mode, where the producer plays ahead). Applies to batches started from now on.
+
+        Args:
+            warmup: batches ``0 .. warmup-1`` are all probes (batches).
+            interval: then every ``interval``-th batch is a probe (batches).
+            full_depth: turn cap of probe batches (turns).
+
+        Raises:
+            ValueError: ``warmup < 0``, ``interval < 1`` or ``full_depth < 1``.
+        """
+        if warmup < 0:
+            raise ValueError(f"warmup={warmup} must be >= 0")
+        if interval < 1:
+            raise ValueError(f"interval={interval} must be >= 1")
+        if full_depth < 1:
+            raise ValueError(f"full_depth={full_depth} must be >= 1")
+        self.probe_schedule = (int(warmup), int(interval), int(full_depth))
+
+    def clear_probe_schedule(self) -> None:
+        """No more probe batches: every training batch runs at ``max_turns``."""
+        self.probe_schedule = None
+
+    def is_probe_batch(self, k: int) -> bool:
+        """Whether training batch ``k`` is a probe batch under the current schedule."""
+        if self.probe_schedule is None:
+            return False
+        warmup, interval, _ = self.probe_schedule
+        return k < warmup or k % interval == 0
+
     # ---------------------------------------------------------------------------------------- sampling
     def _task_order(self, epoch: int) -> list[str]:
         tasks = self.env.train_tasks()
@@ -215,9 +256,11 @@ class RolloutDataModule(L.LightningDataModule):
         random.Random(self.seed * 7919 + epoch).shuffle(tasks)
         return tasks
 
-    def next_episodes(self, n: int) -> list[EpisodeSpec]:
+    def next_episodes(self, n: int, max_turns: int | None = None, is_probe: bool = False) -> list[EpisodeSpec]:
         """The next ``n`` training episodes: tasks in a seeded order, reshuffled every pass; each task
-        played ``group_size`` times with distinct episode seeds and one shared ``group_id``."""
+        played ``group_size`` times with distinct episode seeds and one shared ``group_id``; capped at
+        ``max_turns`` (default: the current ``self.max_turns``) and flagged ``is_probe``."""
+        cap = self.max_turns if max_turns is None else int(max_turns)
         specs = []
         order = self._task_order(self._epoch)
         for _ in range(n // self.group_size):
@@ -227,8 +270,8 @@ class RolloutDataModule(L.LightningDataModule):
             group = self._episodes_started // self.group_size
             for _ in range(self.group_size):
                 seed = self.seed * 1_000_003 + self._episodes_started
-                specs.append(EpisodeSpec(task_id=order[self._cursor], seed=seed, max_turns=self.max_turns,
-                                         group_id=group))
+                specs.append(EpisodeSpec(task_id=order[self._cursor], seed=seed, max_turns=cap,
+                                         is_probe=is_probe, group_id=group))
                 self._episodes_started += 1
             self._cursor += 1
         return specs
@@ -242,7 +285,12 @@ class RolloutDataModule(L.LightningDataModule):
                     raise RuntimeError(f"forced_lag: no copy of version {target} (have {sorted(self._snapshots)}); "
                                        "on_policy_update must run for every version")
                 self.generator.push_weights(self._snapshots[target], target)
-        return self.loop.run(self.next_episodes(self.episodes_per_step), self.sampling)
+        k = self._batches_started
+        self._batches_started += 1
+        schedule, cap = self.probe_schedule, self.max_turns  # read once: fixed for the whole batch
+        probe = schedule is not None and self.is_probe_batch(k)
+        specs = self.next_episodes(self.episodes_per_step, max_turns=schedule[2] if probe else cap, is_probe=probe)
+        return self.loop.run(specs, self.sampling)
 
     def next_train_batch(self) -> RolloutBatch:
         """The next rollout batch, collated: generated now (sync) or from the background producer (async).
@@ -253,7 +301,9 @@ class RolloutDataModule(L.LightningDataModule):
         """
         if self.loop is None or self.producer is None:
             raise RuntimeError("RolloutDataModule is not connected to a policy (trainer.fit calls setup)")
-        return collate_trajectories(self.producer.next_batch(), self.sampling, self.pad_id)
+        trajs = self.producer.next_batch()
+        self._batches_taken += 1
+        return collate_trajectories(trajs, self.sampling, self.pad_id)
 
     def eval_batches(self) -> Iterator[RolloutBatch]:
         """Every held-out task once, ``eval_batch_size`` episodes at a time."""
@@ -280,14 +330,18 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ---------------------------------------------------------------------------------------- resume
     def state_dict(self) -> dict:
+        """Sampler state. ``train_batches`` counts batches the learner took (= its version), not batches
+        the async producer started: buffered batches are lost on resume, and the probe schedule must
+        continue at the learner's version."""
         return {"epoch": self._epoch, "cursor": self._cursor, "episodes_started": self._episodes_started,
-                "max_turns": self.max_turns}
+                "max_turns": self.max_turns, "train_batches": self._batches_taken}
 
     def load_state_dict(self, state: dict) -> None:
         self._epoch = int(state.get("epoch", 0))
         self._cursor = int(state.get("cursor", 0))
         self._episodes_started = int(state.get("episodes_started", 0))
         self.max_turns = int(state.get("max_turns", self.max_turns))
+        self._batches_started = self._batches_taken = int(state.get("train_batches", 0))
 
 
 def _identity(x):
