@@ -1,0 +1,213 @@
+"""RolloutDepthController (TurnOPD §5.1, docs/algorithms.md §2.3/§2.5) on scripted TurnStats: centroid,
+quantile, pooling over W probe batches, EMA, clip, censoring, the no-success case, ranks, state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_opd.callbacks.rollout_depth import RolloutDepthController, depth_quantile, kl_centroid, round_half_up
+from lightning_opd.data import RolloutDataModule
+from lightning_opd.metrics.turn_stats import TurnStats
+from lightning_opd.rollout.scripted import ScriptedGenerator
+from tests.helpers import KeywordEnvFactory
+
+
+class Strategy:
+    """One process; ``others`` adds other ranks' vectors to the reduction (a simulated all-reduce)."""
+
+    def __init__(self, others=()):
+        self.others = list(others)
+
+    def reduce(self, x, reduce_op):
+        assert reduce_op == "sum"
+        return x + sum(self.others) if self.others else x
+
+    def broadcast(self, obj, src=0):
+        return obj
+
+
+class Trainer:
+    def __init__(self, dm, strategy=None):
+        self.datamodule, self.strategy = dm, strategy or Strategy()
+
+
+class Module:
+    def __init__(self):
+        self.last_turn_stats, self.logged = None, {}
+
+    def log(self, key, value, batch_size):
+        self.logged[key] = value
+
+
+def _dm(tokenizer, max_turns=8):
+    return RolloutDataModule(env=KeywordEnvFactory(), generator=ScriptedGenerator(tokenizer, lambda r: "x"),
+                             max_turns=max_turns)
+
+
+def row(n, win=False, probe=True, kl=None):
+    """One episode: ``n`` turns of 2 supervised tokens, per-token KL ``kl[t]`` (default: 1 at turn 0 only)."""
+    return {"n": n, "win": win, "probe": probe, "kl": kl if kl is not None else [1.0] + [0.0] * (n - 1)}
+
+
+def stats(rows, h=8):
+    kl, tok = torch.zeros(len(rows), h, dtype=torch.float64), torch.zeros(len(rows), h, dtype=torch.float64)
+    for i, r in enumerate(rows):
+        for t in range(min(r["n"], h)):
+            kl[i, t], tok[i, t] = 2 * r["kl"][t], 2
+    return TurnStats(kl_sum=kl, loss_sum=kl.clone(), tokens=tok, num_turns=torch.tensor([r["n"] for r in rows]),
+                     success=torch.tensor([float(r["win"]) for r in rows]),
+                     is_probe=torch.tensor([r["probe"] for r in rows]),
+                     rollout_cap=torch.tensor([8 if r["probe"] else 3 for r in rows]))
+
+
+def _setup(tokenizer, max_turns=8, **kw):
+    ctrl, dm, module = RolloutDepthController(**kw), _dm(tokenizer, max_turns), Module()
+    trainer = Trainer(dm)
+    ctrl.setup(trainer, module, "fit")
+    return ctrl, dm, module, trainer
+
+
+def _step(ctrl, trainer, module, rows, h=8):
+    module.last_turn_stats = stats(rows, h)
+    ctrl.on_train_batch_end(trainer, module, None, None, 0)
+    return ctrl.h_eff, ctrl.h_cov, ctrl.h_bar, ctrl.cap
+
+
+# -------------------------------------------------------------------------------------------- formulas
+def test_kl_centroid_by_hand():
+    # K = [1, -1 -> 0, 3, 0/0 -> 0]; m = K+ * n_t/n_0 = [1, 0, 1.5, 0]; centroid = (2 * 1.5) / 2.5
+    c = kl_centroid(torch.tensor([2.0, -1.0, 3.0, 0.0]), torch.tensor([2.0, 1.0, 1.0, 0.0]),
+                    torch.tensor([2.0, 2.0, 1.0, 0.0]), n0=2)
+    assert c == pytest.approx(1.2, abs=1e-6)
+    assert kl_centroid(torch.zeros(3), torch.ones(3), torch.ones(3), n0=1) == 0.0  # no KL: centroid 0
+
+
+@pytest.mark.parametrize(("hist", "p", "expected"), [
+    ([0, 2, 3, 4, 1], 0.8, 3),  # cumulative 0, 2, 5, 9 >= 8
+    ([0, 2, 3, 4, 1], 0.5, 2),  # 5 >= 5
+    ([0, 2, 3, 4, 1], 1.0, 4),
+    ([2, 1, 1, 1, 5], 0.8, 4),  # 5 of 10 at depth <= 3 < 8
+    ([1], 0.8, 0),
+])
+def test_depth_quantile_by_hand(hist, p, expected):
+    assert depth_quantile(hist, p) == expected
+
+
+def test_round_half_up():
+    assert [round_half_up(x) for x in (0.5, 1.49, 1.5, 2.5, 2.55)] == [1, 1, 2, 3, 3]
+
+
+# -------------------------------------------------------------------------------------------- controller
+def test_state_key_and_validation():
+    assert RolloutDepthController().state_key == "RolloutDepthController{'h_min': 2, 'warmup': 3, 'probe_interval': 8}"
+    for kw, bad in (({"h_min": 0}, "h_min=0"), ({"probe_interval": 0}, "probe_interval=0"), ({"window": 0}, "window=0"),
+                    ({"quantile": 1.5}, "quantile=1.5"), ({"ema": 0.0}, "ema=0.0"), ({"cdf": "half"}, "cdf='half'"),
+                    ({"warmup": -1}, "warmup=-1"), ({"eps": 0}, "eps=0")):
+        with pytest.raises(ValueError, match=bad):
+            RolloutDepthController(**kw)
+
+
+def test_setup_reads_h_max_once_and_sets_the_probe_schedule(tokenizer):
+    ctrl, dm, _, trainer = _setup(tokenizer, max_turns=8)
+    assert ctrl.h_max == 8 and ctrl.cap == 8 and dm.max_turns == 8
+    assert dm.probe_schedule == (3, 8, 8)
+    assert [k for k in range(20) if dm.is_probe_batch(k)] == [0, 1, 2, 8, 16]
+    dm.set_max_turns(3)  # the controller's own later changes never feed back into H_max
+    ctrl.setup(trainer, Module(), "fit")
+    assert ctrl.h_max == 8
+    with pytest.raises(ValueError, match="h_min=5 is above the DataModule's max_turns=4"):
+        _setup(tokenizer, max_turns=4, h_min=5)
+
+
+def test_survivor_weighted_centroid_sets_the_first_cap(tokenizer):
+    ctrl, dm, module, trainer = _setup(tokenizer)
+    # K = [1, .5, .5, 2], n = [4, 4, 2, 1] of 4: m = [1, .5, .25, .5]; centroid 2.5/2.25 = 1.11 -> 1
+    rows = [row(4, kl=[1, .5, .5, 2]), row(3, kl=[1, .5, .5]), row(2, kl=[1, .5]), row(2, kl=[1, .5])]
+    assert _step(ctrl, trainer, module, rows) == (1, None, 1.0, 2)  # H̄ = H_eff (no H_cov); cap 1 + 1
+    assert dm.max_turns == 2
+    assert module.logged["controller/probe"] == 1.0 and module.logged["controller/h_eff"] == 1.0
+    assert "controller/h_cov" not in module.logged
+
+
+FAIL8 = [row(8)] * 4
+# (rows, expected (H_eff, H_cov, H̄, Ĥ), successes pooled); H_max 8, W 4, p 0.8, α 0.3
+TABLE = [
+    # depths 2, 2, 3, 4: 4 successes < 8, H_cov unset; H̄ = 0, cap clip(0 + 1, 2, 8) = 2
+    ([row(3, True), row(3, True), row(4, True), row(5, True)], (0, None, 0.0, 2), 4),
+    # + depths 4, 4, 5, 5: 8 pooled {2:2, 3:1, 4:3, 5:2}; F >= .8 first at 5; H̄ = .3 * 5 = 1.5 -> 2, cap 3
+    ([row(5, True), row(5, True), row(6, True), row(6, True)], (0, 5, 1.5, 3), 8),
+    # a non-probe (capped, censored) batch full of deep successes: ignored
+    ([row(3, True, probe=False, kl=[0, 0, 9])] * 4, (0, 5, 1.5, 3), 8),
+    # failures: the window still holds 8 successes; H̄ = .7 * 1.5 + .3 * 5 = 2.55 -> 3, cap 4
+    (FAIL8, (0, 5, 2.55, 4), 8),
+    (FAIL8, (0, 5, 3.285, 4), 8),
+    # W = 4: the first batch leaves the window, 4 successes: keep H_cov; H̄ = 3.7995 -> 4, cap 5
+    (FAIL8, (0, 5, 3.7995, 5), 4),
+    # KL on the last turn: H_eff 7 > H_cov; H̄ = .7 * 3.7995 + .3 * 7 = 4.75965 -> 5, cap 6
+    ([row(8, kl=[0] * 7 + [1])] * 4, (7, 5, 4.75965, 6), 0),
+]
+
+
+def test_table_centroid_quantile_pooling_ema_clip_and_censoring(tokenizer):
+    ctrl, dm, module, trainer = _setup(tokenizer)
+    for i, (rows, (h_eff, h_cov, h_bar, cap), pooled) in enumerate(TABLE):
+        got = _step(ctrl, trainer, module, rows)
+        assert got[:2] == (h_eff, h_cov) and got[2] == pytest.approx(h_bar) and got[3] == cap, i
+        assert dm.max_turns == cap and ctrl.successes_pooled == pooled, i
+        assert module.logged["controller/probe"] == float(rows[0]["probe"]), i
+        assert module.logged["controller/cap"] == cap and module.logged["controller/successes_pooled"] == pooled
+
+
+def test_cap_is_clipped_to_h_max(tokenizer):
+    ctrl, dm, module, trainer = _setup(tokenizer, max_turns=4)
+    assert _step(ctrl, trainer, module, [row(8, kl=[0] * 7 + [1])] * 2) == (7, None, 7.0, 4)
+    assert dm.max_turns == 4
+
+
+@pytest.mark.parametrize(("cdf", "expected"), [("success", (0, None, 0.0, 2)), ("full", (0, 3, 0.9, 2))])
+def test_no_success_keeps_h_cov_unset_unless_full_cdf(tokenizer, cdf, expected):
+    ctrl, _, module, trainer = _setup(tokenizer, cdf=cdf, full_quantile=0.5)
+    batch = [row(2), row(4), row(4), row(8)]  # depths 1, 3, 3, 7, all failures
+    assert _step(ctrl, trainer, module, batch) == (0, None, 0.0, 2)  # 4 trajectories < 8 either way
+    # 8 pooled {1:2, 3:4, 7:2}: full CDF >= .5 first at 3; H̄ = .3 * 3 = .9
+    got = _step(ctrl, trainer, module, batch)
+    assert got[:2] == expected[:2] and got[2] == pytest.approx(expected[2]) and got[3] == expected[3]
+
+
+def test_ranks_are_reduced_exactly(tokenizer):
+    """Rows split over two ranks (different row counts) give the decision of one rank holding them all."""
+    rows = [row(5, True), row(5, True), row(6, True), row(6, True), row(3, True), row(3, True), row(4, True),
+            row(5, True), row(7, kl=[0, 0, 0, 1, 0, 0, 0])]
+    single, _, module, trainer = _setup(tokenizer)
+    expect = _step(single, trainer, module, rows)
+    assert expect[1] == 5  # 8 successes in one batch
+    other, _, other_module, other_trainer = _setup(tokenizer)
+    other_module.last_turn_stats = stats(rows[:3])
+    vec = other._reduced_sums(other_trainer, other_module.last_turn_stats)  # rank 1's contribution
+    ctrl, _, module, _ = _setup(tokenizer)
+    trainer = Trainer(_dm(tokenizer), Strategy(others=[vec]))
+    ctrl.setup(trainer, module, "fit")
+    got = _step(ctrl, trainer, module, rows[3:])
+    assert got[:2] == expect[:2] and got[2] == pytest.approx(expect[2]) and got[3] == expect[3]
+
+
+def test_state_dict_round_trip_continues_identically(tokenizer):
+    ctrl, _, module, trainer = _setup(tokenizer)
+    for rows, _, _ in TABLE[:4]:
+        _step(ctrl, trainer, module, rows)
+    state = ctrl.state_dict()
+    assert set(state) == {"h_max", "cap", "h_bar", "h_cov", "h_eff", "pool"}
+    resumed, dm, module2, trainer2 = _setup(tokenizer, max_turns=6)  # configured differently: H_max comes back
+    resumed.load_state_dict(state)
+    resumed.on_train_start(trainer2, module2)
+    assert dm.probe_schedule == (3, 8, 8) and dm.max_turns == ctrl.cap == 4
+    for rows, _, _ in TABLE[4:]:
+        assert _step(resumed, trainer2, module2, rows) == _step(ctrl, trainer, module, rows)
+    assert resumed.state_dict() == ctrl.state_dict()
+
+
+def test_too_few_tracked_turns_warns(tokenizer):
+    ctrl, _, module, trainer = _setup(tokenizer)
+    with pytest.warns(UserWarning, match="tracks 4 turns < H_max=8"):
+        _step(ctrl, trainer, module, [row(4)], h=4)
