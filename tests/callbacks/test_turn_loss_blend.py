@@ -1,0 +1,121 @@
+"""TurnLossBlend (TurnOPD §5.2, docs/algorithms.md §2.4): weights on a hand-built micro-batch at α = 0, 0.5,
+1, the α schedule, registration, the max_steps check and state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend, blend_weights
+from lightning_opd.data.collate import RolloutBatch
+from lightning_opd.losses.weighting import Weighting
+
+# positions 0..9 of four samples: P prompt, O observation, _ padding, digits = turn of a supervised token
+LAYOUT = [
+    "PP000O1O22",  # N 6, T 3, n = [3, 1, 2]
+    "PPP0000___",  # N 4, T 1
+    "PP0OOO222_",  # N 4, T 2 (turn 1 has no supervised token), n = [1, -, 3]
+    "PP00O1____",  # dropped by another scheme: all-zero loss mask
+]
+
+
+def _micro_batch() -> RolloutBatch:
+    b, t = len(LAYOUT), len(LAYOUT[0])
+    turns = torch.tensor([[int(c) if c.isdigit() else -1 for c in s] for s in LAYOUT])
+    mask = (turns >= 0).float()
+    mask[3] = 0
+    return RolloutBatch(input_ids=torch.zeros(b, t, dtype=torch.long), attention_mask=torch.ones(b, t, dtype=torch.long),
+                        loss_mask=mask, turn_index=turns, behaviour_logprobs=torch.zeros(b, t),
+                        behaviour_version=torch.zeros(b, dtype=torch.long), rewards=torch.zeros(b), success=torch.zeros(b),
+                        num_turns=torch.tensor([3, 1, 3, 2]), group_id=torch.arange(b),
+                        is_probe=torch.zeros(b, dtype=torch.bool), rollout_cap=torch.full((b,), 4))
+
+
+def _expected(ratio_by_sample: list[dict[int, float]], alpha: float) -> torch.Tensor:
+    """Full-length expected weights from the per-turn ratios N / (T n_t), then the target positions."""
+    out = torch.ones(len(LAYOUT), len(LAYOUT[0]))
+    for i, s in enumerate(LAYOUT):
+        for j, c in enumerate(s):
+            if c.isdigit() and int(c) in ratio_by_sample[i]:
+                out[i, j] = (1 - alpha) + alpha * ratio_by_sample[i][int(c)]
+    return out[:, 1:]
+
+
+# sample 0: 6/(3*3), 6/(3*1), 6/(3*2); sample 1: 4/(1*4); sample 2: 4/(2*1), 4/(2*3); sample 3: dropped
+RATIOS = [{0: 2 / 3, 1: 2.0, 2: 1.0}, {0: 1.0}, {0: 2.0, 2: 2 / 3}, {}]
+
+
+class FakeModule:
+    def __init__(self, version=0):
+        self.policy_version, self.registered, self.logged = version, {}, {}
+
+    def set_weighting(self, name, scheme):
+        self.registered[name] = scheme
+
+    def log(self, key, value, batch_size):
+        self.logged[key] = value
+
+
+class FakeTrainer:
+    def __init__(self, max_steps):
+        self.max_steps = max_steps
+
+
+class Loss:
+    loss = torch.zeros(1)
+
+
+def _blend(k, total=10, **kw):
+    cb = TurnLossBlend(total_steps=total, **kw)
+    cb.setup(FakeTrainer(-1), FakeModule(), "fit")
+    return cb.token_weights(FakeModule(k), _micro_batch(), Loss())
+
+
+def test_alpha_zero_is_exactly_all_ones():
+    mb = _micro_batch()
+    w = blend_weights(mb.loss_mask[:, 1:], mb.turn_index[:, 1:], 0.0)
+    assert w.shape == (4, 9) and torch.equal(w, torch.ones(4, 9))
+    assert _blend(0) is None  # k = 0: the module uses weight 1 (vanilla OPD)
+
+
+@pytest.mark.parametrize(("k", "alpha"), [(5, 0.5), (10, 1.0)])
+def test_weights_by_hand(k, alpha):
+    w = _blend(k)
+    torch.testing.assert_close(w, _expected(RATIOS, alpha), rtol=0, atol=1e-6)
+    assert torch.isfinite(w).all()
+    mb = _micro_batch()
+    per_sample = (w * mb.loss_mask[:, 1:]).sum(1)
+    torch.testing.assert_close(per_sample, mb.loss_mask[:, 1:].sum(1))  # Σ_i w_i = N: normalisation unchanged
+
+
+@pytest.mark.parametrize(("k", "alpha"), [(0, 0.0), (2, 0.0), (4, 0.5), (6, 1.0), (9, 1.0)])
+def test_alpha_schedule_window(k, alpha):
+    cb = TurnLossBlend(start=0.2, end=0.6, total_steps=10)
+    assert cb.alpha_at(k) == pytest.approx(alpha)
+
+
+def test_setup_registers_and_needs_max_steps():
+    cb, module = TurnLossBlend(), FakeModule()
+    cb.setup(FakeTrainer(8), module, "fit")
+    assert module.registered == {"turn_blend": cb} and isinstance(cb, Weighting) and not cb.needs_student_logprobs
+    assert cb.alpha_at(2) == 0.25 and cb.alpha_at(8) == 1.0
+    with pytest.raises(ValueError, match="trainer.max_steps=-1 is unset"):
+        TurnLossBlend().setup(FakeTrainer(-1), FakeModule(), "fit")
+    with pytest.raises(TypeError, match="set_weighting"):
+        TurnLossBlend().setup(FakeTrainer(8), object(), "fit")
+    for kw, bad in (({"start": 0.5, "end": 0.5}, "start=0.5, end=0.5"), ({"total_steps": 0}, "total_steps=0")):
+        with pytest.raises(ValueError, match=bad):
+            TurnLossBlend(**kw)
+
+
+def test_logs_the_alpha_of_the_step_just_trained_and_state_round_trip():
+    cb, module = TurnLossBlend(), FakeModule()
+    cb.setup(FakeTrainer(8), module, "fit")
+    module.policy_version = 3  # after the optimizer step of step 2
+    cb.on_train_batch_end(None, module, None, None, 0)
+    assert module.logged == {"turn_blend/alpha": 0.25}
+    assert cb.state_key == "TurnLossBlend{'start': 0.0, 'end': 1.0}"
+    resumed = TurnLossBlend()
+    resumed.setup(FakeTrainer(8), FakeModule(), "fit")
+    resumed.load_state_dict(cb.state_dict())
+    assert [resumed.alpha_at(k) for k in range(9)] == [cb.alpha_at(k) for k in range(9)]
