@@ -23,7 +23,9 @@ import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lightning_opd.callbacks.rollout_depth import RolloutDepthController
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
+from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
 from lightning_opd.cli import OPDCLI, main
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.data.expert import ExpertDataModule
@@ -271,6 +273,17 @@ def check_fopd_async(cli, tmp):
     assert len(_monitors(cli)) == 1
 
 
+def check_rollout_depth(cli, tmp):
+    (ctrl,) = [c for c in cli.trainer.callbacks if isinstance(c, RolloutDepthController)]
+    assert (ctrl.h_min, ctrl.warmup, ctrl.probe_interval, ctrl.window, ctrl.cdf) == (2, 3, 8, 4, "success")
+    assert ctrl.h_max is None  # read from data.max_turns at setup, not typed twice
+
+
+def check_turn_loss_blend(cli, tmp):
+    (blend,) = [c for c in cli.trainer.callbacks if isinstance(c, TurnLossBlend)]
+    assert (blend.start, blend.end, blend.total_steps) == (0.0, 1.0, None)  # K = trainer.max_steps at setup
+
+
 def check_vllm(cli, tmp):
     from lightning_opd.rollout.vllm import VLLMGenerator
 
@@ -282,7 +295,8 @@ def check_vllm(cli, tmp):
 EXPECT = {"textworld/opd.yaml": check_opd, "textworld/teacher_sft.yaml": check_teacher_sft,
           "model/opd_sampled.yaml": check_opd_sampled, "data/textworld.yaml": check_data_textworld,
           "debug/fast_dev_run.yaml": check_fast_dev_run, "callbacks/staleness_monitor.yaml": check_staleness_monitor,
-          "textworld/fopd_async.yaml": check_fopd_async, "data/vllm.yaml": check_vllm}
+          "textworld/fopd_async.yaml": check_fopd_async, "data/vllm.yaml": check_vllm,
+          "callbacks/rollout_depth.yaml": check_rollout_depth, "callbacks/turn_loss_blend.yaml": check_turn_loss_blend}
 
 
 def test_callback_overlays_append_instead_of_replacing(build_cli, tmp_path):
@@ -295,6 +309,13 @@ def test_callback_overlays_append_instead_of_replacing(build_cli, tmp_path):
     assert sorted(m.lag_cap for m in _monitors(cli)) == [6, 8]
     cli, _, _ = build_cli(BASE, CONF / "callbacks/staleness_monitor.yaml", extra)
     assert sorted(m.lag_cap for m in _monitors(cli)) == [6, 8]
+
+
+def test_turnopd_overlays_compose(build_cli):
+    """Full TurnOPD = both controller overlays on the base experiment: each appends its callback."""
+    cli, _, _ = build_cli(BASE, CONF / "callbacks/rollout_depth.yaml", CONF / "callbacks/turn_loss_blend.yaml")
+    kinds = [type(c) for c in cli.trainer.callbacks]
+    assert kinds.count(RolloutDepthController) == 1 and kinds.count(TurnLossBlend) == 1
 
 
 def test_configs_found():
