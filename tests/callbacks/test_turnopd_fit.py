@@ -61,3 +61,26 @@ def test_fit_with_depth_controller_and_turn_blend(model_dirs):
     metrics = trainer.callback_metrics
     assert float(metrics["turn_blend/alpha"]) == pytest.approx(0.75)  # k = 3 of K = 4
     assert float(metrics["controller/cap"]) == ctrl.cap and float(metrics["controller/probe"]) == 1.0
+
+
+def _fit(model_dirs, tmp_path, steps, ckpt_path=None, save=False):
+    model = Batches(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=4)
+    dm = RolloutDataModule(env=KeywordEnvFactory(need=9), episodes_per_step=2, max_turns=4, max_new_tokens=4,
+                           eval_batch_size=2, seed=0)
+    ctrl, blend = RolloutDepthController(h_min=1, warmup=1, probe_interval=2), TurnLossBlend(total_steps=4)
+    ckpt = [L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)] if save else []
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                        enable_checkpointing=save, callbacks=[ctrl, blend, *ckpt])
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return model, ctrl
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_resume_continues_the_controller_and_the_probe_schedule(model_dirs, tmp_path):
+    """4 steps uninterrupted == 2 steps + resume + 2 steps: batches (caps, probe flags) and controller state."""
+    full, full_ctrl = _fit(model_dirs, tmp_path / "full", 4)
+    _fit(model_dirs, tmp_path / "half", 2, save=True)
+    resumed, ctrl = _fit(model_dirs, tmp_path / "resumed", 4, ckpt_path=str(tmp_path / "half" / "last.ckpt"))
+    assert resumed.batches == full.batches[2:]  # (DataModule cap, probe flags, rollout caps) per step
+    assert ctrl.state_dict() == full_ctrl.state_dict()
