@@ -26,6 +26,11 @@ Metric glossary (logged every step):
 | ``rollout/*`` | see ``lightning_opd.data.collate.rollout_stats`` | per batch |
 | ``rollout/lag`` | policy versions | max over the batch of learner version - behaviour version |
 | ``timing/rollout_s``, ``timing/update_s`` | seconds | per step |
+| ``turn/survivors_NN`` | episodes | episodes of the step (all ranks) still running at turn NN (TurnOPD §4) |
+| ``turn/token_share_NN``, ``turn/loss_share_NN`` | fraction | turn NN's share of supervised tokens / of ``sum m w l`` |
+
+``last_turn_stats`` (:class:`~lightning_opd.metrics.turn_stats.TurnStats`) holds the step's per-sample,
+per-turn sums on this rank for callbacks (the rollout-depth controller).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss, log_probs
 from lightning_opd.losses.weighting import Weighting
 from lightning_opd.metrics.per_turn import PerTurnMean
+from lightning_opd.metrics.turn_stats import TurnStats, per_turn_sums
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer
 from lightning_opd.models.tokenizers import check_tokenizers_compatible
 from lightning_opd.policy import PolicyModule
@@ -110,6 +116,7 @@ class OPDModule(PolicyModule):
         self.log_text_every_n_steps = log_text_every_n_steps
         self.strict_on_policy = strict_on_policy
         self.turn_kl = PerTurnMean(max_logged_turns)
+        self.last_turn_stats: TurnStats | None = None  # the last step's per-turn sums (this rank)
         self._weightings: dict[str, Weighting] = {}
         self._teacher: list = []  # kept out of the module tree: frozen, never checkpointed
         # F01: compare tokenizers before any rollout
@@ -140,41 +147,57 @@ class OPDModule(PolicyModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.lr_scheduler_factory(opt), "interval": "step"}}
 
     # ------------------------------------------------------------------------------------------- loss
-    def supervised_columns(self, batch: RolloutBatch) -> torch.Tensor:
-        """``(K,)`` positions whose logits are needed: those predicting a supervised token in any row
-        (logits at position t predict token t+1). Never empty: an all-masked micro-batch keeps
-        position 0 so every rank still runs a forward and backward (its loss is exactly 0)."""
-        cols = (batch.loss_mask[:, 1:] > 0).any(dim=0).nonzero().squeeze(1)
-        return cols if cols.numel() else torch.zeros(1, dtype=torch.long, device=cols.device)
+    @staticmethod
+    def supervised_positions(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, cols)``, each ``(N,)``: the positions whose outputs predict a supervised token (the
+        logits at position t predict token t+1). Never empty: an all-masked micro-batch keeps position
+        (0, 0), whose mask is 0, so every rank still runs a forward and backward (its loss is exactly 0, F06)."""
+        rows, cols = (batch.loss_mask[:, 1:] > 0).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            zero = torch.zeros(1, dtype=torch.long, device=rows.device)
+            return zero, zero
+        return rows, cols
+
+    def lm_head(self, model) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``(n, D) -> (n, V)`` output head of ``model``, cut to the shared vocabulary (F01b), with the
+        model's final logit soft-capping when its config has one."""
+        head, v = model.get_output_embeddings(), self.vocab_size
+        cap = getattr(model.config, "final_logit_softcapping", None)
+
+        def apply(h: torch.Tensor) -> torch.Tensor:
+            logits = head(h)[..., :v]
+            return torch.tanh(logits / cap) * cap if cap else logits
+
+        return apply
+
+    @staticmethod
+    def hidden_states(model, batch: RolloutBatch) -> torch.Tensor:
+        """``(B, T, D)`` final hidden states (after the last norm), i.e. the LM head's input."""
+        return model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                use_cache=False).last_hidden_state
 
     def token_losses(self, batch: RolloutBatch) -> tuple[TokenLoss, torch.Tensor, torch.Tensor]:
         """Per-token divergence of one micro-batch.
 
-        Only the positions that predict a supervised token go through the LM head and the softmax
-        (``logits_to_keep``): observation tokens (most of a multi-turn episode) cost a transformer
-        forward but no ``(T, V)`` work, and cannot reach the loss (F04).
+        The transformers run on the whole sequence; only the ``N`` supervised positions go on to the
+        LM heads, chunk by chunk with recomputation in the backward pass (the divergence's
+        ``forward``), so no ``(B, T, V)`` tensor is ever built and observation tokens (most of a
+        multi-turn episode) cannot reach the loss (F04).
 
         Returns:
             ``(token_loss, mask, turns)``: a :class:`TokenLoss` over the ``(B, T-1)`` target positions
-            (zeros where no logits were computed), the ``(B, T-1)`` loss mask and turn index.
+            (zeros where nothing was computed), the ``(B, T-1)`` loss mask and turn index.
         """
-        ids, attn = batch.input_ids, batch.attention_mask
-        v = self.vocab_size
-        cols = self.supervised_columns(batch)  # (K,)
-        student_logits = self.student(input_ids=ids, attention_mask=attn, use_cache=False,
-                                      logits_to_keep=cols).logits[..., :v]  # (B, K, V)
+        ids = batch.input_ids
+        rows, cols = self.supervised_positions(batch)
+        h_s = self.hidden_states(self.student, batch)[rows, cols]  # (N, D)
         with torch.no_grad():
-            teacher_logits = self.teacher(input_ids=ids, attention_mask=attn, use_cache=False,
-                                          logits_to_keep=cols).logits[..., :v]  # (B, K, V)
-        targets = ids[:, 1:].index_select(1, cols)  # (B, K): logits at position t predict token t+1
-        out = self.loss_fn(student_logits, teacher_logits, targets, temperature=batch.sampling.temperature or 1.0)
+            h_t = self.hidden_states(self.teacher, batch)[rows, cols]  # (N, D_T)
+        targets = ids[:, 1:][rows, cols]  # (N,)
+        out = self.loss_fn(h_s, h_t, targets, self.lm_head(self.student), self.lm_head(self.teacher),
+                           temperature=batch.sampling.temperature or 1.0)
         dense = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=ids.device)  # (B, T-1)
-
-        def scatter(x: torch.Tensor) -> torch.Tensor:
-            return dense.to(x.dtype).index_copy(1, cols, x)
-
-        out = TokenLoss(loss=scatter(out.loss), kl=scatter(out.kl), student_logprobs=scatter(out.student_logprobs),
-                        teacher_logprobs=scatter(out.teacher_logprobs), entropy=scatter(out.entropy))
+        out = out.map(lambda x: dense.to(x.dtype).index_put((rows, cols), x))
         return out, batch.loss_mask[:, 1:], batch.turn_index[:, 1:]
 
     # -------------------------------------------------------------------------------------- weighting
@@ -194,16 +217,18 @@ class OPDModule(PolicyModule):
     @torch.no_grad()
     def student_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """``(B, T-1)`` log-probs of the sampled tokens under the current student, at the batch's sampling
-        temperature (nats); a no-grad pass in micro-batches."""
+        temperature (nats); a no-grad pass in micro-batches, the head applied chunk by chunk."""
         parts = []
+        chunk = getattr(self.loss_fn, "chunk_size", 256)
         for mb in batch.split(self.micro_batch_size):
-            cols = self.supervised_columns(mb)
-            logits = self.student(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
-                                  logits_to_keep=cols).logits[..., :self.vocab_size]  # (b, K, V)
-            lp = log_probs(logits, mb.sampling.temperature or 1.0)
-            lp = lp.gather(-1, mb.input_ids[:, 1:].index_select(1, cols)[..., None]).squeeze(-1)  # (b, K)
-            dense = torch.zeros(mb.size, batch.input_ids.shape[1] - 1, device=lp.device).index_copy(1, cols, lp)
-            parts.append(dense)
+            rows, cols = self.supervised_positions(mb)
+            hidden = self.hidden_states(self.student, mb)[rows, cols]  # (N, D)
+            targets = mb.input_ids[:, 1:][rows, cols]
+            head, temp = self.lm_head(self.student), mb.sampling.temperature or 1.0
+            lp = torch.cat([log_probs(head(hidden[i:i + chunk]), temp).gather(-1, targets[i:i + chunk, None])[:, 0]
+                            for i in range(0, targets.shape[0], chunk)])
+            dense = torch.zeros(mb.size, batch.input_ids.shape[1] - 1, device=lp.device)
+            parts.append(dense.index_put((rows, cols), lp))
         return torch.cat(parts) if parts else batch.behaviour_logprobs[:, 1:].clone()
 
     def plan_batch(self, batch: RolloutBatch) -> RolloutBatch:
@@ -285,15 +310,26 @@ class OPDModule(PolicyModule):
             (summed over supervised tokens, nats).
         """
         sums = {k: torch.zeros((), device=self.device) for k in ("loss", "kl", "entropy")}
+        parts: dict[str, list[torch.Tensor]] = {"kl_sum": [], "loss_sum": [], "tokens": []}
+        h = self.turn_kl.num_turns
         for mb in batch.split(self.micro_batch_size):
             out, mask, turns = self.token_losses(mb)
-            loss = aggregate_token_loss(out.loss, mask, step_tokens, self.token_weights(mb, out)) * world_size
+            weights = self.token_weights(mb, out)
+            loss = aggregate_token_loss(out.loss, mask, step_tokens, weights) * world_size
             backward(loss)
             keep = mask > 0
             sums["loss"] += loss.detach() / world_size
             sums["kl"] += torch.where(keep, out.kl, 0.0).sum()
             sums["entropy"] += torch.where(keep, out.entropy, 0.0).sum()
             self.turn_kl.update(out.kl[keep], turns[keep])
+            contribution = out.loss.detach() * (1.0 if weights is None else weights)
+            parts["kl_sum"].append(per_turn_sums(torch.where(keep, out.kl, 0.0), turns, h))
+            parts["loss_sum"].append(per_turn_sums(torch.where(keep, contribution, 0.0), turns, h))
+            parts["tokens"].append(per_turn_sums(keep.double(), turns, h))
+        empty = torch.zeros(0, h, dtype=torch.float64, device=self.device)
+        self.last_turn_stats = TurnStats(
+            **{k: torch.cat(v) if v else empty for k, v in parts.items()}, num_turns=batch.num_turns,
+            success=batch.success, is_probe=batch.is_probe, rollout_cap=batch.rollout_cap)
         return sums
 
     def training_step(self, dataloader_iter: Iterator) -> torch.Tensor:
@@ -344,9 +380,26 @@ class OPDModule(PolicyModule):
             if turn["weight"][t] > 0:  # weights are synced: the same key set on every rank
                 self.log(f"kl/turn_{t:02d}", turn["mean"][t].float(), batch_size=n)
         self.turn_kl.reset()
+        self._log_turn_shares(n)
         every = self.log_text_every_n_steps
         if every and (self.policy_version - 1) % every == 0 and self.trainer.is_global_zero:
             self._log_episode_text(batch)
+
+    def _log_turn_shares(self, n: int) -> None:
+        """TurnOPD §4 diagnostics, summed over ranks: ``turn/survivors_NN`` (episodes still running at
+        turn NN), ``turn/token_share_NN`` (share of the step's supervised tokens) and
+        ``turn/loss_share_NN`` (share of the step loss's numerator ``sum m w l``)."""
+        stats = self.last_turn_stats
+        survivors = self.reduce_sum(stats.survivors().to(self.device))
+        tokens = self.reduce_sum(stats.tokens.sum(0))
+        loss = self.reduce_sum(stats.loss_sum.sum(0))
+        token_total, loss_total = tokens.sum(), loss.sum()
+        for t in range(stats.num_tracked_turns):
+            if survivors[t] > 0:  # reduced: the same key set on every rank
+                self.log(f"turn/survivors_{t:02d}", survivors[t].float(), batch_size=n)
+                self.log(f"turn/token_share_{t:02d}", (tokens[t] / token_total.clamp(min=1)).float(), batch_size=n)
+                share = loss[t] / loss_total if loss_total != 0 else torch.zeros((), dtype=loss.dtype, device=loss.device)
+                self.log(f"turn/loss_share_{t:02d}", share.float(), batch_size=n)
 
     def _log_episode_text(self, batch: RolloutBatch) -> None:
         loggers = [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_opd.data.collate import collate_trajectories
-from lightning_opd.losses import FullVocabReverseKL, SampledTokenReverseKL, log_probs
+from lightning_opd.losses import (ForwardKL, FullVocabReverseKL, GeneralizedJSD, SampledTokenReverseKL,
+                                  StudentTopKRenormalizedReverseKL, TeacherTopKForwardKL, log_probs)
 from lightning_opd.models.tokenizers import TokenizerMismatchError
 from lightning_opd.module import OPDModule
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
@@ -21,7 +23,10 @@ from lightning_opd.rollout.generator import SamplingParams
 from lightning_opd.rollout.scripted import ScriptedGenerator
 from tests.helpers import KeywordEnvFactory, make_tokenizer, save_model_dir
 
-LOSSES = [FullVocabReverseKL, SampledTokenReverseKL]
+LOSSES = [FullVocabReverseKL, SampledTokenReverseKL, ForwardKL, partial(GeneralizedJSD, beta=0.5, chunk_size=3),
+          partial(StudentTopKRenormalizedReverseKL, k=5, chunk_size=7),
+          partial(TeacherTopKForwardKL, k=5, tail_bucket=True, chunk_size=2)]
+LOSSES = [pytest.param(cls, id=getattr(cls, "func", cls).__name__) for cls in LOSSES]
 
 REPLIES = {"apple": ["apple", "apple"], "cherry": ["cherry is what I say", "cherry"],
            "door": ["grape", "door", "door"], "key": ["key"]}
@@ -141,8 +146,8 @@ def test_teacher_scored_at_the_sampling_temperature(model_dirs, tokenizer, tempe
     expect = log_probs(logits, temperature).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     keep = mask > 0
     torch.testing.assert_close(out.teacher_logprobs[keep], expect[keep])
-    # logits are computed only where a supervised token is predicted (in any row): elsewhere 0
-    assert torch.equal(out.teacher_logprobs[:, ~keep.any(0)], torch.zeros_like(out.teacher_logprobs[:, ~keep.any(0)]))
+    # logits are computed only where a supervised token is predicted: elsewhere 0
+    assert torch.equal(out.teacher_logprobs[~keep], torch.zeros_like(out.teacher_logprobs[~keep]))
 
 
 # ------------------------------------------------------------------------------------------------ F04
@@ -172,7 +177,7 @@ def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer,
         next_is_obs[:, :-1] = batch.loss_mask[rows, 1:ids.shape[1]] == 0
         return torch.where(next_is_obs[..., None], hidden + torch.randn(hidden.shape) * 1e3, hidden)
 
-    handles = [teacher.register_forward_pre_hook(capture_ids, with_kwargs=True),
+    handles = [teacher.base_model.register_forward_pre_hook(capture_ids, with_kwargs=True),
                teacher.model.norm.register_forward_hook(perturb_hidden)]
     try:
         sums2, grads2 = step_grads(module, batch)

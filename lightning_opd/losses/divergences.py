@@ -1,17 +1,27 @@
 """Per-token divergences between student and teacher on the student's own tokens.
 
-Every loss takes ``(B, T, V)`` student and teacher logits at the positions that predict the target
-tokens, and the ``(B, T)`` target ids (the tokens the student sampled), and returns per-token values;
-reduction is the common aggregation in :mod:`lightning_opd.losses.aggregation` (docs/algorithms.md §0.5).
-Logits are upcast to fp32 *before* temperature and softmax (F05). Both models are scored at the
-sampling temperature the batch was generated with (F02).
+A divergence has two levels:
 
-Sign convention: reverse KL = KL(student || teacher) = sum_v p_S(v) (log p_S(v) - log p_T(v)).
+* :meth:`TokenDivergence.token_terms` is the per-token kernel on logits ``(..., V)`` (one chunk of
+  tokens at a time; tests and references call it directly);
+* :meth:`TokenDivergence.forward` is what training calls: hidden states ``(N, D)`` of the ``N``
+  supervised positions and the two LM heads. It runs the kernel chunk by chunk and recomputes each
+  chunk's logits in the backward pass (:func:`~lightning_opd.losses.chunked.chunked_token_terms`), so
+  peak memory is ``O(chunk_size * V)``, never ``O(B * T * V)``.
+
+Logits are upcast to fp32 *before* temperature and softmax (F05). Both models are scored at the
+sampling temperature the batch was generated with (F02). Reduction is the common aggregation of
+:mod:`lightning_opd.losses.aggregation` (docs/algorithms.md §0.5).
+
+Directions: reverse KL = KL(student || teacher) = sum_v p_S(v) (log p_S(v) - log p_T(v)) (mode-seeking,
+the OPD default); forward KL = KL(teacher || student) = sum_v p_T(v) (log p_T(v) - log p_S(v)). The
+gradient flows through the student only (the teacher is frozen).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -28,17 +38,38 @@ def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
+def entropy_of(lp: torch.Tensor) -> torch.Tensor:
+    """Entropy ``-sum_v p log p`` (nats) of log-probs ``(..., V)`` -> ``(...)``, detached."""
+    with torch.no_grad():
+        return -(lp.exp() * lp).sum(-1)
+
+
+def gather_token(lp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``lp[..., targets]``: ``(..., V)`` log-probs and ``(...)`` ids -> ``(...)``."""
+    return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _log_mixture(lp_t: torch.Tensor, lp_s: torch.Tensor, beta: float) -> torch.Tensor:
+    """``log(beta p_T + (1 - beta) p_S)`` from log-probs, written around the larger of the two so that it is
+    stable and exactly ``lp_s`` where ``lp_t == lp_s`` (teacher = student gives a JSD of exactly 0)."""
+    d = lp_t - lp_s
+    from_s = lp_s + torch.log1p(beta * torch.expm1(d.clamp(max=0.0)))  # exact where d <= 0
+    from_t = lp_t + torch.log1p((1.0 - beta) * torch.expm1((-d).clamp(max=0.0)))  # exact where d > 0
+    return torch.where(d <= 0, from_s, from_t)
+
+
 @dataclass
 class TokenLoss:
-    """Per-token output of a divergence.
+    """Per-token output of a divergence (shape ``S`` = the targets' shape: ``(N,)`` or ``(B, T)``).
 
     Attributes:
-        loss: ``(B, T)`` differentiable per-token loss, to be aggregated with the loss mask.
-        kl: ``(B, T)`` detached per-token reverse-KL value for logging (nats): analytic when the loss
-            has it, else the sampled (k1) estimate ``log p_S(a) - log p_T(a)``.
-        student_logprobs: ``(B, T)`` detached log p_S(a_t) of the target tokens (nats).
-        teacher_logprobs: ``(B, T)`` log p_T(a_t) of the target tokens (nats).
-        entropy: ``(B, T)`` detached entropy of the student distribution (nats).
+        loss: ``S`` differentiable per-token loss, to be aggregated with the loss mask.
+        kl: ``S`` detached per-token reverse-KL value for logging (nats): the exact full-vocabulary value
+            when the loss computes full distributions, else the sampled (k1) estimate
+            ``log p_S(a) - log p_T(a)``.
+        student_logprobs: ``S`` detached log p_S(a_t) of the target tokens (nats).
+        teacher_logprobs: ``S`` log p_T(a_t) of the target tokens (nats).
+        entropy: ``S`` detached entropy of the student distribution (nats).
     """
 
     loss: torch.Tensor
@@ -47,28 +78,74 @@ class TokenLoss:
     teacher_logprobs: torch.Tensor
     entropy: torch.Tensor
 
+    FIELDS = ("loss", "kl", "student_logprobs", "teacher_logprobs", "entropy")
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "TokenLoss":
+        """Apply ``fn`` to every field."""
+        return TokenLoss(*(fn(getattr(self, f)) for f in self.FIELDS))
+
 
 class TokenDivergence(nn.Module):
-    """Base class: ``forward(student_logits, teacher_logits, targets, temperature) -> TokenLoss``."""
+    """Base class of the per-token divergences.
 
-    #: the per-token ``kl`` is the exact full-vocabulary value (True) or a one-sample estimate (False)
+    Args:
+        chunk_size: tokens per chunk in :meth:`forward` (peak memory ~ a few ``chunk_size x V`` fp32
+            tensors; time is nearly flat above a few hundred).
+
+    Raises:
+        ValueError: ``chunk_size < 1``.
+    """
+
+    #: the per-token ``kl`` is the exact full-vocabulary reverse KL (True) or a one-sample estimate (False)
     analytic: bool = False
 
+    def __init__(self, chunk_size: int = 256) -> None:
+        super().__init__()
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size} must be >= 1 (tokens per chunk)")
+        self.chunk_size = chunk_size
+
+    def token_terms(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
+                    temperature: float = 1.0) -> TokenLoss:
+        """The per-token kernel: ``(..., V)`` student and teacher logits (any float dtype; the teacher is
+        not differentiated) and ``(...)`` target ids -> :class:`TokenLoss` of shape ``(...)``."""
+        raise NotImplementedError
+
+    def forward(self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, targets: torch.Tensor,
+                student_head: Callable[[torch.Tensor], torch.Tensor],
+                teacher_head: Callable[[torch.Tensor], torch.Tensor], temperature: float = 1.0) -> TokenLoss:
+        """Per-token loss from hidden states, chunk by chunk with recomputation (see module docstring).
+
+        Args:
+            student_hidden: ``(N, D)`` student final hidden states at the positions predicting ``targets``.
+            teacher_hidden: ``(N, D_T)`` teacher final hidden states at the same positions (no grad).
+            targets: ``(N,)`` the sampled token ids.
+            student_head, teacher_head: ``(n, D) -> (n, V)`` LM heads (cut to the shared vocabulary, F01b).
+            temperature: sampling temperature of the batch (> 0).
+
+        Returns:
+            :class:`TokenLoss` with ``(N,)`` fields.
+        """
+        from lightning_opd.losses.chunked import chunked_token_terms
+
+        return chunked_token_terms(self, student_hidden, teacher_hidden, targets, student_head, teacher_head,
+                                   temperature, self.chunk_size)
+
     def _common(self, student_logits, teacher_logits, targets, temperature):
-        lp_s = log_probs(student_logits, temperature)  # (B, T, V)
-        lp_t = log_probs(teacher_logits, temperature)  # (B, T, V)
-        idx = targets.unsqueeze(-1)
-        s_tok = lp_s.gather(-1, idx).squeeze(-1)  # (B, T)
-        t_tok = lp_t.gather(-1, idx).squeeze(-1)  # (B, T)
-        with torch.no_grad():
-            entropy = -(lp_s.exp() * lp_s).sum(-1)  # (B, T)
-        return lp_s, lp_t, s_tok, t_tok, entropy
+        lp_s = log_probs(student_logits, temperature)  # (..., V)
+        lp_t = log_probs(teacher_logits, temperature).detach()  # (..., V)
+        return lp_s, lp_t, gather_token(lp_s, targets), gather_token(lp_t, targets), entropy_of(lp_s)
+
+    def _full(self, loss, lp_s, lp_t, s_tok, t_tok, entropy) -> TokenLoss:
+        kl = (lp_s.exp() * (lp_s - lp_t)).sum(-1).detach()
+        return TokenLoss(loss=loss, kl=kl, student_logprobs=s_tok.detach(), teacher_logprobs=t_tok, entropy=entropy)
 
 
 class SampledTokenReverseKL(TokenDivergence):
     """Sampled-token reverse KL in policy-gradient form (docs/algorithms.md §0.2-0.3; [TM], [VERL]).
 
-    With the detached advantage ``A_t = log p_T(a_t) - log p_S(a_t)`` and ``a_t ~ p_S``::
+    Support: the sampled token only. With the detached advantage ``A_t = log p_T(a_t) - log p_S(a_t)``
+    and ``a_t ~ p_S``::
 
         loss_t = -exp(log p_S(a_t) - sg(log p_S(a_t))) * sg(A_t)
 
@@ -81,27 +158,73 @@ class SampledTokenReverseKL(TokenDivergence):
 
     analytic = False
 
-    def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
-                temperature: float = 1.0) -> TokenLoss:
+    def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
         _, _, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
         advantage = (t_tok - s_tok).detach()
         ratio = torch.exp(s_tok - s_tok.detach())  # 1 in value, carries grad log p_S
-        loss = -ratio * advantage
-        return TokenLoss(loss=loss, kl=(-advantage), student_logprobs=s_tok.detach(), teacher_logprobs=t_tok.detach(),
-                         entropy=entropy)
+        return TokenLoss(loss=-ratio * advantage, kl=-advantage, student_logprobs=s_tok.detach(),
+                         teacher_logprobs=t_tok, entropy=entropy)
 
 
 class FullVocabReverseKL(TokenDivergence):
-    """Analytic full-vocabulary reverse KL per token (docs/algorithms.md §0.3, "full-vocabulary"; [GKD] λ=1):
-    ``sum_v p_S(v|s_t) (log p_S(v|s_t) - log p_T(v|s_t))``, exact and >= 0, gradient through p_S only
-    (the teacher is frozen). Materialises ``(B, T, V)`` log-probs of both models.
+    """Analytic full-vocabulary reverse KL per token (docs/algorithms.md §0.3 "full-vocabulary"; [GKD]
+    D = reverse KL, λ = 1): ``sum_v p_S(v|s_t) (log p_S(v|s_t) - log p_T(v|s_t))``, exact and >= 0.
+    Support: the whole vocabulary; estimator: exact expectation (no sampling); gradient through p_S.
     """
 
     analytic = True
 
-    def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
-                temperature: float = 1.0) -> TokenLoss:
+    def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
         lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
-        kl = (lp_s.exp() * (lp_s - lp_t.detach())).sum(-1)  # (B, T)
-        return TokenLoss(loss=kl, kl=kl.detach(), student_logprobs=s_tok.detach(), teacher_logprobs=t_tok.detach(),
-                         entropy=entropy)
+        loss = (lp_s.exp() * (lp_s - lp_t)).sum(-1)
+        return self._full(loss, lp_s, lp_t, s_tok, t_tok, entropy)
+
+
+class ForwardKL(TokenDivergence):
+    """Analytic full-vocabulary forward KL per token, ``KL(p_T || p_S) = sum_v p_T(v) (log p_T(v) -
+    log p_S(v))`` (docs/algorithms.md §0.1, [GKD] D = forward KL): mass-covering, exact, >= 0; gradient
+    ``-sum_v p_T(v) grad log p_S(v)`` (the student's cross-entropy against the teacher's distribution).
+    ``kl`` logs the reverse KL, like every loss, so curves stay comparable.
+    """
+
+    analytic = True
+
+    def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
+        lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
+        loss = (lp_t.exp() * (lp_t - lp_s)).sum(-1)
+        return self._full(loss, lp_s, lp_t, s_tok, t_tok, entropy)
+
+
+class GeneralizedJSD(TokenDivergence):
+    """Generalised Jensen-Shannon divergence (docs/algorithms.md §0.1; [GKD] Eq. for JSD(β))::
+
+        JSD(β) = β KL(p_T || M) + (1 - β) KL(p_S || M),   M = β p_T + (1 - β) p_S,   0 < β < 1
+
+    Support: the whole vocabulary; exact. The formula itself tends to 0 at both ends (M becomes one of
+    the two distributions), so the endpoints are defined explicitly, as TRL does: ``beta=0`` is the
+    forward KL(p_T || p_S) and ``beta=1`` the reverse KL(p_S || p_T) (these are also the limits of
+    JSD(β)/β as β -> 0 and of JSD(β)/(1-β) as β -> 1). ``beta=0.5`` is the symmetric JSD, bounded by log 2.
+
+    Raises:
+        ValueError: ``beta`` outside [0, 1].
+    """
+
+    analytic = True
+
+    def __init__(self, beta: float = 0.5, chunk_size: int = 256) -> None:
+        super().__init__(chunk_size)
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta={beta} must be in [0, 1] (0 = forward KL, 1 = reverse KL)")
+        self.beta = float(beta)
+
+    def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
+        lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
+        b = self.beta
+        if b == 0.0:
+            loss = (lp_t.exp() * (lp_t - lp_s)).sum(-1)
+        elif b == 1.0:
+            loss = (lp_s.exp() * (lp_s - lp_t)).sum(-1)
+        else:
+            lp_m = _log_mixture(lp_t, lp_s, b)
+            loss = b * (lp_t.exp() * (lp_t - lp_m)).sum(-1) + (1 - b) * (lp_s.exp() * (lp_s - lp_m)).sum(-1)
+        return self._full(loss, lp_s, lp_t, s_tok, t_tok, entropy)

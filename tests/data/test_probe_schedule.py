@@ -4,6 +4,8 @@ every sample, in sync and async mode; the batch counter survives ``state_dict``.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from lightning_opd.data import RolloutDataModule
@@ -108,3 +110,17 @@ def test_async_samples_carry_the_cap_set_when_their_batch_started(tokenizer, max
         dm.producer.stop()
     assert dm.state_dict()["train_batches"] == len(caps)
     assert dm._batches_started >= len(caps)  # the producer ran ahead
+
+
+def test_async_resume_keeps_the_lag_gate(tokenizer):
+    """Resumed at learner version 5 with max_lag 1, the producer may start batches 5 and 6 only (batch i
+    waits for weights of version i - 1), not run ahead from a counter reset to 0."""
+    dm, policy = _dm(tokenizer, mode="async", max_lag=1)
+    dm.load_state_dict({"train_batches": 5})
+    policy.policy_version = 5
+    try:
+        dm.next_train_batch()
+        time.sleep(0.5)  # time for a wrongly ungated producer to start batch 7
+        assert dm._batches_started == 7
+    finally:
+        dm.producer.stop()

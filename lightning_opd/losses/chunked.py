@@ -1,0 +1,67 @@
+"""Chunked, recomputing evaluation of a divergence from hidden states (memory: no ``(B, T, V)`` tensor).
+
+For each chunk of ``c`` supervised positions the LM heads turn hidden states into ``(c, V)`` logits and
+the divergence kernel reduces them to per-token values. The chunk runs under
+``torch.utils.checkpoint`` (non-reentrant): autograd keeps only the chunk's ``(c, D)`` hidden states
+and recomputes logits and softmax in the backward pass. Peak memory is a few ``c x V`` fp32 tensors
+plus the ``(V, D)`` head gradient, independent of the number of tokens; the price is one more head
+forward per chunk (benchmarks/loss_memory.py measures both).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from lightning_opd.losses.divergences import TokenDivergence, TokenLoss
+
+
+def chunked_token_terms(divergence: "TokenDivergence", student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
+                        targets: torch.Tensor, student_head: Callable[[torch.Tensor], torch.Tensor],
+                        teacher_head: Callable[[torch.Tensor], torch.Tensor], temperature: float,
+                        chunk_size: int) -> "TokenLoss":
+    """Evaluate ``divergence.token_terms`` on ``chunk_size`` tokens at a time, recomputing in backward.
+
+    Args:
+        divergence: the per-token kernel.
+        student_hidden: ``(N, D)`` student hidden states (differentiable).
+        teacher_hidden: ``(N, D_T)`` teacher hidden states (not differentiated).
+        targets: ``(N,)`` target ids.
+        student_head, teacher_head: ``(c, D) -> (c, V)`` heads, cut to the shared vocabulary.
+        temperature: scoring temperature (> 0).
+        chunk_size: tokens per chunk (>= 1).
+
+    Returns:
+        :class:`~lightning_opd.losses.divergences.TokenLoss` with ``(N,)`` fields.
+
+    Raises:
+        ValueError: the three inputs disagree on ``N``.
+    """
+    from lightning_opd.losses.divergences import TokenLoss
+
+    n = targets.shape[0]
+    if student_hidden.shape[0] != n or teacher_hidden.shape[0] != n or targets.dim() != 1:
+        raise ValueError(f"expected (N, D), (N, D_T), (N,): got student {tuple(student_hidden.shape)}, "
+                         f"teacher {tuple(teacher_hidden.shape)}, targets {tuple(targets.shape)}")
+    teacher_hidden = teacher_hidden.detach()
+
+    def chunk(h_s: torch.Tensor, h_t: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            t_logits = teacher_head(h_t)
+        out = divergence.token_terms(student_head(h_s), t_logits, tgt, temperature)
+        return tuple(getattr(out, f) for f in TokenLoss.FIELDS)
+
+    needs_grad = torch.is_grad_enabled()
+    parts = []
+    for start in range(0, n, chunk_size):
+        sl = slice(start, start + chunk_size)
+        args = (student_hidden[sl], teacher_hidden[sl], targets[sl])
+        parts.append(checkpoint(chunk, *args, use_reentrant=False) if needs_grad else chunk(*args))
+    if not parts:  # N = 0
+        empty = student_hidden.new_zeros(0, dtype=torch.float32)
+        return TokenLoss(*(empty for _ in TokenLoss.FIELDS))
+    return TokenLoss(*(torch.cat([p[i] for p in parts]) for i in range(len(TokenLoss.FIELDS))))
+
