@@ -301,6 +301,8 @@ class RolloutDataModule(L.LightningDataModule):
         """
         if self.loop is None or self.producer is None:
             raise RuntimeError("RolloutDataModule is not connected to a policy (trainer.fit calls setup)")
+        if self.mode == "async" and not self.producer.running:  # after a resume: the lag gate counts from here
+            self.producer.start(first_batch_index=self._batches_taken)
         trajs = self.producer.next_batch()
         self._batches_taken += 1
         return collate_trajectories(trajs, self.sampling, self.pad_id)
