@@ -17,7 +17,7 @@ Metric glossary (logged every step):
 | key | unit | reduction |
 |---|---|---|
 | ``train/loss`` | nats | step loss (§0.5) |
-| ``train/kl`` | nats/token | mean over supervised tokens (analytic if the loss has it, else k1 sample) |
+| ``train/kl`` | nats/token | mean exact reverse KL over supervised tokens (whatever the loss) |
 | ``kl/turn_NN`` | nats/token | mean over supervised tokens of turn NN (zero-based), token-weighted across ranks |
 | ``train/entropy`` | nats/token | mean student entropy over supervised tokens |
 | ``train/grad_norm`` | - | global L2 norm before clipping |
@@ -329,7 +329,8 @@ class OPDModule(PolicyModule):
         empty = torch.zeros(0, h, dtype=torch.float64, device=self.device)
         self.last_turn_stats = TurnStats(
             **{k: torch.cat(v) if v else empty for k, v in parts.items()}, num_turns=batch.num_turns,
-            success=batch.success, is_probe=batch.is_probe, rollout_cap=batch.rollout_cap)
+            success=batch.success, is_probe=batch.is_probe, rollout_cap=batch.rollout_cap,
+            kept=batch.loss_mask[:, 1:].sum(1) > 0)
         return sums
 
     def training_step(self, dataloader_iter: Iterator) -> torch.Tensor:

@@ -195,7 +195,7 @@ class RolloutDepthController(Callback):
     def _reduced_sums(self, trainer: L.Trainer, stats) -> torch.Tensor:
         """One ``sum`` over ranks of ``[kl_sum (H), tokens (H), survivors (H), n_0, success hist (D),
         all hist (D)]`` over this rank's probe rows (float64; D = H_max)."""
-        rows = stats.is_probe.bool()
+        rows = stats.is_probe.bool() & stats.kept.bool()  # a probe a filter dropped has no KL to give
         ended = rows & (stats.num_turns > 0)
         depth = (stats.num_turns - 1).clamp(0, self.h_max - 1).long()  # zero-based index of the last turn
         won = ended & stats.success.bool()

@@ -64,9 +64,8 @@ class TokenLoss:
 
     Attributes:
         loss: ``S`` differentiable per-token loss, to be aggregated with the loss mask.
-        kl: ``S`` detached per-token reverse-KL value for logging (nats): the exact full-vocabulary value
-            when the loss computes full distributions, else the sampled (k1) estimate
-            ``log p_S(a) - log p_T(a)``.
+        kl: ``S`` detached exact full-vocabulary reverse KL(p_S || p_T) per token, for logging and the
+            per-turn diagnostics (nats), whatever the loss (TurnOPD §2.1 needs the full value).
         student_logprobs: ``S`` detached log p_S(a_t) of the target tokens (nats).
         teacher_logprobs: ``S`` log p_T(a_t) of the target tokens (nats).
         entropy: ``S`` detached entropy of the student distribution (nats).
@@ -95,9 +94,6 @@ class TokenDivergence(nn.Module):
     Raises:
         ValueError: ``chunk_size < 1``.
     """
-
-    #: the per-token ``kl`` is the exact full-vocabulary reverse KL (True) or a one-sample estimate (False)
-    analytic: bool = False
 
     def __init__(self, chunk_size: int = 256) -> None:
         super().__init__()
@@ -154,16 +150,15 @@ class SampledTokenReverseKL(TokenDivergence):
     KL(p_S || p_T) at s_t (score-function form; k1 differentiated directly would have expected
     gradient 0, k3 would give the forward-KL gradient, §0.3). Needs only the teacher's log-prob of
     the sampled token; high variance (design.md: 5% vs 60% held-out success for the analytic loss).
+    The logged ``kl`` is still the exact reverse KL: the chunk's full logits are at hand anyway.
     """
 
-    analytic = False
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
-        _, _, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
+        lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
         advantage = (t_tok - s_tok).detach()
         ratio = torch.exp(s_tok - s_tok.detach())  # 1 in value, carries grad log p_S
-        return TokenLoss(loss=-ratio * advantage, kl=-advantage, student_logprobs=s_tok.detach(),
-                         teacher_logprobs=t_tok, entropy=entropy)
+        return self._full(-ratio * advantage, lp_s, lp_t, s_tok, t_tok, entropy)
 
 
 class FullVocabReverseKL(TokenDivergence):
@@ -172,7 +167,6 @@ class FullVocabReverseKL(TokenDivergence):
     Support: the whole vocabulary; estimator: exact expectation (no sampling); gradient through p_S.
     """
 
-    analytic = True
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
         lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
@@ -187,7 +181,6 @@ class ForwardKL(TokenDivergence):
     ``kl`` logs the reverse KL, like every loss, so curves stay comparable.
     """
 
-    analytic = True
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
         lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
@@ -209,7 +202,6 @@ class GeneralizedJSD(TokenDivergence):
         ValueError: ``beta`` outside [0, 1].
     """
 
-    analytic = True
 
     def __init__(self, beta: float = 0.5, chunk_size: int = 256) -> None:
         super().__init__(chunk_size)

@@ -43,7 +43,6 @@ class StudentTopKRenormalizedReverseKL(_TopK):
         ValueError: ``k < 1``.
     """
 
-    analytic = True
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
         lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
@@ -77,7 +76,6 @@ class TeacherTopKForwardKL(_TopK):
         ValueError: ``k < 1``.
     """
 
-    analytic = True
 
     def __init__(self, k: int = 32, tail_bucket: bool = False, chunk_size: int = 256) -> None:
         super().__init__(k, chunk_size)

@@ -36,7 +36,7 @@ class TurnStats:
 
     Attributes:
         kl_sum: ``(B, H)`` sum of the per-token reverse KL over the sample's supervised tokens of turn t
-            (nats; analytic when the loss is, else the k1 sample ``log p_S(a) - log p_T(a)``).
+            (nats; the exact full-vocabulary value, whatever the loss).
         loss_sum: ``(B, H)`` sum of the weighted per-token loss ``m_i w_i l_i`` of turn t (nats; the
             numerator of the step loss, §0.5).
         tokens: ``(B, H)`` supervised tokens of turn t (after filtering: a dropped sample has 0).
@@ -44,6 +44,8 @@ class TurnStats:
         success: ``(B,)`` bool, the episode succeeded.
         is_probe: ``(B,)`` bool, a full-depth probe rollout (TurnOPD).
         rollout_cap: ``(B,)`` the turn cap the episode ran under.
+        kept: ``(B,)`` bool, the sample reached the loss (has supervised tokens after the step's
+            weighting schemes; ``False`` for a sample a filter dropped).
     """
 
     kl_sum: torch.Tensor
@@ -53,6 +55,7 @@ class TurnStats:
     success: torch.Tensor
     is_probe: torch.Tensor
     rollout_cap: torch.Tensor
+    kept: torch.Tensor
 
     @property
     def num_tracked_turns(self) -> int:

@@ -58,7 +58,8 @@ def stats(rows, h=8):
     return TurnStats(kl_sum=kl, loss_sum=kl.clone(), tokens=tok, num_turns=torch.tensor([r["n"] for r in rows]),
                      success=torch.tensor([float(r["win"]) for r in rows]),
                      is_probe=torch.tensor([r["probe"] for r in rows]),
-                     rollout_cap=torch.tensor([8 if r["probe"] else 3 for r in rows]))
+                     rollout_cap=torch.tensor([8 if r["probe"] else 3 for r in rows]),
+                     kept=torch.tensor([r.get("kept", True) for r in rows]))
 
 
 def _setup(tokenizer, max_turns=8, **kw):
