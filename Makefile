@@ -7,6 +7,7 @@ LOPD := $(BIN)/lightning-opd
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 MODEL := artifacts/models/smollm2-135m
 GAMES := artifacts/games/quest3
+LONG_GAMES := artifacts/games/quest5
 TEACHER := artifacts/models/teacher-textworld
 ADAPTER := assets/teacher-textworld-lora
 PYTEST_ARGS ?=
@@ -16,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: install install-vllm model games teacher teacher-train teacher-eval prepare demo test test-fast clean-demo
+.PHONY: install install-vllm model games games-long teacher teacher-train teacher-eval prepare demo test test-fast clean-demo
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +48,11 @@ model: $(MODEL)/config.json
 $(GAMES)/manifest.json: | $(STAMP)
 	$(LOPD) make-games --out $(GAMES) --train 200 --eval 50 --quest-length 3 --world-size 3 --nb-objects 6 --seed 0
 games: $(GAMES)/manifest.json
+
+# longer quests for TurnOPD (conf/textworld/turnopd.yaml, benchmarks/turnopd_wallclock.py)
+$(LONG_GAMES)/manifest.json: | $(STAMP)
+	$(LOPD) make-games --out $(LONG_GAMES) --train 200 --eval 50 --quest-length 5 --world-size 4 --nb-objects 8 --seed 1
+games-long: $(LONG_GAMES)/manifest.json
 
 # The teacher: the committed LoRA adapter merged into SmolLM2 (seconds). `make teacher-train` redoes
 # the adapter itself (LoRA SFT on the expert walkthroughs of the 200 training games, ~35 min).
