@@ -131,6 +131,16 @@ def test_survivor_weighted_centroid_sets_the_first_cap(tokenizer):
     assert "controller/h_cov" not in module.logged
 
 
+def test_probe_rows_dropped_by_a_filter_are_ignored(tokenizer):
+    """A probe a weighting filter dropped (``kept`` False: no tokens reached the loss) counts neither in
+    n_0 nor in the survivors: the decision equals the one without that row."""
+    rows = [row(4, kl=[1, .5, .5, 2]), row(3, kl=[1, .5, .5]), row(2, kl=[1, .5]), row(2, kl=[1, .5])]
+    dropped = dict(row(8, kl=[0, 0, 0, 0, 0, 0, 0, 9]), kept=False)
+    ctrl_a, _, module_a, trainer_a = _setup(tokenizer)
+    ctrl_b, _, module_b, trainer_b = _setup(tokenizer)
+    assert _step(ctrl_a, trainer_a, module_a, rows + [dropped]) == _step(ctrl_b, trainer_b, module_b, rows) == (1, None, 1.0, 2)
+
+
 FAIL8 = [row(8)] * 4
 # (rows, expected (H_eff, H_cov, H̄, Ĥ), successes pooled); H_max 8, W 4, p 0.8, α 0.3
 TABLE = [
