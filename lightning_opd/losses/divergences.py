@@ -127,14 +127,20 @@ class TokenDivergence(nn.Module):
         return chunked_token_terms(self, student_hidden, teacher_hidden, targets, student_head, teacher_head,
                                    temperature, self.chunk_size)
 
-    def _common(self, student_logits, teacher_logits, targets, temperature):
-        lp_s = log_probs(student_logits, temperature)  # (..., V)
-        lp_t = log_probs(teacher_logits, temperature).detach()  # (..., V)
-        return lp_s, lp_t, gather_token(lp_s, targets), gather_token(lp_t, targets), entropy_of(lp_s)
+    @staticmethod
+    def _common(student_logits, teacher_logits, temperature):
+        """``(lp_s, lp_t)``: fp32 log-probs at ``temperature``; the teacher's detached."""
+        return log_probs(student_logits, temperature), log_probs(teacher_logits, temperature).detach()
 
-    def _full(self, loss, lp_s, lp_t, s_tok, t_tok, entropy) -> TokenLoss:
-        kl = (lp_s.exp() * (lp_s - lp_t)).sum(-1).detach()
-        return TokenLoss(loss=loss, kl=kl, student_logprobs=s_tok.detach(), teacher_logprobs=t_tok, entropy=entropy)
+    @staticmethod
+    def _full(loss, lp_s, lp_t, targets) -> TokenLoss:
+        """Wrap ``loss`` with the detached diagnostics. Computed *after* the loss on purpose: in the
+        chunked backward, checkpoint's recomputation stops once the loss's saved tensors are rebuilt,
+        so the diagnostics are not recomputed."""
+        with torch.no_grad():
+            kl = (lp_s.exp() * (lp_s - lp_t)).sum(-1)
+            return TokenLoss(loss=loss, kl=kl, student_logprobs=gather_token(lp_s, targets),
+                             teacher_logprobs=gather_token(lp_t, targets), entropy=entropy_of(lp_s))
 
 
 class SampledTokenReverseKL(TokenDivergence):
@@ -155,10 +161,11 @@ class SampledTokenReverseKL(TokenDivergence):
 
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
-        lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
-        advantage = (t_tok - s_tok).detach()
+        lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
+        s_tok = gather_token(lp_s, targets)
+        advantage = (gather_token(lp_t, targets) - s_tok).detach()
         ratio = torch.exp(s_tok - s_tok.detach())  # 1 in value, carries grad log p_S
-        return self._full(-ratio * advantage, lp_s, lp_t, s_tok, t_tok, entropy)
+        return self._full(-ratio * advantage, lp_s, lp_t, targets)
 
 
 class FullVocabReverseKL(TokenDivergence):
@@ -169,9 +176,9 @@ class FullVocabReverseKL(TokenDivergence):
 
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
-        lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
+        lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
         loss = (lp_s.exp() * (lp_s - lp_t)).sum(-1)
-        return self._full(loss, lp_s, lp_t, s_tok, t_tok, entropy)
+        return self._full(loss, lp_s, lp_t, targets)
 
 
 class ForwardKL(TokenDivergence):
@@ -183,9 +190,9 @@ class ForwardKL(TokenDivergence):
 
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
-        lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
+        lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
         loss = (lp_t.exp() * (lp_t - lp_s)).sum(-1)
-        return self._full(loss, lp_s, lp_t, s_tok, t_tok, entropy)
+        return self._full(loss, lp_s, lp_t, targets)
 
 
 class GeneralizedJSD(TokenDivergence):
@@ -210,7 +217,7 @@ class GeneralizedJSD(TokenDivergence):
         self.beta = float(beta)
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
-        lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
+        lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
         b = self.beta
         if b == 0.0:
             loss = (lp_t.exp() * (lp_t - lp_s)).sum(-1)
@@ -219,4 +226,4 @@ class GeneralizedJSD(TokenDivergence):
         else:
             lp_m = _log_mixture(lp_t, lp_s, b)
             loss = b * (lp_t.exp() * (lp_t - lp_m)).sum(-1) + (1 - b) * (lp_s.exp() * (lp_s - lp_m)).sum(-1)
-        return self._full(loss, lp_s, lp_t, s_tok, t_tok, entropy)
+        return self._full(loss, lp_s, lp_t, targets)

@@ -45,14 +45,14 @@ class StudentTopKRenormalizedReverseKL(_TopK):
 
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
-        lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
+        lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
         idx = lp_s.detach().topk(min(self.k, lp_s.shape[-1]), dim=-1).indices  # (..., k)
         ls = lp_s.gather(-1, idx)
         ls = ls - ls.logsumexp(-1, keepdim=True)
         lt = lp_t.gather(-1, idx)
         lt = lt - lt.logsumexp(-1, keepdim=True)
         loss = (ls.exp() * (ls - lt)).sum(-1)
-        return self._full(loss, lp_s, lp_t, s_tok, t_tok, entropy)
+        return self._full(loss, lp_s, lp_t, targets)
 
 
 class TeacherTopKForwardKL(_TopK):
@@ -82,11 +82,11 @@ class TeacherTopKForwardKL(_TopK):
         self.tail_bucket = tail_bucket
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
-        lp_s, lp_t, s_tok, t_tok, entropy = self._common(student_logits, teacher_logits, targets, temperature)
+        lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
         idx = lp_t.topk(min(self.k, lp_t.shape[-1]), dim=-1).indices  # (..., k)
         lt = lp_t.gather(-1, idx)
         loss = (lt.exp() * (lt - lp_s.gather(-1, idx))).sum(-1)
         if self.tail_bucket and idx.shape[-1] < lp_t.shape[-1]:  # k >= V: no tail
             tail_t, tail_s = _complement_logsumexp(lp_t, idx), _complement_logsumexp(lp_s, idx)
             loss = loss + tail_t.exp() * (tail_t - tail_s)
-        return self._full(loss, lp_s, lp_t, s_tok, t_tok, entropy)
+        return self._full(loss, lp_s, lp_t, targets)
