@@ -77,9 +77,10 @@ def first_reaching(points: list[dict], target: float) -> float | None:
     return next((p["seconds"] for p in points if p["success"] is not None and p["success"] >= target), None)
 
 
-def success_at(points: list[dict], seconds: float) -> float:
-    """Success of the last evaluation made within ``seconds`` of training."""
-    return [p["success"] for p in points if p["seconds"] <= seconds + 1e-9 and p["success"] is not None][-1]
+def success_at(points: list[dict], seconds: float) -> float | None:
+    """Success of the last evaluation made within ``seconds`` of training (None: none yet)."""
+    done = [p["success"] for p in points if p["seconds"] <= seconds + 1e-9 and p["success"] is not None]
+    return done[-1] if done else None
 
 
 def main() -> None:
@@ -108,7 +109,8 @@ def main() -> None:
     equal = min(van["train_seconds"], top["train_seconds"])
     rows = [[name, f"{r['train_seconds'] / 60:.1f}", f"{r['mean_turns']:.1f}",
              " ".join(f"{pt['success']:.2f}@{pt['seconds'] / 60:.1f}" for pt in r["points"]),
-             "-" if t is None else f"{t / 60:.1f}", f"{success_at(r['points'], equal):.2f}"]
+             "-" if t is None else f"{t / 60:.1f}",
+             "-" if success_at(r["points"], equal) is None else f"{success_at(r['points'], equal):.2f}"]
             for name, r, t in (("vanilla OPD", van, t_van), ("TurnOPD", top, t_top))]
     print(f"\n{a.steps} steps x {a.episodes} episodes, <= {a.turns} turns, quest length 5; greedy success on "
           f"{a.eval_games} held-out games every {a.eval_every} steps; target = vanilla's best ({target:.2f})")
