@@ -138,6 +138,24 @@ def test_staleness_filter_drops_whole_groups_and_kept_advantages_are_unchanged(m
         torch.testing.assert_close(g1[k], g2[k], atol=1e-6, rtol=1e-5)
 
 
+def test_f13_reward_function_errors_and_fallback_reach_the_step(model_dirs, batch):
+    from lightning_opd.losses.grpo import RewardFunctionError
+
+    def broken(b):
+        raise KeyError("score")
+
+    module = module_for(model_dirs, kappa=0.5, rho=1.0)
+    module.reward_fn = broken
+    with pytest.raises(RewardFunctionError, match="raised KeyError"):
+        prepared(module, batch)
+    module.reward_fn = lambda b: torch.tensor([1.0, float("nan"), 0.0, 1.0])  # group 0 unusable, group 1 fine
+    out = prepared(module, batch)
+    assert torch.isfinite(out.advantage).all() and torch.equal(out.advantage[:2], torch.zeros(2))
+    assert module._step_stats["grpo/invalid_rewards"] == 1.0 and module._step_stats["grpo/invalid_groups"] == 1.0
+    sums, grads = grads_of(module, out)
+    assert torch.isfinite(sums["loss"]) and all(torch.isfinite(g).all() for g in grads.values())
+
+
 def test_hybrid_settings_need_the_surrogate(model_dirs):
     for kw, bad in ((dict(kappa=0.5), "model.kappa=0.5"), (dict(rho=1.0), "model.rho=1.0"), (dict(tdur=True), "model.tdur=True")):
         with pytest.raises(ValueError, match=bad + ".*needs loss lightning_opd.losses.ClippedSurrogate, got FullVocabReverseKL"):
