@@ -9,8 +9,16 @@ One training step = one rollout batch (docs/design.md "Data flow"):
    supervised-token count, backward;
 3. gradient clipping, optimizer step, LR scheduler step, ``policy_version += 1``.
 
-Deliberate simplifications (this version): synchronous rollouts only; one optimizer update per
-rollout batch; the teacher runs in the trainer process on the student's device.
+ATOD's hybrid objective (docs/algorithms.md §3; :class:`~lightning_opd.losses.grpo.ClippedSurrogate` as
+``loss``): before the first update the batch gets its GRPO group advantages, its old log-probs and, with
+``tdur``, its T-DUR turn weights; then ``ppo_epochs`` passes over ``ppo_mini_batches`` contiguous
+mini-batches, one optimizer update each, all on the same advantages. The whole batch is still one
+rollout iteration: ``policy_version`` moves by 1 (§3.1 note), while ``trainer.global_step`` (and so
+``trainer.max_steps``) counts optimizer updates, ``updates_per_batch`` per batch. ``kappa`` and ``rho``
+are plain attributes that callbacks may change between steps (``AnnealingSchedule``).
+
+Deliberate simplifications (this version): the teacher runs in the trainer process on the student's
+device; PPO mini-batches are contiguous row ranges, the same in every epoch (no shuffling).
 
 Metric glossary (logged every step):
 
@@ -28,6 +36,17 @@ Metric glossary (logged every step):
 | ``timing/rollout_s``, ``timing/update_s`` | seconds | per step |
 | ``turn/survivors_NN`` | episodes | episodes of the step (all ranks) still running at turn NN (TurnOPD §4) |
 | ``turn/token_share_NN``, ``turn/loss_share_NN`` | fraction | turn NN's share of supervised tokens / of ``sum m w l`` |
+| ``train/kappa``, ``train/rho`` | - | hybrid loss only: the coefficients the step trained with |
+| ``grpo/reward_mean`` | reward units | mean episode reward of the batch (this rank) |
+| ``grpo/groups``, ``grpo/equal_reward_groups`` | groups | groups in the batch / of them with all rewards equal (advantage 0) |
+| ``grpo/invalid_rewards``, ``grpo/invalid_groups`` | episodes, groups | non-finite rewards and their groups (advantage 0, F13 fallback) |
+| ``ppo/clip_frac`` | fraction | supervised tokens in the clipped region, over all updates of the step |
+| ``ppo/ratio_mean``, ``ppo/ratio_min``, ``ppo/ratio_max`` | - | importance ratio pi_theta/pi_old over the same tokens |
+| ``ppo/updates`` | optimizer updates | per rollout batch (``ppo_epochs * ppo_mini_batches``) |
+| ``tdur/mean_weight`` | - | mean T-DUR turn weight over the batch's (episode, turn) pairs (with ``tdur``) |
+
+With several updates per batch, ``train/loss`` and ``train/grad_norm`` are means over the updates and
+``train/kl``, ``train/entropy`` means over all updates' supervised tokens.
 
 ``last_turn_stats`` (:class:`~lightning_opd.metrics.turn_stats.TurnStats`) holds the step's per-sample,
 per-turn sums on this rank for callbacks (the rollout-depth controller).
@@ -47,6 +66,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_opd.data.collate import RolloutBatch, rollout_stats
 from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss, log_probs
+from lightning_opd.losses.grpo import (ClippedSurrogate, EpisodeReward, clipped_surrogate, compute_rewards,
+                                       group_advantages, hybrid_advantage)
+from lightning_opd.losses.tdur import tdur_weights
 from lightning_opd.losses.weighting import Weighting
 from lightning_opd.metrics.per_turn import PerTurnMean
 from lightning_opd.metrics.turn_stats import TurnStats, per_turn_sums
@@ -87,10 +109,20 @@ class OPDModule(PolicyModule):
         strict_on_policy: raise :class:`OffPolicyBatchError` when a batch's lag exceeds the
             DataModule's ``max_allowed_lag`` (0 in synchronous mode).
         trust_remote_code, export_dir, gradient_checkpointing: see :class:`PolicyModule`.
+        kappa: κ, coefficient of the OPD term of ATOD's hybrid advantage (§3.1); 1 = plain OPD. Needs
+            ``loss: ClippedSurrogate`` unless 1.
+        rho: ρ, coefficient of the GRPO term; 0 = no reward signal. Needs ``ClippedSurrogate`` unless 0.
+        ppo_epochs: passes over each rollout batch (each pass: ``ppo_mini_batches`` optimizer updates).
+        ppo_mini_batches: optimizer updates per pass, on contiguous row ranges of the batch.
+        tdur: weight the OPD term by T-DUR turn weights (§3.3; never the GRPO term). Needs ``ClippedSurrogate``.
+        reward: episode reward for the GRPO term (default ``EpisodeReward()``: 1 per won episode).
+        advantage_eps: ε_A added to the group standard deviation (PROPOSED 1e-6).
 
     Raises:
         TokenizerMismatchError: at setup, when the teacher's tokenizer differs from the student's.
-        ValueError: a non-positive ``micro_batch_size`` or ``max_logged_turns``.
+        ValueError: a non-positive ``micro_batch_size``, ``max_logged_turns``, ``ppo_epochs`` or
+            ``ppo_mini_batches``; a negative ``kappa``, ``rho`` or ``advantage_eps``; ``kappa != 1``,
+            ``rho != 0`` or ``tdur`` with a loss other than ``ClippedSurrogate``.
     """
 
     def __init__(self, student: str, teacher: str, loss: TokenDivergence | None = None,
@@ -98,13 +130,20 @@ class OPDModule(PolicyModule):
                  micro_batch_size: int = 1, grad_clip_norm: float | None = 1.0, dtype: str = "float32",
                  teacher_dtype: str | None = None, max_logged_turns: int = 16, log_text_every_n_steps: int = 10,
                  strict_on_policy: bool = True, trust_remote_code: bool = False, export_dir: str | None = None,
-                 gradient_checkpointing: bool = False) -> None:
+                 gradient_checkpointing: bool = False, kappa: float = 1.0, rho: float = 0.0, ppo_epochs: int = 1,
+                 ppo_mini_batches: int = 1, tdur: bool = False, reward: EpisodeReward | None = None,
+                 advantage_eps: float = 1e-6) -> None:
         super().__init__(student=student, dtype=dtype, trust_remote_code=trust_remote_code, export_dir=export_dir,
                          gradient_checkpointing=gradient_checkpointing)
         if micro_batch_size < 1:
             raise ValueError(f"model.micro_batch_size={micro_batch_size} must be >= 1")
         if max_logged_turns < 1:
             raise ValueError(f"model.max_logged_turns={max_logged_turns} must be >= 1")
+        for name, value in (("ppo_epochs", ppo_epochs), ("ppo_mini_batches", ppo_mini_batches)):
+            if value < 1:
+                raise ValueError(f"model.{name}={value} must be >= 1")
+        if advantage_eps < 0:
+            raise ValueError(f"model.advantage_eps={advantage_eps} must be >= 0")
         self.automatic_optimization = False
         self.teacher_path = teacher
         self.teacher_dtype = teacher_dtype or dtype
@@ -115,6 +154,12 @@ class OPDModule(PolicyModule):
         self.grad_clip_norm = grad_clip_norm
         self.log_text_every_n_steps = log_text_every_n_steps
         self.strict_on_policy = strict_on_policy
+        self.kappa, self.rho, self.tdur = kappa, rho, tdur
+        self.ppo_epochs, self.ppo_mini_batches = ppo_epochs, ppo_mini_batches
+        self.reward_fn = reward if reward is not None else EpisodeReward()
+        self.advantage_eps = advantage_eps
+        self._check_objective()
+        self._step_stats: dict[str, float] = {}  # hybrid-loss statistics of the current step (logged)
         self.turn_kl = PerTurnMean(max_logged_turns)
         self.last_turn_stats: TurnStats | None = None  # the last step's per-turn sums (this rank)
         self._weightings: dict[str, Weighting] = {}
@@ -147,6 +192,49 @@ class OPDModule(PolicyModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.lr_scheduler_factory(opt), "interval": "step"}}
 
     # ------------------------------------------------------------------------------------------- loss
+    @property
+    def hybrid(self) -> bool:
+        """The loss is ATOD's clipped surrogate (advantages, old log-probs and T-DUR apply)."""
+        return isinstance(self.loss_fn, ClippedSurrogate)
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer updates per rollout batch (``ppo_epochs * ppo_mini_batches``)."""
+        return self.ppo_epochs * self.ppo_mini_batches
+
+    def _check_objective(self) -> None:
+        """Check ``kappa``/``rho``/``tdur`` (also after a callback changed them).
+
+        Raises:
+            ValueError: a negative or non-finite coefficient, or hybrid settings without ``ClippedSurrogate``.
+        """
+        for name in ("kappa", "rho"):
+            value = float(getattr(self, name))
+            if not (value >= 0 and value != float("inf")):
+                raise ValueError(f"model.{name}={value} must be a finite number >= 0")
+        if not self.hybrid and (self.kappa != 1 or self.rho != 0 or self.tdur):
+            raise ValueError(f"model.kappa={self.kappa}, model.rho={self.rho}, model.tdur={self.tdur}: the hybrid "
+                             f"objective needs loss lightning_opd.losses.ClippedSurrogate, got {type(self.loss_fn).__name__} "
+                             "(which needs kappa=1, rho=0, tdur=false)")
+
+    def advantage_inputs(self, batch: RolloutBatch) -> dict[str, torch.Tensor | None]:
+        """``(b, T-1)`` per-token inputs of the hybrid loss for one (micro-)batch: ``opd_weight`` = κ · w_turn,
+        ``grpo_term`` = ρ · Â (the episode's advantage on each of its tokens; T-DUR never enters it) and
+        ``old_logprobs`` (``None``: π_old = sg(π_θ), one update per batch without T-DUR).
+
+        Raises:
+            RuntimeError: ``rho != 0`` but the batch has no advantages (:meth:`prepare_hybrid` not run).
+        """
+        shape = (batch.size, batch.input_ids.shape[1] - 1)
+        dev = batch.input_ids.device
+        w = batch.turn_weight[:, 1:] if batch.turn_weight is not None else torch.ones(shape, device=dev)
+        if batch.advantage is None and self.rho != 0:
+            raise RuntimeError("hybrid loss with rho != 0 on a batch without GRPO advantages: call prepare_hybrid first")
+        adv = batch.advantage if batch.advantage is not None else torch.zeros(batch.size, device=dev)
+        return {"opd_weight": float(self.kappa) * w.float(),
+                "grpo_term": (float(self.rho) * adv.float())[:, None].expand(shape),
+                "old_logprobs": batch.old_logprobs[:, 1:] if batch.old_logprobs is not None else None}
+
     @staticmethod
     def supervised_positions(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, cols)``, each ``(N,)``: the positions whose outputs predict a supervised token (the
@@ -194,8 +282,11 @@ class OPDModule(PolicyModule):
         with torch.no_grad():
             h_t = self.hidden_states(self.teacher, batch)[rows, cols]  # (N, D_T)
         targets = ids[:, 1:][rows, cols]  # (N,)
+        extras = {}
+        if self.hybrid:  # (b, T-1) -> (N,)
+            extras = {k: None if v is None else v[rows, cols] for k, v in self.advantage_inputs(batch).items()}
         out = self.loss_fn(h_s, h_t, targets, self.lm_head(self.student), self.lm_head(self.teacher),
-                           temperature=batch.sampling.temperature or 1.0)
+                           temperature=batch.sampling.temperature or 1.0, **extras)
         dense = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=ids.device)  # (B, T-1)
         out = out.map(lambda x: dense.to(x.dtype).index_put((rows, cols), x))
         return out, batch.loss_mask[:, 1:], batch.turn_index[:, 1:]
@@ -214,29 +305,39 @@ class OPDModule(PolicyModule):
             raise TypeError(f"weighting {name!r}: {type(scheme).__name__} lacks prepare/token_weights/needs_student_logprobs")
         self._weightings[name] = scheme
 
-    @torch.no_grad()
     def student_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """``(B, T-1)`` log-probs of the sampled tokens under the current student, at the batch's sampling
         temperature (nats); a no-grad pass in micro-batches, the head applied chunk by chunk."""
+        return self._sampled_logprobs(self.student, batch)
+
+    def teacher_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """``(B, T-1)`` log-probs of the sampled tokens under the teacher (nats), like :meth:`student_logprobs`."""
+        return self._sampled_logprobs(self.teacher, batch)
+
+    @torch.no_grad()
+    def _sampled_logprobs(self, model, batch: RolloutBatch) -> torch.Tensor:
         parts = []
         chunk = getattr(self.loss_fn, "chunk_size", 256)
         for mb in batch.split(self.micro_batch_size):
             rows, cols = self.supervised_positions(mb)
-            hidden = self.hidden_states(self.student, mb)[rows, cols]  # (N, D)
+            hidden = self.hidden_states(model, mb)[rows, cols]  # (N, D)
             targets = mb.input_ids[:, 1:][rows, cols]
-            head, temp = self.lm_head(self.student), mb.sampling.temperature or 1.0
+            head, temp = self.lm_head(model), mb.sampling.temperature or 1.0
             lp = torch.cat([log_probs(head(hidden[i:i + chunk]), temp).gather(-1, targets[i:i + chunk, None])[:, 0]
                             for i in range(0, targets.shape[0], chunk)])
             dense = torch.zeros(mb.size, batch.input_ids.shape[1] - 1, device=lp.device)
             parts.append(dense.index_put((rows, cols), lp))
         return torch.cat(parts) if parts else batch.behaviour_logprobs[:, 1:].clone()
 
-    def plan_batch(self, batch: RolloutBatch) -> RolloutBatch:
+    def plan_batch(self, batch: RolloutBatch, student_logprobs: torch.Tensor | None = None) -> RolloutBatch:
         """Apply every scheme's :class:`BatchPlan`: dropped samples get an all-zero loss mask, kept ones
-        the product of the per-sample weights (in ``batch.sample_weight``)."""
+        the product of the per-sample weights (in ``batch.sample_weight``). ``student_logprobs``: the
+        ``(B, T-1)`` learner log-probs if already computed this step (else computed when a scheme needs them)."""
         if not self._weightings:
             return batch
-        lp = self.student_logprobs(batch) if any(w.needs_student_logprobs for w in self._weightings.values()) else None
+        lp = student_logprobs
+        if lp is None and any(w.needs_student_logprobs for w in self._weightings.values()):
+            lp = self.student_logprobs(batch)
         keep = torch.ones(batch.size, dtype=torch.bool, device=batch.input_ids.device)
         weight = batch.sample_weight.clone()
         for scheme in self._weightings.values():
@@ -246,6 +347,50 @@ class OPDModule(PolicyModule):
             if plan.sample_weight is not None:
                 weight = weight * plan.sample_weight.to(weight)
         return replace(batch, loss_mask=batch.loss_mask * keep[:, None].to(batch.loss_mask), sample_weight=weight)
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """The hybrid loss needs a collection-time pass for π_old (several updates per batch, or T-DUR)."""
+        return self.hybrid and (self.updates_per_batch > 1 or self.tdur)
+
+    def prepare_hybrid(self, batch: RolloutBatch, student_logprobs: torch.Tensor | None = None) -> RolloutBatch:
+        """Stage I-II of ATOD (§3.4) for the whole batch, before its first update: rewards (checked, F13),
+        group advantages (over every episode of the group in the batch: staleness filters drop groups
+        whole, so a kept group is complete), old log-probs (the learner's, now; see ``ClippedSurrogate``)
+        when :attr:`needs_old_logprobs`, and T-DUR weights from the old and teacher log-probs.
+
+        Args:
+            batch: the planned rollout batch.
+            student_logprobs: ``(B, T-1)`` learner log-probs already computed this step (reused as π_old).
+
+        Raises:
+            RewardFunctionError: the reward function raised or returned the wrong count (F13).
+        """
+        rewards = compute_rewards(self.reward_fn, batch)
+        groups = group_advantages(rewards, batch.group_id, self.advantage_eps)
+        finite = torch.isfinite(rewards)
+        stats = {"grpo/reward_mean": float(rewards[finite].mean()) if bool(finite.any()) else 0.0,
+                 "grpo/groups": float(groups.groups), "grpo/equal_reward_groups": float(groups.equal_groups),
+                 "grpo/invalid_rewards": float(groups.invalid_rewards), "grpo/invalid_groups": float(groups.invalid_groups)}
+        out = replace(batch, advantage=groups.advantage.to(batch.input_ids.device))
+        if self.needs_old_logprobs:
+            old = student_logprobs if student_logprobs is not None else self.student_logprobs(batch)
+            out = replace(out, old_logprobs=torch.cat([torch.zeros_like(old[:, :1]), old], dim=1))  # (B, T)
+            if self.tdur:
+                mask = batch.loss_mask[:, 1:]
+                tw = tdur_weights(old, self.teacher_logprobs(batch), mask, batch.turn_index[:, 1:])
+                w = tw.token_weight.float()
+                out = replace(out, turn_weight=torch.cat([torch.ones_like(w[:, :1]), w], dim=1))
+                stats["tdur/mean_weight"] = tw.mean_weight(mask.sum(1) > 0)
+        self._step_stats.update(stats)
+        return out
+
+    def mini_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
+        """The batch's ``ppo_mini_batches`` contiguous row ranges (the batch itself when 1)."""
+        if self.ppo_mini_batches == 1:
+            return [batch]
+        idx = torch.arange(batch.size, device=batch.input_ids.device)
+        return [batch.select(part) for part in torch.tensor_split(idx, self.ppo_mini_batches)]
 
     def token_weights(self, batch: RolloutBatch, token_loss: TokenLoss) -> torch.Tensor | None:
         """``(b, T-1)`` weights of one micro-batch: its per-sample weights times every scheme's per-token
@@ -322,6 +467,8 @@ class OPDModule(PolicyModule):
             sums["kl"] += torch.where(keep, out.kl, 0.0).sum()
             sums["entropy"] += torch.where(keep, out.entropy, 0.0).sum()
             self.turn_kl.update(out.kl[keep], turns[keep])
+            if self.hybrid:
+                self._surrogate_stats(mb, out, keep)
             contribution = out.loss.detach() * (1.0 if weights is None else weights)
             parts["kl_sum"].append(per_turn_sums(torch.where(keep, out.kl, 0.0), turns, h))
             parts["loss_sum"].append(per_turn_sums(torch.where(keep, contribution, 0.0), turns, h))
@@ -333,25 +480,58 @@ class OPDModule(PolicyModule):
             kept=batch.loss_mask[:, 1:].sum(1) > 0)
         return sums
 
+    def _surrogate_stats(self, mb: RolloutBatch, out: TokenLoss, keep: torch.Tensor) -> None:
+        """Accumulate the clip fraction and ratio statistics of one micro-batch (hybrid loss)."""
+        inputs = self.advantage_inputs(mb)
+        old = inputs["old_logprobs"] if inputs["old_logprobs"] is not None else out.student_logprobs
+        adv = hybrid_advantage(out.teacher_logprobs, old, inputs["opd_weight"], inputs["grpo_term"])
+        _, ratio, clipped = clipped_surrogate(out.student_logprobs, old, adv, self.loss_fn.clip_eps)
+        ratio, st = ratio[keep].double(), self._step_stats
+        if ratio.numel():
+            st["_tokens"] = st.get("_tokens", 0.0) + ratio.numel()
+            st["_ratio_sum"] = st.get("_ratio_sum", 0.0) + float(ratio.sum())
+            st["_clipped"] = st.get("_clipped", 0.0) + float(clipped[keep].sum())
+            st["ppo/ratio_min"] = min(st.get("ppo/ratio_min", float("inf")), float(ratio.min()))
+            st["ppo/ratio_max"] = max(st.get("ppo/ratio_max", float("-inf")), float(ratio.max()))
+
     def training_step(self, dataloader_iter: Iterator) -> torch.Tensor:
         t0 = time.perf_counter()
         batch, _, _ = next(dataloader_iter)  # generated now, with the current weights
         batch = batch.to(self.device)
         t1 = time.perf_counter()
         max_lag = self._check_on_policy(batch)
+        self._check_objective()  # kappa / rho may have been changed by a schedule
+        self._step_stats = {}
 
         opt = self.optimizers()
-        batch = self.plan_batch(batch)  # weighting schemes: drop / weight samples for the whole step
-        step_tokens = self.reduce_sum(batch.loss_mask[:, 1:].sum().to(self.device))
-        sums = self.backward_step(batch, step_tokens, self.manual_backward, self.trainer.world_size)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.student.parameters(), self.grad_clip_norm if self.grad_clip_norm is not None else float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        needs_lp = self.needs_old_logprobs or any(w.needs_student_logprobs for w in self._weightings.values())
+        lp = self.student_logprobs(batch) if needs_lp else None  # one collection-time pass, shared
+        batch = self.plan_batch(batch, lp)  # weighting schemes: drop / weight samples for the whole step
+        if self.hybrid:
+            batch = self.prepare_hybrid(batch, lp)  # advantages, old log-probs, T-DUR: fixed for all updates
         sched = self.lr_schedulers()
-        if sched is not None:
-            sched.step()
-        self.policy_version += 1
+        clip = self.grad_clip_norm if self.grad_clip_norm is not None else float("inf")
+        step_tokens = self.reduce_sum(batch.loss_mask[:, 1:].sum().to(self.device))
+        totals, norms, turn_stats = None, [], []
+        for epoch in range(self.ppo_epochs):
+            for part in self.mini_batches(batch):
+                part_tokens = step_tokens if part is batch else self.reduce_sum(
+                    part.loss_mask[:, 1:].sum().to(self.device))  # §0.5 per update: its own tokens
+                sums = self.backward_step(part, part_tokens, self.manual_backward, self.trainer.world_size)
+                norms.append(torch.nn.utils.clip_grad_norm_(self.student.parameters(), clip))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if sched is not None:
+                    sched.step()
+                totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
+                if epoch == 0:
+                    turn_stats.append(self.last_turn_stats)
+        n_updates = self.updates_per_batch
+        sums = {"loss": totals["loss"] / n_updates, "kl": totals["kl"] / self.ppo_epochs,
+                "entropy": totals["entropy"] / self.ppo_epochs}
+        grad_norm = norms[0] if n_updates == 1 else torch.stack(norms).mean()
+        self.last_turn_stats = turn_stats[0] if len(turn_stats) == 1 else TurnStats.cat(turn_stats)  # first epoch
+        self.policy_version += 1  # one rollout iteration, however many updates (§3.1 note)
         self._notify_policy_update()
         t2 = time.perf_counter()
         self._log_step(batch, sums, step_tokens, grad_norm, max_lag, t1 - t0, t2 - t1)
@@ -382,9 +562,23 @@ class OPDModule(PolicyModule):
                 self.log(f"kl/turn_{t:02d}", turn["mean"][t].float(), batch_size=n)
         self.turn_kl.reset()
         self._log_turn_shares(n)
+        if self.hybrid:
+            self._log_hybrid(n)
         every = self.log_text_every_n_steps
         if every and (self.policy_version - 1) % every == 0 and self.trainer.is_global_zero:
             self._log_episode_text(batch)
+
+    def _log_hybrid(self, n: int) -> None:
+        """``train/kappa``, ``train/rho``, ``grpo/*``, ``ppo/*`` and ``tdur/*`` of the step (this rank)."""
+        st = self._step_stats
+        values = {k: v for k, v in st.items() if not k.startswith("_")}
+        values.update({"train/kappa": float(self.kappa), "train/rho": float(self.rho),
+                       "ppo/updates": float(self.updates_per_batch)})
+        if st.get("_tokens"):
+            values["ppo/clip_frac"] = st["_clipped"] / st["_tokens"]
+            values["ppo/ratio_mean"] = st["_ratio_sum"] / st["_tokens"]
+        for key, value in values.items():
+            self.log(key, float(value), batch_size=n)
 
     def _log_turn_shares(self, n: int) -> None:
         """TurnOPD §4 diagnostics, summed over ranks: ``turn/survivors_NN`` (episodes still running at

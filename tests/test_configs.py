@@ -23,6 +23,7 @@ import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lightning_opd.callbacks.annealing import AnnealingSchedule
 from lightning_opd.callbacks.rollout_depth import RolloutDepthController
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
@@ -30,7 +31,7 @@ from lightning_opd.cli import OPDCLI, main
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.data.expert import ExpertDataModule
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory
-from lightning_opd.losses import FullVocabReverseKL, SampledTokenReverseKL
+from lightning_opd.losses import ClippedSurrogate, EpisodeReward, FullVocabReverseKL, SampledTokenReverseKL
 from lightning_opd.module import OPDModule
 from lightning_opd.policy import PolicyModule
 from lightning_opd.rollout.hf import HFGenerator
@@ -284,6 +285,32 @@ def check_turn_loss_blend(cli, tmp):
     assert (blend.start, blend.end, blend.total_steps) == (0.0, 1.0, None)  # K = trainer.max_steps at setup
 
 
+def _schedules(cli):
+    return {c.attribute: c for c in cli.trainer.callbacks if isinstance(c, AnnealingSchedule)}
+
+
+def check_annealing(cli, tmp):
+    sched = _schedules(cli)  # appended to opd.yaml
+    assert set(sched) == {"kappa", "rho"}
+    assert (sched["kappa"].start, sched["kappa"].end, sched["kappa"].fraction) == (1.0, 0.1, 0.5333)
+    assert (sched["rho"].start, sched["rho"].end, sched["rho"].steps) == (1.0, 2.0, None)
+
+
+def check_atod(cli, tmp):
+    m, dm = cli.model, cli.datamodule
+    assert isinstance(m.loss_fn, ClippedSurrogate) and m.loss_fn.clip_eps == 0.2 and m.hybrid
+    assert (m.kappa, m.rho, m.tdur, m.ppo_epochs, m.ppo_mini_batches, m.updates_per_batch) == (1.0, 1.0, True, 1, 2, 2)
+    assert isinstance(m.reward_fn, EpisodeReward) and m.reward_fn.success_weight == 1.0
+    assert dm.group_size == 4 and dm.episodes_per_step == 8  # G = 4 over two tasks per step
+    assert cli.trainer.max_steps == 40 and set(_schedules(cli)) == {"kappa", "rho"}
+
+
+def check_grpo(cli, tmp):
+    m = cli.model
+    assert isinstance(m.loss_fn, ClippedSurrogate) and (m.kappa, m.rho, m.tdur) == (0.0, 1.0, False)
+    assert cli.datamodule.group_size == 4 and not _schedules(cli)
+
+
 def check_vllm(cli, tmp):
     from lightning_opd.rollout.vllm import VLLMGenerator
 
@@ -296,7 +323,8 @@ EXPECT = {"textworld/opd.yaml": check_opd, "textworld/teacher_sft.yaml": check_t
           "model/opd_sampled.yaml": check_opd_sampled, "data/textworld.yaml": check_data_textworld,
           "debug/fast_dev_run.yaml": check_fast_dev_run, "callbacks/staleness_monitor.yaml": check_staleness_monitor,
           "textworld/fopd_async.yaml": check_fopd_async, "data/vllm.yaml": check_vllm,
-          "callbacks/rollout_depth.yaml": check_rollout_depth, "callbacks/turn_loss_blend.yaml": check_turn_loss_blend}
+          "callbacks/rollout_depth.yaml": check_rollout_depth, "callbacks/turn_loss_blend.yaml": check_turn_loss_blend,
+          "callbacks/annealing.yaml": check_annealing, "textworld/atod.yaml": check_atod, "textworld/grpo.yaml": check_grpo}
 
 
 def test_callback_overlays_append_instead_of_replacing(build_cli, tmp_path):
@@ -316,6 +344,11 @@ def test_turnopd_overlays_compose(build_cli):
     cli, _, _ = build_cli(BASE, CONF / "callbacks/rollout_depth.yaml", CONF / "callbacks/turn_loss_blend.yaml")
     kinds = [type(c) for c in cli.trainer.callbacks]
     assert kinds.count(RolloutDepthController) == 1 and kinds.count(TurnLossBlend) == 1
+
+
+def test_annealing_overlay_turns_grpo_into_an_annealed_hybrid(build_cli):
+    cli, _, _ = build_cli(CONF / "textworld/grpo.yaml", CONF / "callbacks/annealing.yaml")
+    assert set(_schedules(cli)) == {"kappa", "rho"} and cli.model.kappa == 0.0  # the schedule sets it at fit
 
 
 def test_configs_found():

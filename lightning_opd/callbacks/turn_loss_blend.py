@@ -16,8 +16,9 @@ so the weights do not depend on the micro-batch size.
 From the paper (as quoted): the linear schedule with s = 0, e = 1 and progress = k / K. PROPOSED in
 docs/algorithms.md, not from the paper: the per-token rescaling ``w_i = N q_t / n_t`` (follows a public
 re-implementation; the paper's batch aggregation is unknown), composing with other weights by
-multiplication (§0.5), k = ``pl_module.policy_version`` (rollout iterations = optimizer steps) and
-K = ``trainer.max_steps`` unless ``total_steps`` is given.
+multiplication (§0.5), k = ``pl_module.policy_version`` (rollout iterations) and K = ``trainer.max_steps //
+pl_module.updates_per_batch`` (``max_steps`` counts optimizer updates, several per batch with PPO epochs or
+mini-batches, §3.1 note) unless ``total_steps`` is given.
 
 Logged: ``turn_blend/alpha`` (unitless, the α the step trained with).
 """
@@ -68,7 +69,7 @@ class TurnLossBlend(Callback):
     Args:
         start: s, progress at which α leaves 0 (fraction of training).
         end: e, progress at which α reaches 1 (fraction of training).
-        total_steps: K (optimizer steps); default ``trainer.max_steps``.
+        total_steps: K (rollout iterations); default ``trainer.max_steps // pl_module.updates_per_batch``.
 
     Raises:
         ValueError: ``start``/``end``/``total_steps`` out of range (named in the message); at setup, no
@@ -113,7 +114,7 @@ class TurnLossBlend(Callback):
             if max_steps is None or max_steps < 1:
                 raise ValueError(f"TurnLossBlend: trainer.max_steps={max_steps} is unset; set trainer.max_steps or "
                                  "pass total_steps (K of progress = k / K)")
-            self.horizon = int(max_steps)
+            self.horizon = max(1, int(max_steps) // int(getattr(pl_module, "updates_per_batch", 1)))  # rollout iterations
         pl_module.set_weighting("turn_blend", self)
 
     @override

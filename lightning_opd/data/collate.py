@@ -33,6 +33,10 @@ class RolloutBatch:
         is_probe: ``(B,)`` bool, full-depth probe rollout.
         rollout_cap: ``(B,)`` long, turn cap the episode ran under.
         sample_weight: ``(B,)`` float, per-sample loss weight set by weighting schemes (default 1).
+        advantage: ``(B,)`` float, GRPO group advantage Â_i (set by the module for the hybrid loss).
+        old_logprobs: ``(B, T)`` float, log π_old of each sampled token (nats; aligned like
+            ``behaviour_logprobs``), set by the module when the hybrid loss needs them.
+        turn_weight: ``(B, T)`` float, T-DUR weight of each token's turn (aligned like ``loss_mask``).
         sampling: sampling parameters the batch was generated with (the learner scores at the same
             temperature, F02).
         trajectories: the source trajectories (all of them, including empty ones), for logging.
@@ -51,11 +55,17 @@ class RolloutBatch:
     is_probe: torch.Tensor
     rollout_cap: torch.Tensor
     sample_weight: torch.Tensor | None = None
+    advantage: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    turn_weight: torch.Tensor | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trajectories: list[Trajectory] = field(default_factory=list)
 
     _TENSORS = ("input_ids", "attention_mask", "loss_mask", "turn_index", "behaviour_logprobs", "behaviour_version",
-                "rewards", "success", "num_turns", "group_id", "is_probe", "rollout_cap", "sample_weight")
+                "rewards", "success", "num_turns", "group_id", "is_probe", "rollout_cap", "sample_weight", "advantage",
+                "old_logprobs", "turn_weight")
+    _PER_TOKEN = ("input_ids", "attention_mask", "loss_mask", "turn_index", "behaviour_logprobs", "old_logprobs",
+                  "turn_weight")
 
     def __post_init__(self) -> None:
         if self.sample_weight is None:
@@ -67,11 +77,11 @@ class RolloutBatch:
         return int(self.input_ids.shape[0])
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
-        return replace(self, **{k: getattr(self, k).to(device) for k in self._TENSORS})
+        return replace(self, **{k: getattr(self, k).to(device) for k in self._TENSORS if getattr(self, k) is not None})
 
     def select(self, index: slice | torch.Tensor) -> "RolloutBatch":
         """Rows ``index`` (trajectories are kept whole for logging)."""
-        return replace(self, **{k: getattr(self, k)[index] for k in self._TENSORS})
+        return replace(self, **{k: getattr(self, k)[index] for k in self._TENSORS if getattr(self, k) is not None})
 
     def split(self, micro_batch_size: int) -> list["RolloutBatch"]:
         """Micro-batches of at most ``micro_batch_size`` rows, each trimmed to its longest row."""
@@ -80,8 +90,8 @@ class RolloutBatch:
         for start in range(0, self.size, micro_batch_size):
             mb = self.select(slice(start, start + micro_batch_size))
             t = int(lengths[start:start + micro_batch_size].max().item()) if mb.size else 0
-            out.append(replace(mb, **{k: getattr(mb, k)[:, :max(t, 1)] for k in
-                                      ("input_ids", "attention_mask", "loss_mask", "turn_index", "behaviour_logprobs")}))
+            out.append(replace(mb, **{k: getattr(mb, k)[:, :max(t, 1)] for k in self._PER_TOKEN
+                                      if getattr(mb, k) is not None}))
         return out
 
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def chunked_token_terms(divergence: "TokenDivergence", student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
                         targets: torch.Tensor, student_head: Callable[[torch.Tensor], torch.Tensor],
                         teacher_head: Callable[[torch.Tensor], torch.Tensor], temperature: float,
-                        chunk_size: int) -> "TokenLoss":
+                        chunk_size: int, extras: dict[str, torch.Tensor | None] | None = None) -> "TokenLoss":
     """Evaluate ``divergence.token_terms`` on ``chunk_size`` tokens at a time, recomputing in backward.
 
     Args:
@@ -33,12 +33,15 @@ def chunked_token_terms(divergence: "TokenDivergence", student_hidden: torch.Ten
         student_head, teacher_head: ``(c, D) -> (c, V)`` heads, cut to the shared vocabulary.
         temperature: scoring temperature (> 0).
         chunk_size: tokens per chunk (>= 1).
+        extras: further ``(N,)`` per-token inputs of the kernel (e.g. the hybrid loss's advantages),
+            sliced like ``targets`` and passed to ``token_terms`` as keyword arguments; ``None`` values
+            are passed as ``None``.
 
     Returns:
         :class:`~lightning_opd.losses.divergences.TokenLoss` with ``(N,)`` fields.
 
     Raises:
-        ValueError: the three inputs disagree on ``N``.
+        ValueError: the inputs disagree on ``N``.
     """
     from lightning_opd.losses.divergences import TokenLoss
 
@@ -46,19 +49,24 @@ def chunked_token_terms(divergence: "TokenDivergence", student_hidden: torch.Ten
     if student_hidden.shape[0] != n or teacher_hidden.shape[0] != n or targets.dim() != 1:
         raise ValueError(f"expected (N, D), (N, D_T), (N,): got student {tuple(student_hidden.shape)}, "
                          f"teacher {tuple(teacher_hidden.shape)}, targets {tuple(targets.shape)}")
+    extras = {k: v for k, v in (extras or {}).items() if v is not None}
+    for key, value in extras.items():
+        if value.shape != targets.shape:
+            raise ValueError(f"extra input {key!r} has shape {tuple(value.shape)}, expected {tuple(targets.shape)}")
+    keys = list(extras)
     teacher_hidden = teacher_hidden.detach()
 
-    def chunk(h_s: torch.Tensor, h_t: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def chunk(h_s: torch.Tensor, h_t: torch.Tensor, tgt: torch.Tensor, *more: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with torch.no_grad():
             t_logits = teacher_head(h_t)
-        out = divergence.token_terms(student_head(h_s), t_logits, tgt, temperature)
+        out = divergence.token_terms(student_head(h_s), t_logits, tgt, temperature, **dict(zip(keys, more)))
         return tuple(getattr(out, f) for f in TokenLoss.FIELDS)
 
     needs_grad = torch.is_grad_enabled()
     parts = []
     for start in range(0, n, chunk_size):
         sl = slice(start, start + chunk_size)
-        args = (student_hidden[sl], teacher_hidden[sl], targets[sl])
+        args = (student_hidden[sl], teacher_hidden[sl], targets[sl], *(extras[k][sl].detach() for k in keys))
         parts.append(checkpoint(chunk, *args, use_reentrant=False) if needs_grad else chunk(*args))
     if not parts:  # N = 0
         empty = student_hidden.new_zeros(0, dtype=torch.float32)

@@ -109,7 +109,8 @@ class TokenDivergence(nn.Module):
 
     def forward(self, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, targets: torch.Tensor,
                 student_head: Callable[[torch.Tensor], torch.Tensor],
-                teacher_head: Callable[[torch.Tensor], torch.Tensor], temperature: float = 1.0) -> TokenLoss:
+                teacher_head: Callable[[torch.Tensor], torch.Tensor], temperature: float = 1.0,
+                **extras: torch.Tensor | None) -> TokenLoss:
         """Per-token loss from hidden states, chunk by chunk with recomputation (see module docstring).
 
         Args:
@@ -118,6 +119,8 @@ class TokenDivergence(nn.Module):
             targets: ``(N,)`` the sampled token ids.
             student_head, teacher_head: ``(n, D) -> (n, V)`` LM heads (cut to the shared vocabulary, F01b).
             temperature: sampling temperature of the batch (> 0).
+            extras: ``(N,)`` per-token inputs for losses whose ``token_terms`` takes them (keyword
+                arguments, e.g. :class:`~lightning_opd.losses.grpo.ClippedSurrogate`); none for divergences.
 
         Returns:
             :class:`TokenLoss` with ``(N,)`` fields.
@@ -125,7 +128,7 @@ class TokenDivergence(nn.Module):
         from lightning_opd.losses.chunked import chunked_token_terms
 
         return chunked_token_terms(self, student_hidden, teacher_hidden, targets, student_head, teacher_head,
-                                   temperature, self.chunk_size)
+                                   temperature, self.chunk_size, extras)
 
     @staticmethod
     def _common(student_logits, teacher_logits, temperature):

@@ -57,6 +57,12 @@ class TurnStats:
     rollout_cap: torch.Tensor
     kept: torch.Tensor
 
+    @classmethod
+    def cat(cls, parts: list["TurnStats"]) -> "TurnStats":
+        """Concatenate the samples of several parts (e.g. the mini-batches of one step), in order."""
+        names = ("kl_sum", "loss_sum", "tokens", "num_turns", "success", "is_probe", "rollout_cap", "kept")
+        return cls(**{k: torch.cat([getattr(p, k) for p in parts]) for k in names})
+
     @property
     def num_tracked_turns(self) -> int:
         """``H``."""

@@ -119,3 +119,11 @@ def test_logs_the_alpha_of_the_step_just_trained_and_state_round_trip():
     resumed.setup(FakeTrainer(8), FakeModule(), "fit")
     resumed.load_state_dict(cb.state_dict())
     assert [resumed.alpha_at(k) for k in range(9)] == [cb.alpha_at(k) for k in range(9)]
+
+
+def test_k_counts_rollout_iterations_with_several_updates_per_batch():
+    module = FakeModule()
+    module.updates_per_batch = 2  # e.g. ATOD's PPO mini-batches: max_steps counts optimizer updates
+    cb = TurnLossBlend()
+    cb.setup(FakeTrainer(8), module, "fit")
+    assert cb.horizon == 4 and cb.alpha_at(2) == 0.5

@@ -1,0 +1,149 @@
+"""``AnnealingSchedule``: anneal one named module attribute over training (ATOD Eq. 10-12; docs/algorithms.md §3.2).
+
+ATOD moves the hybrid advantage from imitation to reward over the first ``T_anneal`` steps::
+
+    p(s) = min(s / T_anneal, 1)
+    κ(s) = max(κ_min, κ_init − (κ_init − κ_min) p(s))      1.0 -> 0.1
+    ρ(s) = ρ_init + (ρ_max − ρ_init) p(s)                   1.0 -> 2.0,   T_anneal = 80 (of 150 steps)
+
+Both are ``start + (end − start) · p(s)`` (the ``max`` is inactive for κ_min < κ_init), so one schedule
+per attribute does it: ``AnnealingSchedule("kappa", 1.0, 0.1, steps=80)`` and
+``AnnealingSchedule("rho", 1.0, 2.0, steps=80)``. The value is a pure function of the step, set on the
+module in ``on_train_batch_start`` before every rollout batch (nothing to restore on resume but the
+horizon). The step ``s`` is ``pl_module.policy_version``: rollout iterations trained on, however many
+optimizer updates each batch gets (§3.1 note), never ``trainer.global_step``.
+
+PROPOSED (not from the paper): the horizon may be given as a fraction of training (the paper's 80 of
+150 steps is longer than a CPU run), where training = ``trainer.max_steps // updates_per_batch`` rollout
+iterations (``max_steps`` counts optimizer updates); the ``"cosine"`` shape
+``start + (end − start)(1 − cos(π p)) / 2``; dotted attribute paths (``"loss_fn.clip_eps"``).
+
+Logged: ``schedule/<attribute>`` (the value the step just trained with).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+SHAPES = ("linear", "cosine")
+
+
+def _resolve(root: Any, path: str) -> tuple[Any, str]:
+    """``(owner, name)`` of dotted ``path`` under ``root`` (``"loss_fn.clip_eps"`` -> ``(root.loss_fn, "clip_eps")``)."""
+    *parents, name = path.split(".")
+    owner = root
+    for part in parents:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+class AnnealingSchedule(Callback):
+    """Set ``pl_module.<attribute>`` to ``start + (end − start) · shape(min(s / horizon, 1))`` before each
+    rollout batch ``s`` (ATOD §3.2).
+
+    Args:
+        attribute: the module attribute to anneal (dotted paths reach sub-objects), e.g. ``"kappa"``.
+        start: value at step 0.
+        end: value from the end of the horizon on.
+        steps: horizon T_anneal in rollout iterations (>= 1).
+        fraction: horizon as a fraction of training in (0, 1] (rollout iterations =
+            ``trainer.max_steps // pl_module.updates_per_batch``); give ``steps`` or ``fraction``, not both.
+        shape: ``"linear"`` (ATOD) or ``"cosine"``.
+
+    Raises:
+        ValueError: neither or both of ``steps``/``fraction``, a value out of range or an unknown shape
+            (named in the message); at setup, an attribute the module lacks or that is not a number, or
+            ``fraction`` with ``trainer.max_steps`` unset.
+    """
+
+    def __init__(self, attribute: str, start: float, end: float, steps: int | None = None,
+                 fraction: float | None = None, shape: str = "linear") -> None:
+        if not attribute or any(not part.isidentifier() for part in attribute.split(".")):
+            raise ValueError(f"attribute={attribute!r} must be a (dotted) attribute name")
+        if (steps is None) == (fraction is None):
+            raise ValueError(f"give exactly one of steps={steps} and fraction={fraction} (the horizon)")
+        if steps is not None and steps < 1:
+            raise ValueError(f"steps={steps} must be >= 1 (rollout iterations)")
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(f"fraction={fraction} must be in (0, 1]")
+        if shape not in SHAPES:
+            raise ValueError(f"shape={shape!r}: use one of {SHAPES}")
+        self.attribute, self.start, self.end = attribute, float(start), float(end)
+        self.steps, self.fraction, self.shape = steps, fraction, shape
+        self.horizon: int | None = steps  # T_anneal in use (persisted)
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(attribute=self.attribute)
+
+    def value_at(self, step: int) -> float:
+        """The attribute's value for rollout batch ``step`` (a pure function of the step).
+
+        Raises:
+            RuntimeError: the horizon is a fraction and setup has not run yet.
+        """
+        if self.horizon is None:
+            raise RuntimeError(f"AnnealingSchedule({self.attribute!r}): horizon unknown before setup "
+                               "(fraction of trainer.max_steps)")
+        p = min(max(step, 0) / self.horizon, 1.0)
+        if self.shape == "cosine":
+            p = (1.0 - math.cos(math.pi * p)) / 2.0
+        if p == 1.0:
+            return self.end  # exactly the end value after the horizon
+        return self.start + (self.end - self.start) * p
+
+    # ------------------------------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._check_attribute(pl_module)
+        if self.fraction is not None:
+            max_steps = trainer.max_steps
+            if max_steps is None or max_steps < 1:
+                raise ValueError(f"AnnealingSchedule({self.attribute!r}): trainer.max_steps={max_steps} is unset; "
+                                 "set it or give the horizon in steps")
+            iterations = max_steps // int(getattr(pl_module, "updates_per_batch", 1))
+            self.horizon = max(1, round(self.fraction * iterations))
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        owner, name = _resolve(pl_module, self.attribute)
+        setattr(owner, name, self.value_at(int(pl_module.policy_version)))
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = max(0, int(pl_module.policy_version) - 1)  # the batch just trained (the version moved after it)
+        pl_module.log(f"schedule/{self.attribute}", self.value_at(step), batch_size=1)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"horizon": self.horizon}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("horizon")
+        if saved is not None and self.horizon is not None and saved != self.horizon:
+            rank_zero_warn(f"AnnealingSchedule({self.attribute!r}): resuming with the checkpoint's horizon {saved} "
+                           f"(this run configures {self.horizon}) so the schedule continues unchanged")
+        self.horizon = saved if saved is not None else self.horizon
+
+    # ------------------------------------------------------------------------------------- internals
+    def _check_attribute(self, pl_module) -> None:
+        try:
+            owner, name = _resolve(pl_module, self.attribute)
+            current = getattr(owner, name)
+        except AttributeError as err:
+            raise ValueError(f"AnnealingSchedule: {type(pl_module).__name__} has no attribute "
+                             f"{self.attribute!r} to anneal") from err
+        if isinstance(current, bool) or not isinstance(current, (int, float)):
+            raise ValueError(f"AnnealingSchedule: {type(pl_module).__name__}.{self.attribute} is "
+                             f"{type(current).__name__}, not a number")

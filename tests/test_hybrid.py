@@ -1,0 +1,328 @@
+"""ATOD's hybrid objective in OPDModule (docs/algorithms.md §3): exact reductions (kappa = 1, rho = 0, w = 1,
+one update = the sampled-token OPD loss; kappa = 0 = GRPO), T-DUR never touches the GRPO term, whole
+groups under a staleness filter, F01c/F04/F06/F07 re-run with the hybrid loss, and a fit with several
+updates per rollout batch (one policy version per batch, on-policy check, annealing, logs)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_opd.callbacks.annealing import AnnealingSchedule
+from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
+from lightning_opd.data import RolloutDataModule
+from lightning_opd.losses import ClippedSurrogate, EpisodeReward, FullVocabReverseKL, SampledTokenReverseKL, log_probs
+from lightning_opd.module import OPDModule
+from tests.helpers import KeywordEnvFactory, make_tokenizer
+from tests.test_module import _free_port, make_batch, with_freshness
+
+# (kappa, rho, tdur, ppo_epochs): "atod" needs the collection-time pass (old log-probs + T-DUR)
+HYBRIDS = {"atod": dict(kappa=0.7, rho=1.0, tdur=True, ppo_epochs=2), "grpo": dict(kappa=0.0, rho=1.0)}
+SUCCESS, SCORE, GROUPS = [1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.5, 2.0], [0, 0, 1, 1]
+
+
+def scripted(batch):
+    """Scripted rewards and two groups: r = success + score = [2, 0, 0.5, 2] (both groups informative)."""
+    return replace(batch, success=torch.tensor(SUCCESS), rewards=torch.tensor(SCORE), group_id=torch.tensor(GROUPS))
+
+
+def module_for(model_dirs, loss=None, micro_batch_size=2, teacher=None, **kw):
+    m = OPDModule(student=model_dirs["student"], teacher=teacher or model_dirs["teacher"],
+                  loss=loss if loss is not None else ClippedSurrogate(), micro_batch_size=micro_batch_size,
+                  reward=EpisodeReward(1.0, 1.0), **kw)
+    m.configure_model()
+    return m
+
+
+def prepared(module, batch):
+    """What training_step does before the updates: the shared pass, plan, hybrid preparation."""
+    lp = module.student_logprobs(batch) if module.needs_old_logprobs else None
+    batch = module.plan_batch(batch, lp)
+    return module.prepare_hybrid(batch, lp) if module.hybrid else batch
+
+
+def grads_of(module, batch, world_size=1):
+    """One update's loss and gradients on an already prepared batch (step tokens all-reduced)."""
+    module.student.zero_grad(set_to_none=True)
+    tokens = module.reduce_sum(batch.loss_mask[:, 1:].sum())
+    sums = module.backward_step(batch, tokens, lambda loss: loss.backward(), world_size)
+    return sums, {n: p.grad.clone() for n, p in module.student.named_parameters() if p.grad is not None}
+
+
+def run(module, batch):
+    return grads_of(module, prepared(module, batch))
+
+
+@pytest.fixture(scope="module")
+def batch(tokenizer):
+    return scripted(make_batch(tokenizer))
+
+
+# ---------------------------------------------------------------------------------------- reductions
+def test_rho0_kappa1_w1_one_update_is_exactly_sampled_token_opd(model_dirs, batch):
+    ref = module_for(model_dirs, SampledTokenReverseKL())
+    hyb = module_for(model_dirs)  # kappa 1, rho 0, no T-DUR, one update per batch
+    assert not hyb.needs_old_logprobs
+    s_ref, g_ref = run(ref, batch)
+    s_hyb, g_hyb = run(hyb, batch)
+    assert s_ref["loss"].item() != 0 and torch.equal(s_ref["loss"], s_hyb["loss"])
+    assert g_ref.keys() == g_hyb.keys() and all(torch.equal(g_ref[k], g_hyb[k]) for k in g_ref)
+
+
+def test_kappa0_is_exactly_grpo(model_dirs, batch):
+    """Against GRPO written out here: full logits, token-mean of -ratio * A_i with A_i by hand."""
+    module = module_for(model_dirs, kappa=0.0, rho=1.0)
+    sums, grads = run(module, batch)
+    s = 1 / (math.sqrt(2) + 1e-6)  # group 0: r = [2, 0]; group 1: r = [0.5, 2]; unbiased std sqrt(2), 1.0607
+    adv = torch.tensor([s, -s, -0.75 / (math.sqrt(2 * 0.75 ** 2) + 1e-6), 0.75 / (math.sqrt(2 * 0.75 ** 2) + 1e-6)])
+    torch.testing.assert_close(module.prepare_hybrid(batch).advantage, adv)
+    module.student.zero_grad(set_to_none=True)
+    logits = module.student(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    lp = log_probs(logits, batch.sampling.temperature).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    mask = batch.loss_mask[:, 1:]
+    loss = (mask * -torch.exp(lp - lp.detach()) * adv[:, None]).sum() / mask.sum()
+    loss.backward()
+    torch.testing.assert_close(sums["loss"], loss.detach())
+    for name, p in module.student.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_tdur_never_touches_the_grpo_term(model_dirs, batch):
+    """kappa = 0: T-DUR on or off gives the same step exactly (both with the collection-time pass)."""
+    on = run(module_for(model_dirs, kappa=0.0, rho=1.0, tdur=True, ppo_epochs=2), batch)
+    off = run(module_for(model_dirs, kappa=0.0, rho=1.0, tdur=False, ppo_epochs=2), batch)
+    assert torch.equal(on[0]["loss"], off[0]["loss"]) and all(torch.equal(on[1][k], off[1][k]) for k in on[1])
+    # with kappa > 0 it does change the step (the weights are not all 1)
+    with_opd = [run(module_for(model_dirs, kappa=1.0, rho=1.0, tdur=t, ppo_epochs=2), batch)[0]["loss"] for t in (0, 1)]
+    assert with_opd[0] != with_opd[1]
+
+
+def test_prepare_hybrid_stats_and_tdur_weights(model_dirs, batch):
+    module = module_for(model_dirs, tdur=True)
+    out = prepared(module, batch)
+    assert out.old_logprobs.shape == out.turn_weight.shape == batch.input_ids.shape
+    sup = batch.loss_mask > 0
+    assert ((out.turn_weight[sup] >= 0) & (out.turn_weight[sup] <= 1)).all()
+    assert torch.equal(out.turn_weight[~sup], torch.ones_like(out.turn_weight[~sup]))
+    torch.testing.assert_close(out.old_logprobs[:, 1:], module.student_logprobs(batch))
+    st = module._step_stats
+    assert st["grpo/groups"] == 2.0 and st["grpo/equal_reward_groups"] == 0.0 and st["grpo/reward_mean"] == 1.125
+    assert 0 < st["tdur/mean_weight"] <= 1
+    equal = module.prepare_hybrid(replace(batch, success=torch.ones(4), rewards=torch.ones(4)))
+    assert torch.equal(equal.advantage, torch.zeros(4)) and module._step_stats["grpo/equal_reward_groups"] == 2.0
+
+
+def test_staleness_filter_drops_whole_groups_and_kept_advantages_are_unchanged(model_dirs, batch):
+    module = module_for(model_dirs, kappa=0.5, rho=1.0)
+    module.set_weighting("freshness", StalenessMonitor(filtering=True, weighting=False, max_lag=2, adaptive_lag=False))
+    module.policy_version = 3
+    stale = replace(batch, behaviour_version=torch.tensor([3, 3, 3, 0]))  # row 3 lag 3 > 2: group 1 goes
+    blp = stale.behaviour_logprobs.clone()
+    blp[:, 1:] = torch.where(stale.loss_mask[:, 1:] > 0, module.student_logprobs(stale), blp[:, 1:])
+    planned = prepared(module, replace(stale, behaviour_logprobs=blp))
+    assert planned.loss_mask[2:].sum() == 0 and planned.loss_mask[:2].sum() > 0
+    kept_only = module_for(model_dirs, kappa=0.5, rho=1.0)
+    ref = kept_only.prepare_hybrid(batch.select(slice(0, 2)))
+    torch.testing.assert_close(planned.advantage[:2], ref.advantage)
+    s1, g1 = grads_of(module, planned)
+    s2, g2 = grads_of(kept_only, ref)
+    torch.testing.assert_close(s1["loss"], s2["loss"])
+    for k in g2:
+        torch.testing.assert_close(g1[k], g2[k], atol=1e-6, rtol=1e-5)
+
+
+def test_f13_reward_function_errors_and_fallback_reach_the_step(model_dirs, batch):
+    from lightning_opd.losses.grpo import RewardFunctionError
+
+    def broken(b):
+        raise KeyError("score")
+
+    module = module_for(model_dirs, kappa=0.5, rho=1.0)
+    module.reward_fn = broken
+    with pytest.raises(RewardFunctionError, match="raised KeyError"):
+        prepared(module, batch)
+    module.reward_fn = lambda b: torch.tensor([1.0, float("nan"), 0.0, 1.0])  # group 0 unusable, group 1 fine
+    out = prepared(module, batch)
+    assert torch.isfinite(out.advantage).all() and torch.equal(out.advantage[:2], torch.zeros(2))
+    assert module._step_stats["grpo/invalid_rewards"] == 1.0 and module._step_stats["grpo/invalid_groups"] == 1.0
+    sums, grads = grads_of(module, out)
+    assert torch.isfinite(sums["loss"]) and all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_hybrid_settings_need_the_surrogate(model_dirs):
+    for kw, bad in ((dict(kappa=0.5), "model.kappa=0.5"), (dict(rho=1.0), "model.rho=1.0"), (dict(tdur=True), "model.tdur=True")):
+        with pytest.raises(ValueError, match=bad + ".*needs loss lightning_opd.losses.ClippedSurrogate, got FullVocabReverseKL"):
+            OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=FullVocabReverseKL(), **kw)
+    for kw, bad in ((dict(ppo_epochs=0), "model.ppo_epochs=0"), (dict(ppo_mini_batches=0), "model.ppo_mini_batches=0"),
+                    (dict(kappa=-1.0), "model.kappa=-1.0"), (dict(rho=float("nan")), "model.rho=nan"),
+                    (dict(advantage_eps=-1.0), "model.advantage_eps=-1.0")):
+        with pytest.raises(ValueError, match=bad):
+            OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=ClippedSurrogate(), **kw)
+    plain = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"])
+    assert (plain.kappa, plain.rho, plain.updates_per_batch, plain.hybrid) == (1.0, 0.0, 1, False)
+    plain.rho = 0.5  # e.g. set by a schedule: caught at the next step
+    with pytest.raises(ValueError, match="model.rho=0.5"):
+        plain._check_objective()
+
+
+# --------------------------------------------------------------------------- F01c F04 F06 F07, hybrid
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_f01c_teacher_equal_student_kl_zero_and_opd_term_vanishes(model_dirs, batch, name):
+    same = {"student": model_dirs["student"], "teacher": model_dirs["student"]}
+    module = module_for(same, **HYBRIDS[name])
+    out, mask, _ = module.token_losses(prepared(module, batch))
+    assert torch.equal(out.kl[mask > 0], torch.zeros_like(out.kl[mask > 0]))
+    sums, grads = run(module, batch)
+    grpo_only = run(module_for(same, **{**HYBRIDS[name], "kappa": 0.0}), batch)  # what is left: the GRPO term
+    torch.testing.assert_close(sums["loss"], grpo_only[0]["loss"], atol=1e-6, rtol=0)
+    for k in grads:
+        torch.testing.assert_close(grads[k], grpo_only[1][k], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "freshness"), [("atod", False), ("grpo", False), ("atod", True)])
+def test_f04_observation_tokens_never_reach_the_hybrid_loss(model_dirs, batch, name, freshness):
+    module = module_for(model_dirs, micro_batch_size=1, **HYBRIDS[name])
+    b = with_freshness(module, batch) if freshness else batch
+    sums, grads = run(module, b)
+    seen = {}
+
+    def capture_ids(_module, args, kwargs):
+        seen["ids"] = kwargs["input_ids"]
+
+    def perturb_hidden(_module, _inputs, hidden):
+        ids = seen["ids"]
+        rows = [next(j for j in range(b.size) if torch.equal(b.input_ids[j, :ids.shape[1]], ids[i]))
+                for i in range(ids.shape[0])]
+        next_is_obs = torch.ones(ids.shape, dtype=torch.bool)
+        next_is_obs[:, :-1] = b.loss_mask[rows, 1:ids.shape[1]] == 0
+        return torch.where(next_is_obs[..., None], hidden + torch.randn(hidden.shape) * 1e3, hidden)
+
+    # the teacher is perturbed in every pass that uses it: T-DUR's collection pass and the loss
+    handles = [module.teacher.base_model.register_forward_pre_hook(capture_ids, with_kwargs=True),
+               module.teacher.model.norm.register_forward_hook(perturb_hidden)]
+    try:
+        sums2, grads2 = run(module, b)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(sums["loss"], sums2["loss"]) and all(torch.equal(grads[k], grads2[k]) for k in grads)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_f06_all_masked_micro_batch_adds_nothing_to_the_hybrid_loss(model_dirs, batch, name):
+    module = module_for(model_dirs, micro_batch_size=1, **HYBRIDS[name])
+    ready = prepared(module, batch)  # advantages of the whole groups, then row 1 masked
+    masked = replace(ready, loss_mask=ready.loss_mask.clone())
+    masked.loss_mask[1] = 0
+    sums, grads = grads_of(module, masked)
+    assert torch.isfinite(sums["loss"]) and all(torch.isfinite(g).all() for g in grads.values())
+    sums_drop, grads_drop = grads_of(module, masked.select(torch.tensor([0, 2, 3])))
+    torch.testing.assert_close(sums["loss"], sums_drop["loss"])
+    for k in grads:
+        torch.testing.assert_close(grads[k], grads_drop[k])
+    sums_only, grads_only = grads_of(module, masked.select(torch.tensor([1])))
+    assert sums_only["loss"].item() == 0.0 and all(g.abs().max() == 0 for g in grads_only.values())
+
+
+@pytest.mark.parametrize(("name", "freshness"), [("atod", False), ("grpo", False), ("atod", True)])
+def test_f07_micro_batch_layout_does_not_change_the_hybrid_gradient(model_dirs, batch, name, freshness):
+    results = {}
+    for mbs in (4, 2, 1):
+        module = module_for(model_dirs, micro_batch_size=mbs, **HYBRIDS[name])
+        results[mbs] = run(module, with_freshness(module, batch) if freshness else batch)
+    for mbs in (2, 1):
+        torch.testing.assert_close(results[mbs][0]["loss"], results[4][0]["loss"])
+        for k, g in results[4][1].items():
+            torch.testing.assert_close(results[mbs][1][k], g, atol=1e-6, rtol=1e-5)
+
+
+def _rank_worker(rank, world, port, model_dirs, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    batch = scripted(make_batch(make_tokenizer()))
+    module = module_for(model_dirs, micro_batch_size=1, **HYBRIDS["atod"])
+    local = batch.select(slice(rank * 2, rank * 2 + 2))  # each rank holds whole groups, as the DataModule plays them
+    sums, grads = run_ranked(module, local, world)
+    for g in grads.values():
+        dist.all_reduce(g)
+        g /= world
+    loss = sums["loss"].clone()
+    dist.all_reduce(loss)
+    if rank == 0:
+        torch.save((loss, grads), out_path)
+    dist.destroy_process_group()
+
+
+def run_ranked(module, batch, world):
+    return grads_of(module, prepared(module, batch), world)
+
+
+@pytest.mark.timeout(240)
+def test_f07_two_ranks_equal_single_process_hybrid(model_dirs, batch, tmp_path):
+    ctx = mp.get_context("spawn")
+    port, out_path = _free_port(), str(tmp_path / "rank0.pt")
+    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, model_dirs, out_path)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=200)
+        assert p.exitcode == 0
+    loss2, grads2 = torch.load(out_path, weights_only=True)
+    sums1, grads1 = run(module_for(model_dirs, micro_batch_size=4, **HYBRIDS["atod"]), batch)
+    torch.testing.assert_close(loss2, sums1["loss"])
+    for k, g in grads1.items():
+        torch.testing.assert_close(grads2[k], g, atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------- several updates: fit
+class Recording(OPDModule):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen, self.kappas, self.metrics = [], [], []
+
+    def _check_on_policy(self, batch):
+        self.seen.append((self.policy_version, batch.behaviour_version.tolist(), batch.group_id.tolist(),
+                          batch.input_ids.clone()))
+        self.kappas.append(self.kappa)
+        return super()._check_on_policy(batch)
+
+    def _log_hybrid(self, n):
+        super()._log_hybrid(n)
+        self.metrics.append(dict(self._step_stats))
+
+
+def test_fit_with_several_updates_per_batch_is_one_policy_version_per_batch(model_dirs, tmp_path):
+    model = Recording(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=ClippedSurrogate(clip_eps=0.2),
+                      kappa=1.0, rho=1.0, tdur=True, ppo_epochs=2, ppo_mini_batches=2, reward=EpisodeReward(1.0, 1.0),
+                      optimizer=lambda p: torch.optim.AdamW(p, lr=3e-2), log_text_every_n_steps=0)
+    dm = RolloutDataModule(env=KeywordEnvFactory(need=2), episodes_per_step=4, group_size=2, max_turns=2,
+                           max_new_tokens=4, eval_batch_size=2, seed=0)
+    kappa = AnnealingSchedule("kappa", start=1.0, end=0.1, steps=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=8, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, callbacks=[kappa])
+    trainer.fit(model, datamodule=dm)
+    # 8 optimizer updates = 2 rollout batches x (2 epochs x 2 mini-batches); one version per batch, on-policy
+    assert trainer.global_step == 8 and model.policy_version == 2
+    assert [(v, b) for v, b, _, _ in model.seen] == [(0, [0, 0, 0, 0]), (1, [1, 1, 1, 1])]
+    assert model.kappas == [1.0, 0.55]  # the schedule counts rollout iterations, not updates
+    assert trainer.callback_metrics["schedule/kappa"].item() == pytest.approx(0.55)
+    for _, _, groups, ids in model.seen:  # G = 2 episodes per task, sampled differently
+        assert groups[0] == groups[1] != groups[2] == groups[3]
+        assert not torch.equal(ids[0], ids[1]) and not torch.equal(ids[2], ids[3])
+    for key in ("ppo/clip_frac", "ppo/ratio_mean", "ppo/ratio_min", "ppo/ratio_max", "ppo/updates",
+                "grpo/equal_reward_groups", "grpo/groups", "grpo/reward_mean", "tdur/mean_weight", "train/kappa",
+                "train/rho", "train/loss"):
+        assert key in trainer.callback_metrics, key
+    assert trainer.callback_metrics["ppo/updates"].item() == 4.0
+    # later updates on the same batch move the ratio away from 1 (what makes clipping matter)
+    last = model.metrics[-1]
+    assert last["ppo/ratio_max"] - last["ppo/ratio_min"] > 1e-3
