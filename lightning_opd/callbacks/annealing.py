@@ -27,9 +27,9 @@ import math
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
+
+from lightning_opd.callbacks.step_schedule import StepSchedule
 
 SHAPES = ("linear", "cosine")
 
@@ -43,7 +43,7 @@ def _resolve(root: Any, path: str) -> tuple[Any, str]:
     return owner, name
 
 
-class AnnealingSchedule(Callback):
+class AnnealingSchedule(StepSchedule):
     """Set ``pl_module.<attribute>`` to ``start + (end − start) · shape(min(s / horizon, 1))`` before each
     rollout batch ``s`` (ATOD §3.2).
 
@@ -82,6 +82,10 @@ class AnnealingSchedule(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(attribute=self.attribute)
 
+    @property
+    def schedule_name(self) -> str:
+        return f"AnnealingSchedule({self.attribute!r})"
+
     def value_at(self, step: int) -> float:
         """The attribute's value for rollout batch ``step`` (a pure function of the step).
 
@@ -105,11 +109,7 @@ class AnnealingSchedule(Callback):
             return
         self._check_attribute(pl_module)
         if self.fraction is not None:
-            max_steps = trainer.max_steps
-            if max_steps is None or max_steps < 1:
-                raise ValueError(f"AnnealingSchedule({self.attribute!r}): trainer.max_steps={max_steps} is unset; "
-                                 "set it or give the horizon in steps")
-            iterations = max_steps // int(getattr(pl_module, "updates_per_batch", 1))
+            iterations = self.training_iterations(trainer, pl_module, "give the horizon in steps")
             self.horizon = max(1, round(self.fraction * iterations))
 
     @override
@@ -123,18 +123,6 @@ class AnnealingSchedule(Callback):
                            batch_idx: int) -> None:
         step = max(0, int(pl_module.policy_version) - 1)  # the batch just trained (the version moved after it)
         pl_module.log(f"schedule/{self.attribute}", self.value_at(step), batch_size=1)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"horizon": self.horizon}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("horizon")
-        if saved is not None and self.horizon is not None and saved != self.horizon:
-            rank_zero_warn(f"AnnealingSchedule({self.attribute!r}): resuming with the checkpoint's horizon {saved} "
-                           f"(this run configures {self.horizon}) so the schedule continues unchanged")
-        self.horizon = saved if saved is not None else self.horizon
 
     # ------------------------------------------------------------------------------------- internals
     def _check_attribute(self, pl_module) -> None:

@@ -29,10 +29,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_opd.callbacks.step_schedule import StepSchedule
 from lightning_opd.losses.weighting import BatchPlan
 
 
@@ -62,7 +61,7 @@ def blend_weights(loss_mask: torch.Tensor, turn_index: torch.Tensor, alpha: floa
     return torch.where(sup, w, torch.ones_like(w)).to(dtype)
 
 
-class TurnLossBlend(Callback):
+class TurnLossBlend(StepSchedule):
     """Turn-blended per-token loss weights (TurnOPD §5.2), registered as the module's ``"turn_blend"``
     weighting.
 
@@ -110,11 +109,7 @@ class TurnLossBlend(Callback):
         if not hasattr(pl_module, "set_weighting"):
             raise TypeError(f"TurnLossBlend needs an OPDModule-like module with set_weighting(), got {type(pl_module).__name__}")
         if self.total_steps is None:
-            max_steps = trainer.max_steps
-            if max_steps is None or max_steps < 1:
-                raise ValueError(f"TurnLossBlend: trainer.max_steps={max_steps} is unset; set trainer.max_steps or "
-                                 "pass total_steps (K of progress = k / K)")
-            self.horizon = max(1, int(max_steps) // int(getattr(pl_module, "updates_per_batch", 1)))  # rollout iterations
+            self.horizon = self.training_iterations(trainer, pl_module, "pass total_steps (K of progress = k / K)")
         pl_module.set_weighting("turn_blend", self)
 
     @override
@@ -122,18 +117,6 @@ class TurnLossBlend(Callback):
                            batch_idx: int) -> None:
         step = max(0, int(pl_module.policy_version) - 1)  # the step just trained (the version moved after it)
         pl_module.log("turn_blend/alpha", self.alpha_at(step), batch_size=1)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"horizon": self.horizon}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("horizon")
-        if saved is not None and self.horizon is not None and saved != self.horizon:
-            rank_zero_warn(f"TurnLossBlend: resuming with the checkpoint's K={saved} (this run configures "
-                           f"{self.horizon}) so alpha continues the same schedule")
-        self.horizon = saved if saved is not None else self.horizon
 
     # ---------------------------------------------------------------------------------- the weighting
     def prepare(self, module, batch, student_logprobs: torch.Tensor | None) -> BatchPlan:
