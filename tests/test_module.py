@@ -49,6 +49,23 @@ def make_module(model_dirs, loss_cls=FullVocabReverseKL, micro_batch_size=1, tea
     return m
 
 
+def with_turn_blend(module, batch):
+    """Register TurnOPD's TurnLossBlend at alpha = 0.5 (step 2 of 4): per-token weights != 1."""
+    from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
+
+    module.set_weighting("turn_blend", TurnLossBlend(total_steps=4))
+    module.policy_version = 2
+    return batch
+
+
+def with_scheme(module, batch, scheme: str):
+    """The batch with weighting scheme ``scheme`` ("none", "freshness", "turn_blend") registered."""
+    return {"none": lambda m, b: b, "freshness": with_freshness, "turn_blend": with_turn_blend}[scheme](module, batch)
+
+
+SCHEMES = ["none", "freshness", "turn_blend"]
+
+
 def with_freshness(module, batch):
     """Register a StalenessMonitor (M1 weights + M3 ratios) and make the batch stale enough for
     non-trivial weights: lags 0..3 and behaviour log-probs off the learner's by per-sample drifts."""
@@ -121,13 +138,12 @@ def test_f01b_padded_teacher_embeddings_train_on_real_vocab(tmp_path, model_dirs
     assert out.kl[mask > 0].abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("freshness", [False, True])
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("loss_cls", LOSSES)
-def test_f01c_teacher_equal_student_kl_zero_on_every_token(model_dirs, tokenizer, loss_cls, freshness):
+def test_f01c_teacher_equal_student_kl_zero_on_every_token(model_dirs, tokenizer, loss_cls, scheme):
     module = make_module({"student": model_dirs["student"], "teacher": model_dirs["student"]}, loss_cls)
     batch = make_batch(tokenizer)
-    if freshness:
-        batch = with_freshness(module, batch)
+    batch = with_scheme(module, batch, scheme)
     out, mask, _ = module.token_losses(batch)
     assert torch.equal(out.kl[mask > 0], torch.zeros_like(out.kl[mask > 0]))
     sums, grads = step_grads(module, batch)
@@ -151,14 +167,12 @@ def test_teacher_scored_at_the_sampling_temperature(model_dirs, tokenizer, tempe
 
 
 # ------------------------------------------------------------------------------------------------ F04
-@pytest.mark.parametrize("freshness", [False, True])
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("loss_cls", LOSSES)
 @pytest.mark.parametrize("micro_batch_size", [1, 4])
-def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer, loss_cls, micro_batch_size, freshness):
+def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer, loss_cls, micro_batch_size, scheme):
     module = make_module(model_dirs, loss_cls, micro_batch_size)
-    batch = make_batch(tokenizer)
-    if freshness:
-        batch = with_freshness(module, batch)
+    batch = with_scheme(module, make_batch(tokenizer), scheme)
     sums, grads = step_grads(module, batch)
 
     teacher = module.teacher
@@ -190,13 +204,11 @@ def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer,
 
 
 # ------------------------------------------------------------------------------------------------ F06
-@pytest.mark.parametrize("freshness", [False, True])
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("loss_cls", LOSSES)
-def test_f06_all_masked_micro_batch_is_finite_and_adds_nothing(model_dirs, tokenizer, loss_cls, freshness):
+def test_f06_all_masked_micro_batch_is_finite_and_adds_nothing(model_dirs, tokenizer, loss_cls, scheme):
     module = make_module(model_dirs, loss_cls, micro_batch_size=1)
-    batch = make_batch(tokenizer)
-    if freshness:
-        batch = with_freshness(module, batch)
+    batch = with_scheme(module, make_batch(tokenizer), scheme)
     masked = replace(batch, loss_mask=batch.loss_mask.clone())
     masked.loss_mask[1] = 0
     sums, grads = step_grads(module, masked)
@@ -212,14 +224,14 @@ def test_f06_all_masked_micro_batch_is_finite_and_adds_nothing(model_dirs, token
 
 
 # ------------------------------------------------------------------------------------------------ F07
-@pytest.mark.parametrize("freshness", [False, True])
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("loss_cls", LOSSES)
-def test_f07_micro_batch_layout_does_not_change_the_gradient(model_dirs, tokenizer, loss_cls, freshness):
+def test_f07_micro_batch_layout_does_not_change_the_gradient(model_dirs, tokenizer, loss_cls, scheme):
     batch = make_batch(tokenizer)
     results = {}
     for mbs in (4, 2, 1):
         module = make_module(model_dirs, loss_cls, mbs)
-        b = with_freshness(module, batch) if freshness else batch
+        b = with_scheme(module, batch, scheme)
         results[mbs] = step_grads(module, b)
     for mbs in (2, 1):
         torch.testing.assert_close(results[mbs][0]["loss"], results[4][0]["loss"])
@@ -233,15 +245,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_worker(rank, world, port, model_dirs, loss_name, freshness, out_path):
+def _rank_worker(rank, world, port, model_dirs, loss_name, scheme, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     tokenizer = make_tokenizer()
     batch = make_batch(tokenizer)
     module = make_module(model_dirs, {"full": FullVocabReverseKL, "sampled": SampledTokenReverseKL}[loss_name], 1)
-    if freshness:
-        batch = with_freshness(module, batch)
+    batch = with_scheme(module, batch, scheme)
     local = batch.select(slice(rank * 2, rank * 2 + 2))  # rank 0: rows 0-1, rank 1: rows 2-3
     sums, grads = step_grads(module, local, world_size=world)  # token count and f̄ all-reduced inside
     for g in grads.values():  # what DDP / FSDP do: average gradients over ranks
@@ -255,11 +266,12 @@ def _rank_worker(rank, world, port, model_dirs, loss_name, freshness, out_path):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("loss_name", "freshness"), [("full", False), ("sampled", False), ("full", True)])
-def test_f07_two_ranks_equal_single_process(model_dirs, tokenizer, loss_name, freshness, tmp_path):
+@pytest.mark.parametrize(("loss_name", "scheme"), [("full", "none"), ("sampled", "none"), ("full", "freshness"),
+                                                   ("full", "turn_blend")])
+def test_f07_two_ranks_equal_single_process(model_dirs, tokenizer, loss_name, scheme, tmp_path):
     ctx = mp.get_context("spawn")
     port, out_path = _free_port(), str(tmp_path / "rank0.pt")
-    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, model_dirs, loss_name, freshness, out_path))
+    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, model_dirs, loss_name, scheme, out_path))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -269,7 +281,7 @@ def test_f07_two_ranks_equal_single_process(model_dirs, tokenizer, loss_name, fr
     loss2, grads2 = torch.load(out_path, weights_only=True)
     loss_cls = {"full": FullVocabReverseKL, "sampled": SampledTokenReverseKL}[loss_name]
     module = make_module(model_dirs, loss_cls, 4)
-    batch = with_freshness(module, make_batch(tokenizer)) if freshness else make_batch(tokenizer)
+    batch = with_scheme(module, make_batch(tokenizer), scheme)
     sums1, grads1 = step_grads(module, batch)
     torch.testing.assert_close(loss2, sums1["loss"])
     for name, g in grads1.items():
