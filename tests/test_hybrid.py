@@ -21,7 +21,7 @@ from lightning_opd.data import RolloutDataModule
 from lightning_opd.losses import ClippedSurrogate, EpisodeReward, FullVocabReverseKL, SampledTokenReverseKL, log_probs
 from lightning_opd.module import OPDModule
 from tests.helpers import KeywordEnvFactory, make_tokenizer
-from tests.test_module import _free_port, make_batch, with_freshness
+from tests.test_module import _free_port, make_batch, teacher_noise_off_the_loss, with_freshness
 
 # (kappa, rho, tdur, ppo_epochs): "atod" needs the collection-time pass (old log-probs + T-DUR)
 HYBRIDS = {"atod": dict(kappa=0.7, rho=1.0, tdur=True, ppo_epochs=2), "grpo": dict(kappa=0.0, rho=1.0)}
@@ -191,27 +191,9 @@ def test_f04_observation_tokens_never_reach_the_hybrid_loss(model_dirs, batch, n
     module = module_for(model_dirs, micro_batch_size=1, **HYBRIDS[name])
     b = with_freshness(module, batch) if freshness else batch
     sums, grads = run(module, b)
-    seen = {}
-
-    def capture_ids(_module, args, kwargs):
-        seen["ids"] = kwargs["input_ids"]
-
-    def perturb_hidden(_module, _inputs, hidden):
-        ids = seen["ids"]
-        rows = [next(j for j in range(b.size) if torch.equal(b.input_ids[j, :ids.shape[1]], ids[i]))
-                for i in range(ids.shape[0])]
-        next_is_obs = torch.ones(ids.shape, dtype=torch.bool)
-        next_is_obs[:, :-1] = b.loss_mask[rows, 1:ids.shape[1]] == 0
-        return torch.where(next_is_obs[..., None], hidden + torch.randn(hidden.shape) * 1e3, hidden)
-
     # the teacher is perturbed in every pass that uses it: T-DUR's collection pass and the loss
-    handles = [module.teacher.base_model.register_forward_pre_hook(capture_ids, with_kwargs=True),
-               module.teacher.model.norm.register_forward_hook(perturb_hidden)]
-    try:
+    with teacher_noise_off_the_loss(module.teacher, b):
         sums2, grads2 = run(module, b)
-    finally:
-        for h in handles:
-            h.remove()
     assert torch.equal(sums["loss"], sums2["loss"]) and all(torch.equal(grads[k], grads2[k]) for k in grads)
 
 

@@ -3,6 +3,7 @@ convention (F02, teacher side)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import replace
@@ -166,24 +167,17 @@ def test_teacher_scored_at_the_sampling_temperature(model_dirs, tokenizer, tempe
     assert torch.equal(out.teacher_logprobs[~keep], torch.zeros_like(out.teacher_logprobs[~keep]))
 
 
-# ------------------------------------------------------------------------------------------------ F04
-@pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("loss_cls", LOSSES)
-@pytest.mark.parametrize("micro_batch_size", [1, 4])
-def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer, loss_cls, micro_batch_size, scheme):
-    module = make_module(model_dirs, loss_cls, micro_batch_size)
-    batch = with_scheme(module, make_batch(tokenizer), scheme)
-    sums, grads = step_grads(module, batch)
-
-    teacher = module.teacher
+@contextlib.contextmanager
+def teacher_noise_off_the_loss(teacher, batch):
+    """F04 probe: while active, the teacher's final hidden state gets N(0, 1e3^2) noise at every position
+    whose next token is not supervised (observations, padding, cut-reply closers), row by row for
+    whatever micro-batch of ``batch`` is running, in every teacher pass."""
     seen = {}
 
     def capture_ids(_module, args, kwargs):
         seen["ids"] = kwargs["input_ids"]
 
     def perturb_hidden(_module, _inputs, hidden):
-        # extreme teacher disagreement at every position whose next token is not supervised (observations,
-        # padding, cut-reply closers), per row of this micro-batch
         ids = seen["ids"]
         rows = [next(j for j in range(batch.size) if torch.equal(batch.input_ids[j, :ids.shape[1]], ids[i]))
                 for i in range(ids.shape[0])]
@@ -194,10 +188,23 @@ def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer,
     handles = [teacher.base_model.register_forward_pre_hook(capture_ids, with_kwargs=True),
                teacher.model.norm.register_forward_hook(perturb_hidden)]
     try:
-        sums2, grads2 = step_grads(module, batch)
+        yield
     finally:
         for h in handles:
             h.remove()
+
+
+# ------------------------------------------------------------------------------------------------ F04
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("loss_cls", LOSSES)
+@pytest.mark.parametrize("micro_batch_size", [1, 4])
+def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer, loss_cls, micro_batch_size, scheme):
+    module = make_module(model_dirs, loss_cls, micro_batch_size)
+    batch = with_scheme(module, make_batch(tokenizer), scheme)
+    sums, grads = step_grads(module, batch)
+
+    with teacher_noise_off_the_loss(module.teacher, batch):
+        sums2, grads2 = step_grads(module, batch)
     assert torch.equal(sums["loss"], sums2["loss"])
     for name in grads:
         assert torch.equal(grads[name], grads2[name]), name
