@@ -21,7 +21,8 @@ from lightning_opd.data import RolloutDataModule
 from lightning_opd.losses import ClippedSurrogate, EpisodeReward, FullVocabReverseKL, SampledTokenReverseKL, log_probs
 from lightning_opd.module import OPDModule
 from tests.helpers import KeywordEnvFactory, make_tokenizer
-from tests.test_module import _free_port, make_batch, teacher_noise_off_the_loss, with_freshness
+from tests.test_module import (_free_port, assert_masked_row_adds_nothing, make_batch, teacher_noise_off_the_loss,
+                               with_freshness)
 
 # (kappa, rho, tdur, ppo_epochs): "atod" needs the collection-time pass (old log-probs + T-DUR)
 HYBRIDS = {"atod": dict(kappa=0.7, rho=1.0, tdur=True, ppo_epochs=2), "grpo": dict(kappa=0.0, rho=1.0)}
@@ -201,16 +202,7 @@ def test_f04_observation_tokens_never_reach_the_hybrid_loss(model_dirs, batch, n
 def test_f06_all_masked_micro_batch_adds_nothing_to_the_hybrid_loss(model_dirs, batch, name):
     module = module_for(model_dirs, micro_batch_size=1, **HYBRIDS[name])
     ready = prepared(module, batch)  # advantages of the whole groups, then row 1 masked
-    masked = replace(ready, loss_mask=ready.loss_mask.clone())
-    masked.loss_mask[1] = 0
-    sums, grads = grads_of(module, masked)
-    assert torch.isfinite(sums["loss"]) and all(torch.isfinite(g).all() for g in grads.values())
-    sums_drop, grads_drop = grads_of(module, masked.select(torch.tensor([0, 2, 3])))
-    torch.testing.assert_close(sums["loss"], sums_drop["loss"])
-    for k in grads:
-        torch.testing.assert_close(grads[k], grads_drop[k])
-    sums_only, grads_only = grads_of(module, masked.select(torch.tensor([1])))
-    assert sums_only["loss"].item() == 0.0 and all(g.abs().max() == 0 for g in grads_only.values())
+    assert_masked_row_adds_nothing(lambda b: grads_of(module, b), ready)
 
 
 @pytest.mark.parametrize(("name", "freshness"), [("atod", False), ("grpo", False), ("atod", True)])

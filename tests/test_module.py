@@ -215,18 +215,21 @@ def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer,
 @pytest.mark.parametrize("loss_cls", LOSSES)
 def test_f06_all_masked_micro_batch_is_finite_and_adds_nothing(model_dirs, tokenizer, loss_cls, scheme):
     module = make_module(model_dirs, loss_cls, micro_batch_size=1)
-    batch = with_scheme(module, make_batch(tokenizer), scheme)
+    assert_masked_row_adds_nothing(lambda b: step_grads(module, b), with_scheme(module, make_batch(tokenizer), scheme))
+
+
+def assert_masked_row_adds_nothing(grads_of, batch):
+    """F06 with ``grads_of(batch) -> (sums, grads)``: row 1 of the 4-row ``batch`` fully masked gives a
+    finite step equal to dropping the row, and alone it gives loss 0 and all-zero gradients."""
     masked = replace(batch, loss_mask=batch.loss_mask.clone())
     masked.loss_mask[1] = 0
-    sums, grads = step_grads(module, masked)
+    sums, grads = grads_of(masked)
     assert torch.isfinite(sums["loss"]) and all(torch.isfinite(g).all() for g in grads.values())
-    # the masked row contributes exactly nothing: same as dropping it
-    sums_drop, grads_drop = step_grads(module, masked.select(torch.tensor([0, 2, 3])))
+    sums_drop, grads_drop = grads_of(masked.select(torch.tensor([0, 2, 3])))  # same as dropping the row
     torch.testing.assert_close(sums["loss"], sums_drop["loss"])
     for name in grads:
         torch.testing.assert_close(grads[name], grads_drop[name])
-    only = masked.select(torch.tensor([1]))
-    sums_only, grads_only = step_grads(module, only)
+    sums_only, grads_only = grads_of(masked.select(torch.tensor([1])))
     assert sums_only["loss"].item() == 0.0 and all(g.abs().max() == 0 for g in grads_only.values())
 
 
