@@ -18,7 +18,7 @@ import time
 import lightning as L
 import torch
 
-from benchmarks.common import ResultFile, markdown_table
+from benchmarks.common import ResultFile, add_artifact_args, markdown_table
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory
 from lightning_opd.module import OPDModule
@@ -57,9 +57,7 @@ def run(mode: str, lag: int, steps: int, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="artifacts/models/smollm2-135m")
-    p.add_argument("--teacher", default="artifacts/models/teacher-textworld")
-    p.add_argument("--games", default="artifacts/games/quest3")
+    add_artifact_args(p)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--episodes", type=int, default=4)
     p.add_argument("--turns", type=int, default=6)

@@ -26,7 +26,7 @@ import argparse
 import lightning as L
 import torch
 
-from benchmarks.common import ResultFile, markdown_table
+from benchmarks.common import ResultFile, add_artifact_args, markdown_table
 from lightning_opd.callbacks.annealing import AnnealingSchedule
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory
@@ -105,9 +105,7 @@ def fmt(value, spec=".2f") -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="artifacts/models/smollm2-135m")
-    p.add_argument("--teacher", default="artifacts/models/teacher-textworld")
-    p.add_argument("--games", default="artifacts/games/quest3")
+    add_artifact_args(p)
     p.add_argument("--steps", type=int, default=8, help="rollout iterations per arm")
     p.add_argument("--tasks", type=int, default=2, help="tasks per rollout batch")
     p.add_argument("--group", type=int, default=4, help="G: episodes per task")

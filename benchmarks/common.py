@@ -45,6 +45,13 @@ def memory_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
+def add_artifact_args(parser, games: str = "artifacts/games/quest3") -> None:
+    """``--model``, ``--teacher`` and ``--games``: the directories ``make prepare teacher`` creates."""
+    parser.add_argument("--model", default="artifacts/models/smollm2-135m")
+    parser.add_argument("--teacher", default="artifacts/models/teacher-textworld")
+    parser.add_argument("--games", default=games)
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

@@ -16,7 +16,7 @@ import argparse
 import lightning as L
 import torch
 
-from benchmarks.common import ResultFile, markdown_table
+from benchmarks.common import ResultFile, add_artifact_args, markdown_table
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory
@@ -55,9 +55,7 @@ def run(lag: int, monitor: bool, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="artifacts/models/smollm2-135m")
-    p.add_argument("--teacher", default="artifacts/models/teacher-textworld")
-    p.add_argument("--games", default="artifacts/games/quest3")
+    add_artifact_args(p)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--episodes", type=int, default=4)
     p.add_argument("--turns", type=int, default=6)

@@ -19,7 +19,7 @@ import time
 import lightning as L
 import torch
 
-from benchmarks.common import ResultFile, markdown_table
+from benchmarks.common import ResultFile, add_artifact_args, markdown_table
 from lightning_opd.callbacks.rollout_depth import RolloutDepthController
 from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
 from lightning_opd.data import RolloutDataModule
@@ -85,9 +85,7 @@ def success_at(points: list[dict], seconds: float) -> float | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="artifacts/models/smollm2-135m")
-    p.add_argument("--teacher", default="artifacts/models/teacher-textworld")
-    p.add_argument("--games", default="artifacts/games/quest5")
+    add_artifact_args(p, games="artifacts/games/quest5")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--eval-games", type=int, default=20)
