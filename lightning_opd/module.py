@@ -9,44 +9,13 @@ One training step = one rollout batch (docs/design.md "Data flow"):
    supervised-token count, backward;
 3. gradient clipping, optimizer step, LR scheduler step, ``policy_version += 1``.
 
-ATOD's hybrid objective (docs/algorithms.md §3; :class:`~lightning_opd.losses.grpo.ClippedSurrogate` as
-``loss``): before the first update the batch gets its GRPO group advantages, its old log-probs and, with
-``tdur``, its T-DUR turn weights; then ``ppo_epochs`` passes over ``ppo_mini_batches`` contiguous
-mini-batches, one optimizer update each, all on the same advantages. The whole batch is still one
-rollout iteration: ``policy_version`` moves by 1 (§3.1 note), while ``trainer.global_step`` (and so
-``trainer.max_steps``) counts optimizer updates, ``updates_per_batch`` per batch. ``kappa`` and ``rho``
-are plain attributes that callbacks may change between steps (``AnnealingSchedule``).
+ATOD's hybrid objective (docs/algorithms.md §3, ``loss: ClippedSurrogate``) lives in
+:mod:`lightning_opd.hybrid`: advantages, old log-probs and T-DUR fixed before the first update, then
+``ppo_epochs * ppo_mini_batches`` optimizer updates on the same rollout batch (one policy version).
 
-Deliberate simplifications (this version): the teacher runs in the trainer process on the student's
-device; PPO mini-batches are contiguous row ranges, the same in every epoch (no shuffling).
+Deliberate simplification (this version): the teacher runs in the trainer process on the student's device.
 
-Metric glossary (logged every step):
-
-| key | unit | reduction |
-|---|---|---|
-| ``train/loss`` | nats | step loss (§0.5) |
-| ``train/kl`` | nats/token | mean exact reverse KL over supervised tokens (whatever the loss) |
-| ``kl/turn_NN`` | nats/token | mean over supervised tokens of turn NN (zero-based), token-weighted across ranks |
-| ``train/entropy`` | nats/token | mean student entropy over supervised tokens |
-| ``train/grad_norm`` | - | global L2 norm before clipping |
-| ``train/lr`` | - | learning rate |
-| ``train/supervised_tokens`` | tokens | per step, all ranks |
-| ``rollout/*`` | see ``lightning_opd.data.collate.rollout_stats`` | per batch |
-| ``rollout/lag`` | policy versions | max over the batch of learner version - behaviour version |
-| ``timing/rollout_s``, ``timing/update_s`` | seconds | per step |
-| ``turn/survivors_NN`` | episodes | episodes of the step (all ranks) still running at turn NN (TurnOPD §4) |
-| ``turn/token_share_NN``, ``turn/loss_share_NN`` | fraction | turn NN's share of supervised tokens / of ``sum m w l`` |
-| ``train/kappa``, ``train/rho`` | - | hybrid loss only: the coefficients the step trained with |
-| ``grpo/reward_mean`` | reward units | mean episode reward of the batch (this rank) |
-| ``grpo/groups``, ``grpo/equal_reward_groups`` | groups | groups in the batch / of them with all rewards equal (advantage 0) |
-| ``grpo/invalid_rewards``, ``grpo/invalid_groups`` | episodes, groups | non-finite rewards and their groups (advantage 0, F13 fallback) |
-| ``ppo/clip_frac`` | fraction | supervised tokens in the clipped region, over all updates of the step |
-| ``ppo/ratio_mean``, ``ppo/ratio_min``, ``ppo/ratio_max`` | - | importance ratio pi_theta/pi_old over the same tokens |
-| ``ppo/updates`` | optimizer updates | per rollout batch (``ppo_epochs * ppo_mini_batches``) |
-| ``tdur/mean_weight`` | - | mean T-DUR turn weight over the batch's (episode, turn) pairs (with ``tdur``) |
-
-With several updates per batch, ``train/loss`` and ``train/grad_norm`` are means over the updates and
-``train/kl``, ``train/entropy`` means over all updates' supervised tokens.
+The metrics it logs every step are listed in :mod:`lightning_opd.step_logging` (metric glossary).
 
 ``last_turn_stats`` (:class:`~lightning_opd.metrics.turn_stats.TurnStats`) holds the step's per-sample,
 per-turn sums on this rank for callbacks (the rollout-depth controller).
@@ -61,20 +30,19 @@ from typing import Callable, Iterator
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_opd.data.collate import RolloutBatch, rollout_stats
+from lightning_opd.data.collate import RolloutBatch
 from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss, log_probs
-from lightning_opd.losses.grpo import (ClippedSurrogate, EpisodeReward, clipped_surrogate, compute_rewards,
-                                       group_advantages, hybrid_advantage)
-from lightning_opd.losses.tdur import tdur_weights
+from lightning_opd.losses.grpo import EpisodeReward
 from lightning_opd.losses.weighting import Weighting
 from lightning_opd.metrics.per_turn import PerTurnMean
 from lightning_opd.metrics.turn_stats import TurnStats, per_turn_sums
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer
 from lightning_opd.models.tokenizers import check_tokenizers_compatible
+from lightning_opd.hybrid import HybridObjective
 from lightning_opd.policy import PolicyModule
+from lightning_opd.step_logging import StepLogging
 
 
 # Pulling the batch inside the step (the ``dataloader_iter`` flavour) is deliberate: it is what keeps
@@ -91,7 +59,7 @@ def _default_optimizer(params):
     return torch.optim.AdamW(params, lr=5e-5, weight_decay=0.0)
 
 
-class OPDModule(PolicyModule):
+class OPDModule(HybridObjective, StepLogging, PolicyModule):
     """On-policy distillation: the student learns to match the teacher on its own trajectories.
 
     Args:
@@ -192,49 +160,6 @@ class OPDModule(PolicyModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.lr_scheduler_factory(opt), "interval": "step"}}
 
     # ------------------------------------------------------------------------------------------- loss
-    @property
-    def hybrid(self) -> bool:
-        """The loss is ATOD's clipped surrogate (advantages, old log-probs and T-DUR apply)."""
-        return isinstance(self.loss_fn, ClippedSurrogate)
-
-    @property
-    def updates_per_batch(self) -> int:
-        """Optimizer updates per rollout batch (``ppo_epochs * ppo_mini_batches``)."""
-        return self.ppo_epochs * self.ppo_mini_batches
-
-    def _check_objective(self) -> None:
-        """Check ``kappa``/``rho``/``tdur`` (also after a callback changed them).
-
-        Raises:
-            ValueError: a negative or non-finite coefficient, or hybrid settings without ``ClippedSurrogate``.
-        """
-        for name in ("kappa", "rho"):
-            value = float(getattr(self, name))
-            if not (value >= 0 and value != float("inf")):
-                raise ValueError(f"model.{name}={value} must be a finite number >= 0")
-        if not self.hybrid and (self.kappa != 1 or self.rho != 0 or self.tdur):
-            raise ValueError(f"model.kappa={self.kappa}, model.rho={self.rho}, model.tdur={self.tdur}: the hybrid "
-                             f"objective needs loss lightning_opd.losses.ClippedSurrogate, got {type(self.loss_fn).__name__} "
-                             "(which needs kappa=1, rho=0, tdur=false)")
-
-    def advantage_inputs(self, batch: RolloutBatch) -> dict[str, torch.Tensor | None]:
-        """``(b, T-1)`` per-token inputs of the hybrid loss for one (micro-)batch: ``opd_weight`` = κ · w_turn,
-        ``grpo_term`` = ρ · Â (the episode's advantage on each of its tokens; T-DUR never enters it) and
-        ``old_logprobs`` (``None``: π_old = sg(π_θ), one update per batch without T-DUR).
-
-        Raises:
-            RuntimeError: ``rho != 0`` but the batch has no advantages (:meth:`prepare_hybrid` not run).
-        """
-        shape = (batch.size, batch.input_ids.shape[1] - 1)
-        dev = batch.input_ids.device
-        w = batch.turn_weight[:, 1:] if batch.turn_weight is not None else torch.ones(shape, device=dev)
-        if batch.advantage is None and self.rho != 0:
-            raise RuntimeError("hybrid loss with rho != 0 on a batch without GRPO advantages: call prepare_hybrid first")
-        adv = batch.advantage if batch.advantage is not None else torch.zeros(batch.size, device=dev)
-        return {"opd_weight": float(self.kappa) * w.float(),
-                "grpo_term": (float(self.rho) * adv.float())[:, None].expand(shape),
-                "old_logprobs": batch.old_logprobs[:, 1:] if batch.old_logprobs is not None else None}
-
     @staticmethod
     def supervised_positions(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, cols)``, each ``(N,)``: the positions whose outputs predict a supervised token (the
@@ -348,50 +273,6 @@ class OPDModule(PolicyModule):
                 weight = weight * plan.sample_weight.to(weight)
         return replace(batch, loss_mask=batch.loss_mask * keep[:, None].to(batch.loss_mask), sample_weight=weight)
 
-    @property
-    def needs_old_logprobs(self) -> bool:
-        """The hybrid loss needs a collection-time pass for π_old (several updates per batch, or T-DUR)."""
-        return self.hybrid and (self.updates_per_batch > 1 or self.tdur)
-
-    def prepare_hybrid(self, batch: RolloutBatch, student_logprobs: torch.Tensor | None = None) -> RolloutBatch:
-        """Stage I-II of ATOD (§3.4) for the whole batch, before its first update: rewards (checked, F13),
-        group advantages (over every episode of the group in the batch: staleness filters drop groups
-        whole, so a kept group is complete), old log-probs (the learner's, now; see ``ClippedSurrogate``)
-        when :attr:`needs_old_logprobs`, and T-DUR weights from the old and teacher log-probs.
-
-        Args:
-            batch: the planned rollout batch.
-            student_logprobs: ``(B, T-1)`` learner log-probs already computed this step (reused as π_old).
-
-        Raises:
-            RewardFunctionError: the reward function raised or returned the wrong count (F13).
-        """
-        rewards = compute_rewards(self.reward_fn, batch)
-        groups = group_advantages(rewards, batch.group_id, self.advantage_eps)
-        finite = torch.isfinite(rewards)
-        stats = {"grpo/reward_mean": float(rewards[finite].mean()) if bool(finite.any()) else 0.0,
-                 "grpo/groups": float(groups.groups), "grpo/equal_reward_groups": float(groups.equal_groups),
-                 "grpo/invalid_rewards": float(groups.invalid_rewards), "grpo/invalid_groups": float(groups.invalid_groups)}
-        out = replace(batch, advantage=groups.advantage.to(batch.input_ids.device))
-        if self.needs_old_logprobs:
-            old = student_logprobs if student_logprobs is not None else self.student_logprobs(batch)
-            out = replace(out, old_logprobs=torch.cat([torch.zeros_like(old[:, :1]), old], dim=1))  # (B, T)
-            if self.tdur:
-                mask = batch.loss_mask[:, 1:]
-                tw = tdur_weights(old, self.teacher_logprobs(batch), mask, batch.turn_index[:, 1:])
-                w = tw.token_weight.float()
-                out = replace(out, turn_weight=torch.cat([torch.ones_like(w[:, :1]), w], dim=1))
-                stats["tdur/mean_weight"] = tw.mean_weight(mask.sum(1) > 0)
-        self._step_stats.update(stats)
-        return out
-
-    def mini_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
-        """The batch's ``ppo_mini_batches`` contiguous row ranges (the batch itself when 1)."""
-        if self.ppo_mini_batches == 1:
-            return [batch]
-        idx = torch.arange(batch.size, device=batch.input_ids.device)
-        return [batch.select(part) for part in torch.tensor_split(idx, self.ppo_mini_batches)]
-
     def token_weights(self, batch: RolloutBatch, token_loss: TokenLoss) -> torch.Tensor | None:
         """``(b, T-1)`` weights of one micro-batch: its per-sample weights times every scheme's per-token
         weights; ``None`` when all are 1."""
@@ -480,20 +361,6 @@ class OPDModule(PolicyModule):
             kept=batch.loss_mask[:, 1:].sum(1) > 0)
         return sums
 
-    def _surrogate_stats(self, mb: RolloutBatch, out: TokenLoss, keep: torch.Tensor) -> None:
-        """Accumulate the clip fraction and ratio statistics of one micro-batch (hybrid loss)."""
-        inputs = self.advantage_inputs(mb)
-        old = inputs["old_logprobs"] if inputs["old_logprobs"] is not None else out.student_logprobs
-        adv = hybrid_advantage(out.teacher_logprobs, old, inputs["opd_weight"], inputs["grpo_term"])
-        _, ratio, clipped = clipped_surrogate(out.student_logprobs, old, adv, self.loss_fn.clip_eps)
-        ratio, st = ratio[keep].double(), self._step_stats
-        if ratio.numel():
-            st["_tokens"] = st.get("_tokens", 0.0) + ratio.numel()
-            st["_ratio_sum"] = st.get("_ratio_sum", 0.0) + float(ratio.sum())
-            st["_clipped"] = st.get("_clipped", 0.0) + float(clipped[keep].sum())
-            st["ppo/ratio_min"] = min(st.get("ppo/ratio_min", float("inf")), float(ratio.min()))
-            st["ppo/ratio_max"] = max(st.get("ppo/ratio_max", float("-inf")), float(ratio.max()))
-
     def training_step(self, dataloader_iter: Iterator) -> torch.Tensor:
         t0 = time.perf_counter()
         batch, _, _ = next(dataloader_iter)  # generated now, with the current weights
@@ -538,71 +405,3 @@ class OPDModule(PolicyModule):
         return sums["loss"]
 
     # ----------------------------------------------------------------------------------------- logging
-    def _log_step(self, batch, sums, step_tokens, grad_norm, max_lag, rollout_s, update_s) -> None:
-        n = max(1, batch.size)
-        tokens = step_tokens.clamp(min=1)
-        scalars = {
-            "train/loss": self.reduce_sum(sums["loss"]),
-            "train/kl": self.reduce_sum(sums["kl"]) / tokens,
-            "train/entropy": self.reduce_sum(sums["entropy"]) / tokens,
-            "train/grad_norm": grad_norm.detach().float(),
-            "train/lr": torch.tensor(self.optimizers().param_groups[0]["lr"]),
-            "train/supervised_tokens": step_tokens.float(),
-            "train/policy_version": torch.tensor(float(self.policy_version)),
-            "rollout/lag": torch.tensor(float(max_lag)),
-            "timing/rollout_s": torch.tensor(rollout_s),
-            "timing/update_s": torch.tensor(update_s),
-        }
-        scalars.update({f"rollout/{k}": torch.tensor(v) for k, v in rollout_stats(batch.trajectories).items()})
-        for key, value in scalars.items():
-            self.log(key, value, batch_size=n, prog_bar=key in ("rollout/success", "train/kl"))
-        turn = self.turn_kl.compute()
-        for t in range(self.turn_kl.num_turns):
-            if turn["weight"][t] > 0:  # weights are synced: the same key set on every rank
-                self.log(f"kl/turn_{t:02d}", turn["mean"][t].float(), batch_size=n)
-        self.turn_kl.reset()
-        self._log_turn_shares(n)
-        if self.hybrid:
-            self._log_hybrid(n)
-        every = self.log_text_every_n_steps
-        if every and (self.policy_version - 1) % every == 0 and self.trainer.is_global_zero:
-            self._log_episode_text(batch)
-
-    def _log_hybrid(self, n: int) -> None:
-        """``train/kappa``, ``train/rho``, ``grpo/*``, ``ppo/*`` and ``tdur/*`` of the step (this rank)."""
-        st = self._step_stats
-        values = {k: v for k, v in st.items() if not k.startswith("_")}
-        values.update({"train/kappa": float(self.kappa), "train/rho": float(self.rho),
-                       "ppo/updates": float(self.updates_per_batch)})
-        if st.get("_tokens"):
-            values["ppo/clip_frac"] = st["_clipped"] / st["_tokens"]
-            values["ppo/ratio_mean"] = st["_ratio_sum"] / st["_tokens"]
-        for key, value in values.items():
-            self.log(key, float(value), batch_size=n)
-
-    def _log_turn_shares(self, n: int) -> None:
-        """TurnOPD §4 diagnostics, summed over ranks: ``turn/survivors_NN`` (episodes still running at
-        turn NN), ``turn/token_share_NN`` (share of the step's supervised tokens) and
-        ``turn/loss_share_NN`` (share of the step loss's numerator ``sum m w l``)."""
-        stats = self.last_turn_stats
-        survivors = self.reduce_sum(stats.survivors().to(self.device))
-        tokens = self.reduce_sum(stats.tokens.sum(0))
-        loss = self.reduce_sum(stats.loss_sum.sum(0))
-        token_total, loss_total = tokens.sum(), loss.sum()
-        for t in range(stats.num_tracked_turns):
-            if survivors[t] > 0:  # reduced: the same key set on every rank
-                self.log(f"turn/survivors_{t:02d}", survivors[t].float(), batch_size=n)
-                self.log(f"turn/token_share_{t:02d}", (tokens[t] / token_total.clamp(min=1)).float(), batch_size=n)
-                share = loss[t] / loss_total if loss_total != 0 else torch.zeros((), dtype=loss.dtype, device=loss.device)
-                self.log(f"turn/loss_share_{t:02d}", share.float(), batch_size=n)
-
-    def _log_episode_text(self, batch: RolloutBatch) -> None:
-        loggers = [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]
-        if not loggers or not batch.trajectories:
-            return
-        t = batch.trajectories[0]
-        head = (f"task `{t.task_id}` | success {t.success} | reward {t.total_reward} | turns {t.num_turns} | "
-                f"invalid {t.invalid_actions} | versions {list(t.policy_versions)}")
-        body = "\n\n".join(f"**{m['role']}**: {m['content']}" for m in t.messages)
-        for lg in loggers:
-            lg.experiment.add_text("rollout/episode", head + "\n\n" + body, global_step=self.policy_version)

@@ -1,0 +1,100 @@
+"""Per-step logging of :class:`~lightning_opd.module.OPDModule`, with its metric glossary.
+
+Metric glossary (logged every step):
+
+| key | unit | reduction |
+|---|---|---|
+| ``train/loss`` | nats | step loss (§0.5) |
+| ``train/kl`` | nats/token | mean exact reverse KL over supervised tokens (whatever the loss) |
+| ``kl/turn_NN`` | nats/token | mean over supervised tokens of turn NN (zero-based), token-weighted across ranks |
+| ``train/entropy`` | nats/token | mean student entropy over supervised tokens |
+| ``train/grad_norm`` | - | global L2 norm before clipping |
+| ``train/lr`` | - | learning rate |
+| ``train/supervised_tokens`` | tokens | per step, all ranks |
+| ``rollout/*`` | see ``lightning_opd.data.collate.rollout_stats`` | per batch |
+| ``rollout/lag`` | policy versions | max over the batch of learner version - behaviour version |
+| ``timing/rollout_s``, ``timing/update_s`` | seconds | per step |
+| ``turn/survivors_NN`` | episodes | episodes of the step (all ranks) still running at turn NN (TurnOPD §4) |
+| ``turn/token_share_NN``, ``turn/loss_share_NN`` | fraction | turn NN's share of supervised tokens / of ``sum m w l`` |
+| ``train/kappa``, ``train/rho`` | - | hybrid loss only: the coefficients the step trained with |
+| ``grpo/reward_mean`` | reward units | mean episode reward of the batch (this rank) |
+| ``grpo/groups``, ``grpo/equal_reward_groups`` | groups | groups in the batch / of them with all rewards equal (advantage 0) |
+| ``grpo/invalid_rewards``, ``grpo/invalid_groups`` | episodes, groups | non-finite rewards and their groups (advantage 0, F13 fallback) |
+| ``ppo/clip_frac`` | fraction | supervised tokens in the clipped region, over all updates of the step |
+| ``ppo/ratio_mean``, ``ppo/ratio_min``, ``ppo/ratio_max`` | - | importance ratio pi_theta/pi_old over the same tokens |
+| ``ppo/updates`` | optimizer updates | per rollout batch (``ppo_epochs * ppo_mini_batches``) |
+| ``tdur/mean_weight`` | - | mean T-DUR turn weight over the batch's (episode, turn) pairs (with ``tdur``) |
+
+With several updates per batch, ``train/loss`` and ``train/grad_norm`` are means over the updates and
+``train/kl``, ``train/entropy`` means over all updates' supervised tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_opd.data.collate import RolloutBatch, rollout_stats
+
+
+class StepLogging:
+    """Mixin of :class:`~lightning_opd.module.OPDModule`: logs the scalars of one training step (the
+    glossary above), the per-turn KL (``turn_kl``), TurnOPD's per-turn shares (``last_turn_stats``) and,
+    every ``log_text_every_n_steps``, one sample episode as TensorBoard text."""
+
+    def _log_step(self, batch, sums, step_tokens, grad_norm, max_lag, rollout_s, update_s) -> None:
+        n = max(1, batch.size)
+        tokens = step_tokens.clamp(min=1)
+        scalars = {
+            "train/loss": self.reduce_sum(sums["loss"]),
+            "train/kl": self.reduce_sum(sums["kl"]) / tokens,
+            "train/entropy": self.reduce_sum(sums["entropy"]) / tokens,
+            "train/grad_norm": grad_norm.detach().float(),
+            "train/lr": torch.tensor(self.optimizers().param_groups[0]["lr"]),
+            "train/supervised_tokens": step_tokens.float(),
+            "train/policy_version": torch.tensor(float(self.policy_version)),
+            "rollout/lag": torch.tensor(float(max_lag)),
+            "timing/rollout_s": torch.tensor(rollout_s),
+            "timing/update_s": torch.tensor(update_s),
+        }
+        scalars.update({f"rollout/{k}": torch.tensor(v) for k, v in rollout_stats(batch.trajectories).items()})
+        for key, value in scalars.items():
+            self.log(key, value, batch_size=n, prog_bar=key in ("rollout/success", "train/kl"))
+        turn = self.turn_kl.compute()
+        for t in range(self.turn_kl.num_turns):
+            if turn["weight"][t] > 0:  # weights are synced: the same key set on every rank
+                self.log(f"kl/turn_{t:02d}", turn["mean"][t].float(), batch_size=n)
+        self.turn_kl.reset()
+        self._log_turn_shares(n)
+        if self.hybrid:
+            self._log_hybrid(n)
+        every = self.log_text_every_n_steps
+        if every and (self.policy_version - 1) % every == 0 and self.trainer.is_global_zero:
+            self._log_episode_text(batch)
+
+    def _log_turn_shares(self, n: int) -> None:
+        """TurnOPD §4 diagnostics, summed over ranks: ``turn/survivors_NN`` (episodes still running at
+        turn NN), ``turn/token_share_NN`` (share of the step's supervised tokens) and
+        ``turn/loss_share_NN`` (share of the step loss's numerator ``sum m w l``)."""
+        stats = self.last_turn_stats
+        survivors = self.reduce_sum(stats.survivors().to(self.device))
+        tokens = self.reduce_sum(stats.tokens.sum(0))
+        loss = self.reduce_sum(stats.loss_sum.sum(0))
+        token_total, loss_total = tokens.sum(), loss.sum()
+        for t in range(stats.num_tracked_turns):
+            if survivors[t] > 0:  # reduced: the same key set on every rank
+                self.log(f"turn/survivors_{t:02d}", survivors[t].float(), batch_size=n)
+                self.log(f"turn/token_share_{t:02d}", (tokens[t] / token_total.clamp(min=1)).float(), batch_size=n)
+                share = loss[t] / loss_total if loss_total != 0 else torch.zeros((), dtype=loss.dtype, device=loss.device)
+                self.log(f"turn/loss_share_{t:02d}", share.float(), batch_size=n)
+
+    def _log_episode_text(self, batch: RolloutBatch) -> None:
+        loggers = [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]
+        if not loggers or not batch.trajectories:
+            return
+        t = batch.trajectories[0]
+        head = (f"task `{t.task_id}` | success {t.success} | reward {t.total_reward} | turns {t.num_turns} | "
+                f"invalid {t.invalid_actions} | versions {list(t.policy_versions)}")
+        body = "\n\n".join(f"**{m['role']}**: {m['content']}" for m in t.messages)
+        for lg in loggers:
+            lg.experiment.add_text("rollout/episode", head + "\n\n" + body, global_step=self.policy_version)
