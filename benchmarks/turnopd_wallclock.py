@@ -86,11 +86,11 @@ def success_at(points: list[dict], seconds: float) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_artifact_args(p, games="artifacts/games/quest5")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--eval-games", type=int, default=20)
     p.add_argument("--episodes", type=int, default=4)
-    p.add_argument("--turns", type=int, default=12)
+    p.add_argument("--turns", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--eval-start", action="store_true", help="also evaluate the untrained student (slow)")
     a = p.parse_args()
