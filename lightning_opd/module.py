@@ -38,6 +38,7 @@ from lightning_opd.losses.grpo import EpisodeReward
 from lightning_opd.losses.weighting import Weighting
 from lightning_opd.metrics.per_turn import PerTurnMean
 from lightning_opd.metrics.turn_stats import TurnStats, per_turn_sums
+from lightning_opd.models.fsdp import with_root_params
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer
 from lightning_opd.models.tokenizers import check_tokenizers_compatible
 from lightning_opd.hybrid import HybridObjective
@@ -76,7 +77,7 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
         log_text_every_n_steps: write one sample episode to TensorBoard text every N steps (0: never).
         strict_on_policy: raise :class:`OffPolicyBatchError` when a batch's lag exceeds the
             DataModule's ``max_allowed_lag`` (0 in synchronous mode).
-        trust_remote_code, export_dir, gradient_checkpointing: see :class:`PolicyModule`.
+        trust_remote_code, export_dir, gradient_checkpointing, fsdp_mixed_precision: see :class:`PolicyModule`.
         kappa: κ, coefficient of the OPD term of ATOD's hybrid advantage (§3.1); 1 = plain OPD. Needs
             ``loss: ClippedSurrogate`` unless 1.
         rho: ρ, coefficient of the GRPO term; 0 = no reward signal. Needs ``ClippedSurrogate`` unless 0.
@@ -100,9 +101,9 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
                  strict_on_policy: bool = True, trust_remote_code: bool = False, export_dir: str | None = None,
                  gradient_checkpointing: bool = False, kappa: float = 1.0, rho: float = 0.0, ppo_epochs: int = 1,
                  ppo_mini_batches: int = 1, tdur: bool = False, reward: EpisodeReward | None = None,
-                 advantage_eps: float = 1e-6) -> None:
+                 advantage_eps: float = 1e-6, fsdp_mixed_precision: str | None = None) -> None:
         super().__init__(student=student, dtype=dtype, trust_remote_code=trust_remote_code, export_dir=export_dir,
-                         gradient_checkpointing=gradient_checkpointing)
+                         gradient_checkpointing=gradient_checkpointing, fsdp_mixed_precision=fsdp_mixed_precision)
         if micro_batch_size < 1:
             raise ValueError(f"model.micro_batch_size={micro_batch_size} must be >= 1")
         if max_logged_turns < 1:
@@ -203,15 +204,19 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
         """
         ids = batch.input_ids
         rows, cols = self.supervised_positions(batch)
-        h_s = self.hidden_states(self.student, batch)[rows, cols]  # (N, D)
         with torch.no_grad():
             h_t = self.hidden_states(self.teacher, batch)[rows, cols]  # (N, D_T)
         targets = ids[:, 1:][rows, cols]  # (N,)
         extras = {}
         if self.hybrid:  # (b, T-1) -> (N,)
             extras = {k: None if v is None else v[rows, cols] for k, v in self.advantage_inputs(batch).items()}
-        out = self.loss_fn(h_s, h_t, targets, self.lm_head(self.student), self.lm_head(self.teacher),
-                           temperature=batch.sampling.temperature or 1.0, **extras)
+
+        def student_side() -> TokenLoss:  # with a sharded student: its root parameters gathered (FSDP2)
+            h_s = self.hidden_states(self.student, batch)[rows, cols]  # (N, D)
+            return self.loss_fn(h_s, h_t, targets, self.lm_head(self.student), self.lm_head(self.teacher),
+                                temperature=batch.sampling.temperature or 1.0, **extras)
+
+        out = with_root_params(self.student, student_side)
         dense = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=ids.device)  # (B, T-1)
         out = out.map(lambda x: dense.to(x.dtype).index_put((rows, cols), x))
         return out, batch.loss_mask[:, 1:], batch.turn_index[:, 1:]
@@ -245,13 +250,17 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
         chunk = getattr(self.loss_fn, "chunk_size", 256)
         for mb in batch.split(self.micro_batch_size):
             rows, cols = self.supervised_positions(mb)
-            hidden = self.hidden_states(model, mb)[rows, cols]  # (N, D)
             targets = mb.input_ids[:, 1:][rows, cols]
             head, temp = self.lm_head(model), mb.sampling.temperature or 1.0
-            lp = torch.cat([log_probs(head(hidden[i:i + chunk]), temp).gather(-1, targets[i:i + chunk, None])[:, 0]
-                            for i in range(0, targets.shape[0], chunk)])
+
+            def sampled(mb=mb, rows=rows, cols=cols, targets=targets, head=head, temp=temp) -> torch.Tensor:
+                hidden = self.hidden_states(model, mb)[rows, cols]  # (N, D)
+                return torch.cat([log_probs(head(hidden[i:i + chunk]), temp).gather(-1, targets[i:i + chunk, None])[:, 0]
+                                  for i in range(0, targets.shape[0], chunk)])
+
+            lp = with_root_params(model, sampled)
             dense = torch.zeros(mb.size, batch.input_ids.shape[1] - 1, device=lp.device)
-            parts.append(dense.index_put((rows, cols), lp))
+            parts.append(dense.index_put((rows, cols), lp.float()))
         return torch.cat(parts) if parts else batch.behaviour_logprobs[:, 1:].clone()
 
     def plan_batch(self, batch: RolloutBatch, student_logprobs: torch.Tensor | None = None) -> RolloutBatch:
@@ -385,7 +394,8 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
                 part_tokens = step_tokens if part is batch else self.reduce_sum(
                     part.loss_mask[:, 1:].sum().to(self.device))  # §0.5 per update: its own tokens
                 sums = self.backward_step(part, part_tokens, self.manual_backward, self.trainer.world_size)
-                norms.append(torch.nn.utils.clip_grad_norm_(self.student.parameters(), clip))
+                norm = torch.nn.utils.clip_grad_norm_(self.student.parameters(), clip)
+                norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 if sched is not None:

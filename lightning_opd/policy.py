@@ -18,12 +18,15 @@ Metric glossary (validation ``val/``, test ``test/``; means over held-out episod
 from __future__ import annotations
 
 import logging
+import random
 
 import lightning as L
+import numpy as np
 import torch
 from torchmetrics import MeanMetric, SumMetric
 
 from lightning_opd.data.collate import RolloutBatch
+from lightning_opd.models.fsdp import full_state_dict, is_sharded, mixed_precision_policy, shard_causal_lm
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer, save_hf_atomic
 
 log = logging.getLogger(__name__)
@@ -38,20 +41,31 @@ class PolicyModule(L.LightningModule):
         trust_remote_code: allow modelling code shipped with checkpoints (off by default, F15).
         export_dir: if set, the trained student is saved there as a Hugging Face directory (with
             tokenizer and chat template) when ``fit`` ends; written atomically (F16).
-        gradient_checkpointing: recompute activations in the backward pass (less memory, ~30% slower).
+        gradient_checkpointing: recompute activations in the backward pass (less memory, ~30% slower);
+            also the activation checkpointing of an FSDP run.
+        fsdp_mixed_precision: under ``FSDP2Strategy``/``ModelParallelStrategy``: parameter and activation
+            dtype of the sharded student (e.g. ``"bfloat16"``; gradients are reduced in fp32); ``None``:
+            the ``dtype`` throughout.
+
+    Sharding (``conf/trainer/fsdp.yaml``): under Lightning's ``ModelParallelStrategy`` (or
+    :class:`~lightning_opd.models.fsdp.FSDP2Strategy`), ``configure_model`` shards the student with
+    torch's FSDP2, one unit per decoder layer and the root (:func:`~lightning_opd.models.fsdp.shard_causal_lm`).
 
     Raises:
         FileNotFoundError: ``student`` is not a model directory.
+        ValueError: at setup, a device mesh with tensor parallelism (only data-parallel FSDP is supported).
     """
 
     def __init__(self, student: str, dtype: str = "float32", trust_remote_code: bool = False,
-                 export_dir: str | None = None, gradient_checkpointing: bool = False) -> None:
+                 export_dir: str | None = None, gradient_checkpointing: bool = False,
+                 fsdp_mixed_precision: str | None = None) -> None:
         super().__init__()
         self.student_path = student
         self.dtype_name = dtype
         self.trust_remote_code = trust_remote_code
         self.export_dir = export_dir
         self.gradient_checkpointing = gradient_checkpointing
+        self.fsdp_mixed_precision = fsdp_mixed_precision
         self.tokenizer = load_tokenizer(student, trust_remote_code=trust_remote_code)
         self.student = None
         #: rollout iterations trained on so far (docs/algorithms.md §3.1 note); stamped on every rollout
@@ -73,6 +87,30 @@ class PolicyModule(L.LightningModule):
         if self.gradient_checkpointing:
             self.student.gradient_checkpointing_enable()
             self.student.config.use_cache = False
+        mesh = self.data_parallel_mesh()
+        if mesh is not None:
+            shard_causal_lm(self.student, mesh, mixed_precision_policy(self.fsdp_mixed_precision))
+
+    def data_parallel_mesh(self):
+        """The 1-D data-parallel ``DeviceMesh`` of a ``ModelParallelStrategy`` run (``None`` otherwise).
+
+        Raises:
+            ValueError: the mesh has a tensor-parallel dimension larger than 1.
+        """
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None:
+            return None
+        names = mesh.mesh_dim_names or ()
+        if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+            raise ValueError(f"device mesh {dict(zip(names, mesh.shape))}: OPDModule shards data-parallel only; use "
+                             "strategy lightning_opd.models.fsdp.FSDP2Strategy (conf/trainer/fsdp.yaml) or "
+                             "ModelParallelStrategy with tensor_parallel_size=1 and data_parallel_size=<processes>")
+        return mesh["data_parallel"] if "data_parallel" in names else mesh
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The student's full ``state_dict`` on CPU (what generators load). A collective on every rank
+        when the student is sharded (a full-state gather); detached copies otherwise."""
+        return full_state_dict(self.student)
 
     # ------------------------------------------------------------------------------------- evaluation
     def _eval_step(self, batch: RolloutBatch, prefix: str) -> None:
@@ -96,12 +134,56 @@ class PolicyModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------------------- export
     def on_train_end(self) -> None:
-        if self.export_dir and self.trainer.is_global_zero:
-            path = save_hf_atomic(self.student, self.tokenizer, self.export_dir)
-            log.info("exported the student to %s", path)
+        if self.export_dir:
+            self.export(self.export_dir)
+
+    def export(self, path: str) -> None:
+        """Save the student as a Hugging Face directory (safetensors, tokenizer and chat template) at
+        ``path``, atomically (F16). Call it on every rank: a sharded student is gathered first (a
+        collective); rank 0 writes."""
+        if not is_sharded(self.student):
+            if self._trainer is None or self.trainer.is_global_zero:
+                log.info("exported the student to %s", save_hf_atomic(self.student, self.tokenizer, path))
+            return
+        state = full_state_dict(self.student)
+        if self.trainer.is_global_zero:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                plain = AutoModelForCausalLM.from_config(self.student.config)
+            plain.load_state_dict(state, strict=True, assign=True)
+            plain.tie_weights()
+            log.info("exported the student to %s", save_hf_atomic(plain, self.tokenizer, path))
+        self.trainer.strategy.barrier("export")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["policy_version"] = int(self.policy_version)
+        checkpoint["rng_states"] = rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.policy_version = int(checkpoint.get("policy_version", 0))
+        if "rng_states" in checkpoint:
+            set_rng_states(checkpoint["rng_states"])
+
+
+def rng_states() -> dict:
+    """The process's random states (torch CPU and CUDA, Python ``random``, NumPy) as plain tensors,
+    numbers and lists, so a checkpoint holding them loads with ``torch.load(weights_only=True)``."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss],
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_states(state: dict) -> None:
+    """Restore what :func:`rng_states` returned."""
+    torch.set_rng_state(state["torch"].cpu())
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -138,6 +138,7 @@ class RolloutDataModule(L.LightningDataModule):
         self._batches_started = 0  # training batches started (index of the next one)
         self._batches_taken = 0  # training batches handed to the learner
         self.probe_schedule: tuple[int, int, int] | None = None  # (warmup, interval, full_depth)
+        self.rank, self.world_size = 0, 1  # data-parallel position (set at setup from the trainer)
 
     # ----------------------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
@@ -146,7 +147,20 @@ class RolloutDataModule(L.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         if module is None or not hasattr(module, "tokenizer"):
             raise RuntimeError("RolloutDataModule needs a LightningModule with a `tokenizer` (e.g. OPDModule)")
+        self.set_rank(self.trainer.global_rank, self.trainer.world_size)
         self.connect(module)
+
+    def set_rank(self, rank: int, world_size: int) -> None:
+        """Play this data-parallel rank's share: of every global batch of ``world_size * episodes_per_step``
+        episodes (the same task order, seeds and group ids on every rank) rank ``r`` plays slice ``r``, and
+        of the held-out tasks every ``world_size``-th from ``r``. Shards never overlap.
+
+        Raises:
+            ValueError: ``rank`` outside ``[0, world_size)``.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        self.rank, self.world_size = int(rank), int(world_size)
 
     def connect(self, policy) -> None:
         """Bind to ``policy`` (a module with ``tokenizer``, ``policy_model`` and ``policy_version``)."""
@@ -188,11 +202,11 @@ class RolloutDataModule(L.LightningDataModule):
         """The learner reached ``policy.policy_version`` (called at train start and after every update)."""
         version = int(policy.policy_version)
         if self.forced_lag:
-            self._snapshots[version] = {k: v.detach().to("cpu", copy=True) for k, v in policy.policy_model.state_dict().items()}
+            self._snapshots[version] = _policy_state(policy)
             for old in [v for v in self._snapshots if v < version - self.forced_lag]:
                 del self._snapshots[old]
         elif self.mode == "async" and (version % self.weight_sync_interval == 0 or self.generator_version is None):
-            self.generator.push_weights(policy.policy_model.state_dict(), version)
+            self.generator.push_weights(_policy_state(policy), version)
         if self.producer is not None:
             self.producer.notify_version()
 
@@ -257,13 +271,15 @@ class RolloutDataModule(L.LightningDataModule):
         return tasks
 
     def next_episodes(self, n: int, max_turns: int | None = None, is_probe: bool = False) -> list[EpisodeSpec]:
-        """The next ``n`` training episodes: tasks in a seeded order, reshuffled every pass; each task
-        played ``group_size`` times with distinct episode seeds and one shared ``group_id``; capped at
-        ``max_turns`` (default: the current ``self.max_turns``) and flagged ``is_probe``."""
+        """This rank's next ``n`` training episodes: tasks in a seeded order, reshuffled every pass; each
+        task played ``group_size`` times with distinct episode seeds and one shared ``group_id``; capped
+        at ``max_turns`` (default: the current ``self.max_turns``) and flagged ``is_probe``. With several
+        ranks, the global batch of ``world_size * n`` episodes is laid out identically on every rank and
+        rank ``r`` keeps slice ``r`` (whole groups: ``n`` is a multiple of ``group_size``)."""
         cap = self.max_turns if max_turns is None else int(max_turns)
         specs = []
         order = self._task_order(self._epoch)
-        for _ in range(n // self.group_size):
+        for _ in range(n * self.world_size // self.group_size):
             if self._cursor >= len(order):
                 self._epoch, self._cursor = self._epoch + 1, 0
                 order = self._task_order(self._epoch)
@@ -274,7 +290,7 @@ class RolloutDataModule(L.LightningDataModule):
                                          is_probe=is_probe, group_id=group))
                 self._episodes_started += 1
             self._cursor += 1
-        return specs
+        return specs[self.rank * n:(self.rank + 1) * n]
 
     def _play_batch(self) -> list[Trajectory]:
         """Play one rollout batch with the generator's weights (runs in the producer in async mode)."""
@@ -308,12 +324,16 @@ class RolloutDataModule(L.LightningDataModule):
         return collate_trajectories(trajs, self.sampling, self.pad_id)
 
     def eval_batches(self) -> Iterator[RolloutBatch]:
-        """Every held-out task once, ``eval_batch_size`` episodes at a time."""
+        """Every held-out task once (this rank's share: every ``world_size``-th task from ``rank``),
+        ``eval_batch_size`` episodes at a time. Every rank yields the same number of batches (a rank
+        with fewer tasks plays an empty last batch), as collective generation needs."""
         if self.loop is None:
             raise RuntimeError("RolloutDataModule is not connected to a policy")
-        tasks = self.env.eval_tasks()
-        for start in range(0, len(tasks), self.eval_batch_size):
-            specs = [EpisodeSpec(task_id=t, seed=start + i, max_turns=self.eval_max_turns)
+        every = self.env.eval_tasks()
+        tasks = every[self.rank::self.world_size]
+        most = -(-len(every) // self.world_size)  # the largest share
+        for start in range(0, most, self.eval_batch_size):
+            specs = [EpisodeSpec(task_id=t, seed=self.rank + (start + i) * self.world_size, max_turns=self.eval_max_turns)
                      for i, t in enumerate(tasks[start:start + self.eval_batch_size])]
             yield collate_trajectories(self.loop.run(specs, self.eval_sampling), self.eval_sampling, self.pad_id)
 
@@ -332,18 +352,37 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ---------------------------------------------------------------------------------------- resume
     def state_dict(self) -> dict:
-        """Sampler state. ``train_batches`` counts batches the learner took (= its version), not batches
-        the async producer started: buffered batches are lost on resume, and the probe schedule must
-        continue at the learner's version."""
-        return {"epoch": self._epoch, "cursor": self._cursor, "episodes_started": self._episodes_started,
-                "max_turns": self.max_turns, "train_batches": self._batches_taken}
+        """Sampler state, plain numbers (and tensors): loadable with ``torch.load(weights_only=True)``.
+
+        ``train_batches`` counts batches the learner took (= its version), not batches the async producer
+        started: buffered async batches are dropped on resume (they were generated by weights that the
+        resumed learner no longer serves), and the probe schedule continues at the learner's version.
+        With ``forced_lag`` the CPU copies of the last ``forced_lag`` versions are included
+        (``weight_snapshots``, version -> student ``state_dict``), so the first batches after a resume
+        are sampled from exactly the weights an uninterrupted run would use.
+        """
+        state = {"epoch": self._epoch, "cursor": self._cursor, "episodes_started": self._episodes_started,
+                 "max_turns": self.max_turns, "train_batches": self._batches_taken}
+        if self.forced_lag:
+            state["weight_snapshots"] = {str(v): w for v, w in self._snapshots.items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; the restored weights reach the generator before the first rollout
+        (``on_policy_update`` at train start, and ``_play_batch`` pushes the forced-lag copy it needs)."""
         self._epoch = int(state.get("epoch", 0))
         self._cursor = int(state.get("cursor", 0))
         self._episodes_started = int(state.get("episodes_started", 0))
         self.max_turns = int(state.get("max_turns", self.max_turns))
         self._batches_started = self._batches_taken = int(state.get("train_batches", 0))
+        self._snapshots = {int(v): w for v, w in state.get("weight_snapshots", {}).items()}
+
+
+def _policy_state(policy) -> dict:
+    """Full CPU copy of the policy's weights (a full-state gather when the student is sharded)."""
+    if hasattr(policy, "policy_state_dict"):
+        return policy.policy_state_dict()
+    return {k: v.detach().to("cpu", copy=True) for k, v in policy.policy_model.state_dict().items()}
 
 
 def _identity(x):

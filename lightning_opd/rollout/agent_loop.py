@@ -115,8 +115,15 @@ class AgentLoop:
         trajs = [t for t, _ in started]
         envs: dict[int, TextEnv] = {i: e for i, (_, e) in enumerate(started) if e is not None}
         turn = 0
+        collective = self.generator.collective  # sharded sampling model: lock-step turns across ranks (F10)
         try:
-            while envs:
+            while True:  # one any_rank_active collective per round on every rank
+                if not (self.generator.any_rank_active(bool(envs)) if collective else envs):
+                    break
+                if not envs:  # this rank is done, others play on: join their collective forwards
+                    self.generator.idle_step(sampling)
+                    turn += 1
+                    continue
                 active = sorted(envs)
                 reqs = [GenerationRequest(key=(id(self), i), prompt_ids=trajs[i].token_ids, turn=turn,
                                           seed=trajs[i].seed, task_id=trajs[i].task_id) for i in active]

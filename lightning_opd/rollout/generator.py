@@ -136,6 +136,22 @@ class Generator(ABC):
     def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
         """The backend's sampling (called under the lock with validated requests)."""
 
+    @property
+    def collective(self) -> bool:
+        """Generation is a collective over ranks (the sampling model is sharded with FSDP): every rank
+        must make the same number of ``generate`` calls, so the agent loop keeps a rank whose episodes
+        have ended stepping with :meth:`idle_step` while others play on (F10)."""
+        return False
+
+    def any_rank_active(self, active: bool) -> bool:
+        """Whether any rank still has episodes to play (``active`` on this rank). Only collective
+        generators communicate; others return ``active``."""
+        return active
+
+    def idle_step(self, sampling: SamplingParams) -> None:
+        """Take part in one round of collective generation without episodes of this rank (a collective
+        generator samples a one-token dummy prompt and discards it; others do nothing)."""
+
     def push_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
         """Serve ``state`` (a student ``state_dict``) from now on, stamped ``version``; returns seconds.
 

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from typing import Hashable, Mapping
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
+from lightning_opd.models.fsdp import full_state_dict, is_sharded
 from lightning_opd.rollout.generator import GenerationOutput, GenerationRequest, Generator, SamplingParams
 
 
@@ -46,6 +48,19 @@ def _left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple
             ids[i, length - len(s):] = torch.tensor(s, dtype=torch.long, device=device)
             mask[i, length - len(s):] = 1
     return ids, mask
+
+
+def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """An unsharded copy of the student for the backend's own weights: ``deepcopy``, or for an FSDP-sharded
+    student a fresh model of the same config loaded from a full-state gather (a collective)."""
+    if not is_sharded(model):
+        return copy.deepcopy(model)
+    state = full_state_dict(model)
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(model.config)
+    plain.load_state_dict(state, strict=True, assign=True)
+    plain.tie_weights()
+    return plain.to(next(iter(model.parameters())).device)
 
 
 class HFGenerator(Generator):
@@ -80,12 +95,31 @@ class HFGenerator(Generator):
         t0 = time.perf_counter()
         with self._lock:
             if self._own_model is None:
-                self._own_model = copy.deepcopy(self._policy.policy_model).eval().requires_grad_(False)
+                self._own_model = _plain_copy(self._policy.policy_model).eval().requires_grad_(False)
             with torch.no_grad():
                 self._own_model.load_state_dict(state, strict=True)
             self._own_version = int(version)
             self._state = None  # no KV entry computed with other weights survives (F09)
         return time.perf_counter() - t0
+
+    @property
+    def collective(self) -> bool:
+        """Sampling from a sharded live student (FSDP, several ranks): ``generate`` is a collective."""
+        if self._own_model is not None or self._policy is None or self._policy.policy_model is None:
+            return False
+        return is_sharded(self._policy.policy_model) and dist.is_initialized() and dist.get_world_size() > 1
+
+    def any_rank_active(self, active: bool) -> bool:
+        if not self.collective:
+            return active
+        flag = torch.tensor([int(active)], device=next(self._policy.policy_model.parameters()).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def idle_step(self, sampling: SamplingParams) -> None:
+        if self.collective:  # a one-token dummy prompt; synced decoding runs as long as the other ranks
+            self.generate([GenerationRequest(key=("idle", id(self)), prompt_ids=[self.end_of_turn_id])], sampling)
+            self.release()
 
     def _generation_config(self, sampling: SamplingParams, pad_id: int) -> GenerationConfig:
         # Every knob explicit: GenerationConfig defaults (top_k=50) or the model's own generation
@@ -146,7 +180,8 @@ class HFGenerator(Generator):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                                     generation_config=self._generation_config(sampling, pad_id))
+                                     generation_config=self._generation_config(sampling, pad_id),
+                                     synced_gpus=self.collective and model is not self._own_model)  # F10
         finally:
             model.train(was_training)
 

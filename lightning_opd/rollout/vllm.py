@@ -142,7 +142,8 @@ class VLLMGenerator(Generator):
         policy = self._policy
         model = getattr(policy, "policy_model", None) if policy is not None else None
         if self.follow_policy and model is not None and self._engine_version != int(policy.policy_version):
-            self.push_weights(model.state_dict(), int(policy.policy_version))
+            state = policy.policy_state_dict() if hasattr(policy, "policy_state_dict") else model.state_dict()
+            self.push_weights(state, int(policy.policy_version))  # sharded student: a full-state gather
 
     # --------------------------------------------------------------------------------------- sampling
     def sampling_params(self, sampling: SamplingParams, seed: int):

@@ -1,0 +1,118 @@
+"""Exact resume: N uninterrupted steps == N/2 steps + checkpoint + resume + N/2 steps, in synchronous and
+``forced_lag`` modes, on the tiny models: per-step losses, the games and seeds of every batch, their
+behaviour versions, every callback's state and the final weights. Checkpoints load with
+``torch.load(weights_only=True)`` (F15) and a crash while writing one leaves the previous one loadable (F16)."""
+
+from __future__ import annotations
+
+import random
+
+import fsspec.implementations.local as fs_local
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from lightning_opd.callbacks.rollout_depth import RolloutDepthController
+from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
+from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
+from lightning_opd.data import RolloutDataModule
+from lightning_opd.policy import rng_states, set_rng_states
+from tests.helpers import KeywordEnvFactory
+from tests.test_training import RecordingOPD
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")]
+STEPS = 4
+
+
+class Recorder(RecordingOPD):
+    """Records, per step: the loss, and the (task, seed, behaviour version) of every sample."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.steps = []
+
+    def _check_on_policy(self, batch):
+        self.steps.append([(t.task_id, t.seed) for t in batch.trajectories])
+        return super()._check_on_policy(batch)
+
+    def training_step(self, dataloader_iter):
+        loss = super().training_step(dataloader_iter)
+        self.steps[-1] = (self.steps[-1], float(loss))
+        return loss
+
+
+def _callbacks(mode):
+    if mode == "sync":
+        return [RolloutDepthController(h_min=1, warmup=1, probe_interval=2), TurnLossBlend(total_steps=STEPS)]
+    return [StalenessMonitor(lag_cap=4)]
+
+
+def _fit(model_dirs, path, steps, mode, ckpt_path=None, save=False):
+    L.seed_everything(0, verbose=False)
+    model = Recorder(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=4,
+                     optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    dm = RolloutDataModule(env=KeywordEnvFactory(need=9), episodes_per_step=2, max_turns=4, max_new_tokens=4,
+                           eval_batch_size=2, seed=0, forced_lag=2 if mode == "forced_lag" else 0)
+    callbacks = _callbacks(mode)
+    ckpt = [L.pytorch.callbacks.ModelCheckpoint(dirpath=path, save_last=True, save_top_k=0)] if save else []
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, deterministic=True,
+                        enable_checkpointing=save, callbacks=[*callbacks, *ckpt])
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return model, callbacks, dm
+
+
+@pytest.mark.parametrize("mode", ["sync", "forced_lag"])
+def test_resume_continues_as_if_never_stopped(model_dirs, tmp_path, mode):
+    full, full_cbs, full_dm = _fit(model_dirs, tmp_path / "full", STEPS, mode)
+    half, _, _ = _fit(model_dirs, tmp_path / "half", STEPS // 2, mode, save=True)
+    ckpt = tmp_path / "half" / "last.ckpt"
+    state = torch.load(ckpt, weights_only=True)  # F15: plain tensors and numbers only
+    assert state["policy_version"] == STEPS // 2
+    if mode == "forced_lag":  # the old weight copies forced_lag needs travel with the checkpoint
+        assert sorted(state["RolloutDataModule"]["weight_snapshots"]) == ["0", "1", "2"]
+    resumed, cbs, dm = _fit(model_dirs, tmp_path / "resumed", STEPS, mode, ckpt_path=str(ckpt))
+
+    assert half.steps == full.steps[:STEPS // 2]
+    assert [s[0] for s in resumed.steps] == [s[0] for s in full.steps[STEPS // 2:]]  # games and seeds
+    assert [s[1] for s in resumed.steps] == pytest.approx([s[1] for s in full.steps[STEPS // 2:]], rel=1e-5, abs=1e-6)
+    assert resumed.seen == full.seen[STEPS // 2:]  # (learner version, behaviour versions)
+    for cb, full_cb in zip(cbs, full_cbs):
+        assert cb.state_dict() == full_cb.state_dict(), type(cb).__name__
+    assert dm.state_dict().keys() == full_dm.state_dict().keys()
+    for key, value in full_dm.state_dict().items():
+        if key != "weight_snapshots":
+            assert dm.state_dict()[key] == value, key
+    for (name, p), q in zip(full.student.state_dict().items(), resumed.student.state_dict().values()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    torch.save({"rng": rng_states()}, tmp_path / "rng.pt")
+    want = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)
+    set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == want
+
+
+def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(model_dirs, tmp_path, monkeypatch):
+    """F16: Lightning writes through an fsspec transaction (temporary file, then a move); an exception in
+    the middle of the write leaves ``last.ckpt`` from the previous save loadable and unchanged."""
+    _fit(model_dirs, tmp_path, 1, "sync", save=True)
+    ckpt = tmp_path / "last.ckpt"
+    before = ckpt.read_bytes()
+    real_write = fs_local.LocalFileOpener.write
+
+    def crash_half_way(self, data):
+        real_write(self, bytes(data)[: len(data) // 2])
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(fs_local.LocalFileOpener, "write", crash_half_way)
+    with pytest.raises(OSError, match="simulated"):
+        _fit(model_dirs, tmp_path, 2, "sync", ckpt_path=str(ckpt), save=True)
+    monkeypatch.undo()
+    assert ckpt.read_bytes() == before
+    assert torch.load(ckpt, weights_only=True)["policy_version"] == 1
+    assert not [p for p in tmp_path.iterdir() if p.name != "last.ckpt"]  # no partial file left behind
