@@ -116,3 +116,33 @@ def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(model_dirs, t
     assert ckpt.read_bytes() == before
     assert torch.load(ckpt, weights_only=True)["policy_version"] == 1
     assert not [p for p in tmp_path.iterdir() if p.name != "last.ckpt"]  # no partial file left behind
+
+
+def test_async_checkpoint_keeps_the_buffered_batches(model_dirs, tmp_path):
+    """Async mode: the producer is parked while saving; the batches it had finished and the learner had
+    not taken go into the checkpoint with their versions, and the resumed run trains on them first, so
+    the sequence of games and seeds is the uninterrupted one."""
+
+    def fit(path, steps, ckpt_path=None, save=False):
+        L.seed_everything(0, verbose=False)
+        model = Recorder(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=4)
+        dm = RolloutDataModule(env=KeywordEnvFactory(need=9), episodes_per_step=2, max_turns=2, max_new_tokens=4,
+                               eval_batch_size=2, seed=0, mode="async", max_lag=2)
+        ckpt = [L.pytorch.callbacks.ModelCheckpoint(dirpath=path, save_last=True, save_top_k=0)] if save else []
+        trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                            enable_checkpointing=save, callbacks=ckpt)
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+        return model
+
+    full = fit(tmp_path / "full", 5)
+    fit(tmp_path / "half", 2, save=True)
+    state = torch.load(tmp_path / "half" / "last.ckpt", weights_only=True)["RolloutDataModule"]
+    buffered = state["buffered_batches"]
+    assert len(buffered) >= 1 and state["batches_started"] == 2 + len(buffered)  # the producer ran ahead
+    assert all(0 <= v <= 2 for batch in buffered for t in batch for v in t["turn_versions"])
+    resumed = fit(tmp_path / "resumed", 5, ckpt_path=str(tmp_path / "half" / "last.ckpt"))
+    assert [s[0] for s in resumed.steps] == [s[0] for s in full.steps[2:]]  # nothing lost, nothing repeated
+    first = [(t["task_id"], t["seed"]) for t in buffered[0]]
+    assert resumed.steps[0][0] == first
+    assert resumed.seen[0][1] == [max(t["turn_versions"]) for t in buffered[0]]  # trained with its versions

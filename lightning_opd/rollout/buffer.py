@@ -70,6 +70,11 @@ class RolloutBuffer:
             self._cond.notify_all()
             return batch
 
+    def snapshot(self) -> list[list[Trajectory]]:
+        """The buffered batches, oldest first (a shallow copy; the buffer is unchanged)."""
+        with self._cond:
+            return list(self._items)
+
     def versions(self) -> list[tuple[int, ...]]:
         """Policy versions of the buffered batches (oldest batch first)."""
         with self._cond:

@@ -10,6 +10,10 @@ Modes:
   weights actually used, not on the learner's counter, which moves before the push lands); the
   bounded buffer gives back-pressure.
 
+Checkpoints: :meth:`RolloutProducer.quiesce` parks the thread between batches and returns every finished
+batch not yet taken by the learner (the buffer, plus a batch waiting for room), so a checkpoint holds
+them with their policy versions; :meth:`RolloutProducer.resume` lets the thread go on.
+
 Errors: anything the producer raises (an engine crash, too many environment errors) is put into the
 buffer and re-raised by the learner's next ``get`` with the original traceback chained; a producer
 thread that died without a word is detected within ``poll_seconds``. ``stop`` ends the thread and
@@ -66,6 +70,10 @@ class RolloutProducer:
         self._thread: threading.Thread | None = None
         self._produced = 0  # batches handed to the buffer (async)
         self._version_changed = threading.Condition()
+        self._paused = threading.Event()
+        self._pause_cond = threading.Condition()
+        self._idle = False  # the thread is parked (paused between batches)
+        self._pending: list[Trajectory] | None = None  # a finished batch waiting for room in the buffer
 
     # ------------------------------------------------------------------------------------- lifecycle
     def start(self, first_batch_index: int = 0) -> None:
@@ -91,6 +99,40 @@ class RolloutProducer:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def quiesce(self, timeout: float | None = None) -> list[list[Trajectory]]:
+        """Park the background thread between batches (a batch being played is finished first) and return
+        the finished batches the learner has not taken, oldest first. The thread stays parked until
+        :meth:`resume`. Sync mode, or no thread: the buffer's batches.
+
+        Raises:
+            TimeoutError: the thread did not park within ``timeout`` seconds.
+        """
+        if self.running:
+            self._paused.set()
+            self.notify_version()
+            with self._pause_cond:
+                if not self._pause_cond.wait_for(lambda: self._idle or not self.running, timeout):
+                    raise TimeoutError(f"the rollout producer did not pause within {timeout} s")
+        pending = [self._pending] if self._pending is not None else []
+        return self.buffer.snapshot() + pending
+
+    def resume(self) -> None:
+        """Let a quiesced producer go on."""
+        with self._pause_cond:
+            self._paused.clear()
+            self._pause_cond.notify_all()
+
+    def _park(self) -> None:
+        """At a safe point of the thread: while paused, report idle and wait."""
+        if not self._paused.is_set():
+            return
+        with self._pause_cond:
+            self._idle = True
+            self._pause_cond.notify_all()
+            while self._paused.is_set() and not self._stop.is_set():
+                self._pause_cond.wait(self.poll_seconds)
+            self._idle = False
+
     def notify_version(self) -> None:
         """Wake the producer: the weights' version moved."""
         with self._version_changed:
@@ -100,19 +142,24 @@ class RolloutProducer:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._park()
                 index = self._produced
                 with self._version_changed:  # at most max_lag versions behind when consumed
-                    while not self._stop.is_set() and self.weights_version() < index - self.max_lag:
+                    while (not self._stop.is_set() and not self._paused.is_set()
+                           and self.weights_version() < index - self.max_lag):
                         self._version_changed.wait(self.poll_seconds)
                 if self._stop.is_set():
                     return
-                batch = self.make_batch()
+                if self._paused.is_set():
+                    continue  # park before starting a batch
+                batch = self._pending = self.make_batch()
                 while not self._stop.is_set():
                     try:
                         self.buffer.put(batch, timeout=self.poll_seconds)
+                        self._pending = None
                         break
                     except TimeoutError:
-                        continue
+                        self._park()  # paused with a full buffer: quiesce reports the batch as pending
                 self._produced += 1
         except BaseException as err:  # noqa: BLE001 - everything goes to the learner
             err.add_note("traceback in the rollout producer thread:\n" + traceback.format_exc())
