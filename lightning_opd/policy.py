@@ -26,7 +26,7 @@ import torch
 from torchmetrics import MeanMetric, SumMetric
 
 from lightning_opd.data.collate import RolloutBatch
-from lightning_opd.models.fsdp import full_state_dict, is_sharded, mixed_precision_policy, shard_causal_lm
+from lightning_opd.models.fsdp import full_state_dict, is_sharded, mixed_precision_policy, shard_causal_lm, unsharded_copy
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer, save_hf_atomic
 
 log = logging.getLogger(__name__)
@@ -145,15 +145,10 @@ class PolicyModule(L.LightningModule):
             if self._trainer is None or self.trainer.is_global_zero:
                 log.info("exported the student to %s", save_hf_atomic(self.student, self.tokenizer, path))
             return
-        state = full_state_dict(self.student)
+        plain = unsharded_copy(self.student, "cpu")  # a collective: every rank gathers
         if self.trainer.is_global_zero:
-            from transformers import AutoModelForCausalLM
-
-            with torch.device("meta"):
-                plain = AutoModelForCausalLM.from_config(self.student.config)
-            plain.load_state_dict(state, strict=True, assign=True)
-            plain.tie_weights()
             log.info("exported the student to %s", save_hf_atomic(plain, self.tokenizer, path))
+        del plain
         self.trainer.strategy.barrier("export")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

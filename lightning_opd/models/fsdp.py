@@ -115,6 +115,25 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
+def unsharded_copy(model: nn.Module, device: str | torch.device | None = None) -> nn.Module:
+    """A plain (unsharded) copy of a Hugging Face model: ``deepcopy``, or for an FSDP-sharded model a
+    fresh model of the same config loaded from a full-state gather (a collective on every rank), with
+    tied weights re-tied; on ``device`` (default: the model's)."""
+    import copy
+
+    target = device if device is not None else next(iter(model.parameters())).device
+    if not is_sharded(model):
+        return copy.deepcopy(model).to(target)
+    from transformers import AutoModelForCausalLM
+
+    state = full_state_dict(model)
+    with torch.device(target):  # real buffers (e.g. rotary frequencies, not in the state dict) on the target
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=state[next(iter(state))].dtype)
+    plain.load_state_dict(state, strict=True)
+    plain.tie_weights()
+    return plain
+
+
 def mixed_precision_policy(param_dtype: str | None, reduce_dtype: str | None = "float32"):
     """An FSDP2 ``MixedPrecisionPolicy`` from dtype names (``None`` for ``param_dtype``: no policy)."""
     if param_dtype is None:

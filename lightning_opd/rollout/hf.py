@@ -16,16 +16,15 @@ landing in the middle of a ``generate`` call, so every reply comes from one vers
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from typing import Hashable, Mapping
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
-from lightning_opd.models.fsdp import full_state_dict, is_sharded
+from lightning_opd.models.fsdp import is_sharded, unsharded_copy
 from lightning_opd.rollout.generator import GenerationOutput, GenerationRequest, Generator, SamplingParams
 
 
@@ -48,19 +47,6 @@ def _left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple
             ids[i, length - len(s):] = torch.tensor(s, dtype=torch.long, device=device)
             mask[i, length - len(s):] = 1
     return ids, mask
-
-
-def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """An unsharded copy of the student for the backend's own weights: ``deepcopy``, or for an FSDP-sharded
-    student a fresh model of the same config loaded from a full-state gather (a collective)."""
-    if not is_sharded(model):
-        return copy.deepcopy(model)
-    state = full_state_dict(model)
-    with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(model.config)
-    plain.load_state_dict(state, strict=True, assign=True)
-    plain.tie_weights()
-    return plain.to(next(iter(model.parameters())).device)
 
 
 class HFGenerator(Generator):
@@ -95,7 +81,7 @@ class HFGenerator(Generator):
         t0 = time.perf_counter()
         with self._lock:
             if self._own_model is None:
-                self._own_model = _plain_copy(self._policy.policy_model).eval().requires_grad_(False)
+                self._own_model = unsharded_copy(self._policy.policy_model).eval().requires_grad_(False)
             with torch.no_grad():
                 self._own_model.load_state_dict(state, strict=True)
             self._own_version = int(version)

