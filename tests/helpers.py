@@ -121,3 +121,12 @@ class StaticPolicy:
 
     def __init__(self, model, tokenizer, version: int = 0) -> None:
         self.policy_model, self.tokenizer, self.policy_version = model, tokenizer, version
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (process-group rendezvous in multi-process tests)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

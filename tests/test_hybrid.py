@@ -20,8 +20,8 @@ from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.losses import ClippedSurrogate, EpisodeReward, FullVocabReverseKL, SampledTokenReverseKL, log_probs
 from lightning_opd.module import OPDModule
-from tests.helpers import KeywordEnvFactory, make_tokenizer
-from tests.test_module import (_free_port, assert_masked_row_adds_nothing, make_batch, teacher_noise_off_the_loss,
+from tests.helpers import KeywordEnvFactory, free_port, make_tokenizer
+from tests.test_module import (assert_masked_row_adds_nothing, make_batch, teacher_noise_off_the_loss,
                                with_freshness)
 
 # (kappa, rho, tdur, ppo_epochs): "atod" needs the collection-time pass (old log-probs + T-DUR)
@@ -242,7 +242,7 @@ def run_ranked(module, batch, world):
 @pytest.mark.timeout(240)
 def test_f07_two_ranks_equal_single_process_hybrid(model_dirs, batch, tmp_path):
     ctx = mp.get_context("spawn")
-    port, out_path = _free_port(), str(tmp_path / "rank0.pt")
+    port, out_path = free_port(), str(tmp_path / "rank0.pt")
     procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, model_dirs, out_path)) for r in range(2)]
     for p in procs:
         p.start()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from dataclasses import replace
 from functools import partial
 
@@ -22,7 +21,7 @@ from lightning_opd.module import OPDModule
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
 from lightning_opd.rollout.generator import SamplingParams
 from lightning_opd.rollout.scripted import ScriptedGenerator
-from tests.helpers import KeywordEnvFactory, make_tokenizer, save_model_dir
+from tests.helpers import KeywordEnvFactory, free_port, make_tokenizer, save_model_dir
 
 LOSSES = [FullVocabReverseKL, SampledTokenReverseKL, ForwardKL, partial(GeneralizedJSD, beta=0.5, chunk_size=3),
           partial(StudentTopKRenormalizedReverseKL, k=5, chunk_size=7),
@@ -249,12 +248,6 @@ def test_f07_micro_batch_layout_does_not_change_the_gradient(model_dirs, tokeniz
             torch.testing.assert_close(results[mbs][1][name], g, atol=1e-6, rtol=1e-5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_worker(rank, world, port, model_dirs, loss_name, scheme, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -280,7 +273,7 @@ def _rank_worker(rank, world, port, model_dirs, loss_name, scheme, out_path):
                                                    ("full", "turn_blend")])
 def test_f07_two_ranks_equal_single_process(model_dirs, tokenizer, loss_name, scheme, tmp_path):
     ctx = mp.get_context("spawn")
-    port, out_path = _free_port(), str(tmp_path / "rank0.pt")
+    port, out_path = free_port(), str(tmp_path / "rank0.pt")
     procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, model_dirs, loss_name, scheme, out_path))
              for r in range(2)]
     for p in procs:

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_opd.data.collate import RolloutBatch, collate_trajectories
 from lightning_opd.envs.base import EnvFactory
+from lightning_opd.models.fsdp import full_state_dict
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
 from lightning_opd.rollout.generator import Generator, SamplingParams
 from lightning_opd.rollout.hf import HFGenerator
@@ -398,7 +399,7 @@ def _policy_state(policy) -> dict:
     """Full CPU copy of the policy's weights (a full-state gather when the student is sharded)."""
     if hasattr(policy, "policy_state_dict"):
         return policy.policy_state_dict()
-    return {k: v.detach().to("cpu", copy=True) for k, v in policy.policy_model.state_dict().items()}
+    return full_state_dict(policy.policy_model)
 
 
 def _identity(x):

@@ -107,11 +107,11 @@ def with_root_params(model: nn.Module, fn: Callable, *args: Any) -> Any:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's full (unsharded) ``state_dict`` on CPU; a collective on every rank when sharded (all
     ranks get the full tensors). Plain ``state_dict()`` (detached CPU copies) otherwise."""
-    if not is_sharded(model):
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    state = model.state_dict()
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 

@@ -167,7 +167,7 @@ class HFGenerator(Generator):
                 torch.manual_seed(seed)
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
                                      generation_config=self._generation_config(sampling, pad_id),
-                                     synced_gpus=self.collective and model is not self._own_model)  # F10
+                                     synced_gpus=self.collective)  # F10: own weights are never collective
         finally:
             model.train(was_training)
 

@@ -6,7 +6,6 @@ and exports a Hugging Face directory holding the trained (gathered) weights."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import lightning as L
@@ -21,21 +20,15 @@ from lightning_opd.losses import FullVocabReverseKL
 from lightning_opd.models.fsdp import FSDP2Strategy, decoder_layers, full_state_dict, is_sharded, shard_causal_lm
 from lightning_opd.models.loading import load_causal_lm
 from lightning_opd.module import OPDModule
-from tests.helpers import make_tokenizer
+from tests.helpers import free_port, make_tokenizer
 from tests.test_module import make_batch, make_module, step_grads
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(target, args, timeout=240):
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(2)]
     for p in procs:
         p.start()
