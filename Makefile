@@ -10,6 +10,9 @@ GAMES := artifacts/games/quest3
 LONG_GAMES := artifacts/games/quest5
 TEACHER := artifacts/models/teacher-textworld
 ADAPTER := assets/teacher-textworld-lora
+SEARCH_QA := artifacts/search_qa
+SQA_TEACHER := artifacts/models/teacher-search-qa
+SQA_ADAPTER := assets/teacher-search-qa-lora
 PYTEST_ARGS ?=
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
@@ -17,7 +20,8 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: install install-vllm model games games-long teacher teacher-train teacher-eval prepare demo test test-fast clean-demo
+.PHONY: install install-vllm model games games-long teacher teacher-train teacher-eval prepare demo test test-fast clean-demo \
+	search-qa teacher-search-qa teacher-search-qa-train demo-search-qa
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -66,6 +70,27 @@ teacher-train: install model games
 teacher-eval: install teacher games
 	$(LOPD) validate --config conf/textworld/opd.yaml --model.init_args.student=$(TEACHER) --trainer.logger.init_args.name=teacher_eval
 
+# Search-QA: synthetic knowledge base (2,040 documents) + two-hop questions (600 train / 50 held-out), seconds
+$(SEARCH_QA)/manifest.json: | $(STAMP)
+	$(LOPD) make-search-qa --out $(SEARCH_QA) --train 600 --eval 50 --seed 0
+search-qa: $(SEARCH_QA)/manifest.json
+
+$(SQA_TEACHER)/config.json: $(SQA_ADAPTER)/adapter_model.safetensors | $(MODEL)/config.json
+	$(LOPD) merge-adapter --base $(MODEL) --adapter $(SQA_ADAPTER) --out $(SQA_TEACHER)
+teacher-search-qa: $(SQA_TEACHER)/config.json
+
+teacher-search-qa-train: install model search-qa
+	$(LOPD) fit --config conf/search_qa/teacher_sft.yaml
+
+# OPD on Search-QA: student before, teacher, OPD (the last validation is the student after).
+demo-search-qa: install model search-qa teacher-search-qa
+	rm -rf runs/search_qa
+	$(LOPD) validate --config conf/search_qa/opd.yaml --trainer.logger.init_args.save_dir=runs/search_qa --trainer.logger.init_args.name=student_before
+	$(LOPD) validate --config conf/search_qa/opd.yaml --trainer.logger.init_args.save_dir=runs/search_qa --trainer.logger.init_args.name=teacher --model.init_args.student=$(SQA_TEACHER)
+	$(LOPD) fit --config conf/search_qa/opd.yaml --trainer.logger.init_args.save_dir=runs/search_qa --trainer.logger.init_args.name=opd
+	$(LOPD) results "student before=runs/search_qa/student_before" "teacher=runs/search_qa/teacher" "student after (OPD)=runs/search_qa/opd"
+	$(LOPD) report runs/search_qa/opd
+
 prepare: model games
 
 # The main job: student before, teacher, OPD (validation during fit; the last one is the student after).
@@ -76,7 +101,7 @@ demo: install model games teacher
 	$(LOPD) fit --config conf/textworld/opd.yaml --trainer.logger.init_args.save_dir=runs/demo --trainer.logger.init_args.name=opd
 	$(LOPD) results "student before=runs/demo/student_before" "teacher=runs/demo/teacher" "student after (OPD)=runs/demo/opd"
 
-test: install install-vllm model games
+test: install install-vllm model games teacher
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 test-fast: install

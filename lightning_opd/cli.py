@@ -4,8 +4,10 @@
     lightning-opd validate --config conf/textworld/opd.yaml       # held-out success of the student
     lightning-opd prepare-model [--out DIR]                       # SmolLM2-135M-Instruct, offline
     lightning-opd make-games [--out DIR --train N --eval N ...]   # TextWorld games, train/held-out
+    lightning-opd make-search-qa [--out DIR --train N --eval N]  # Search-QA knowledge base + questions
     lightning-opd merge-adapter --adapter DIR --out DIR           # base + LoRA adapter -> HF directory
     lightning-opd results RUN_DIR...                              # table of val/success from TensorBoard
+    lightning-opd report RUN_DIR [--out DIR]                      # report.png + report.html of one run
 
 The helper commands go through a thin dispatcher in front of LightningCLI (its sub-commands are the
 Trainer's methods). Configs are composed from several ``--config`` files; ``parser_mode="omegaconf+"``
@@ -22,7 +24,7 @@ import sys
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
-HELPERS = ("prepare-model", "make-games", "merge-adapter", "results")
+HELPERS = ("prepare-model", "make-games", "make-search-qa", "merge-adapter", "results", "report")
 
 
 class OPDCLI(LightningCLI):
@@ -68,6 +70,26 @@ def _make_games(argv: list[str]) -> None:
     print(make_games(a.out, a.train, a.eval, spec, seed=a.seed, workers=a.workers, eval_fraction=a.eval_fraction))
 
 
+def _make_search_qa(argv: list[str]) -> None:
+    from lightning_opd.envs.search_qa_kb import KBSpec, write_search_qa
+
+    p = argparse.ArgumentParser(prog="lightning-opd make-search-qa",
+                                description="Generate the Search-QA data: a synthetic knowledge base of fictional "
+                                            "entities and two-hop questions, train/held-out split by question hash.")
+    p.add_argument("--out", default="artifacts/search_qa")
+    p.add_argument("--train", type=int, default=600, help="training questions")
+    p.add_argument("--eval", type=int, default=50, help="held-out questions")
+    p.add_argument("--persons", type=int, default=KBSpec.persons, help="person documents")
+    p.add_argument("--orgs", type=int, default=KBSpec.orgs, help="company documents")
+    p.add_argument("--cities", type=int, default=KBSpec.cities, help="city documents")
+    p.add_argument("--countries", type=int, default=KBSpec.countries, help="country documents")
+    p.add_argument("--top-k", type=int, default=2, help="documents per search (questions are checked against it)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    spec = KBSpec(persons=a.persons, orgs=a.orgs, cities=a.cities, countries=a.countries)
+    print(write_search_qa(a.out, a.train, a.eval, spec, seed=a.seed, top_k=a.top_k))
+
+
 def _merge_adapter(argv: list[str]) -> None:
     from lightning_opd.models.loading import merge_adapter
 
@@ -92,12 +114,25 @@ def _results(argv: list[str]) -> None:
     print_results(a.runs, a.metric)
 
 
+def _report(argv: list[str]) -> None:
+    from lightning_opd.report import render_report
+
+    p = argparse.ArgumentParser(prog="lightning-opd report",
+                                description="Draw a run's per-turn KL heat map, success, controller depth, freshness "
+                                            "and schedules from its TensorBoard events (PNG + HTML).")
+    p.add_argument("run_dir", help="run log directory (e.g. runs/demo/opd)")
+    p.add_argument("--out", default=None, help="output directory (default: RUN_DIR)")
+    a = p.parse_args(argv)
+    for path in render_report(a.run_dir, a.out):
+        print(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lightning-opd`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in HELPERS:
-        {"prepare-model": _prepare_model, "make-games": _make_games, "merge-adapter": _merge_adapter,
-         "results": _results}[args[0]](args[1:])
+        {"prepare-model": _prepare_model, "make-games": _make_games, "make-search-qa": _make_search_qa,
+         "merge-adapter": _merge_adapter, "results": _results, "report": _report}[args[0]](args[1:])
         return
     OPDCLI(args=argv)  # None: LightningCLI reads sys.argv itself
 

