@@ -336,7 +336,7 @@ def check_search_qa_opd(cli, tmp):
     assert isinstance(env, SearchQAEnvFactory) and env.top_k == 2
     assert (len(env.train_tasks()), len(env.eval_tasks())) == (20, 5)  # the fixture's data, not the default path
     assert cli.datamodule.max_turns == 4 and cli.model.max_logged_turns == 4  # interpolated from data
-    assert cli.trainer.max_steps == 30
+    assert cli.trainer.max_steps == 50
 
 
 def check_search_qa_teacher_sft(cli, tmp):
@@ -344,6 +344,7 @@ def check_search_qa_teacher_sft(cli, tmp):
     assert isinstance(cli.datamodule.env, SearchQAEnvFactory)
     assert cli.datamodule.batch_size == 8 and cli.datamodule.max_turns == 4
     assert cli.model.lora_rank == 16 and cli.model.export_dir == str(tmp / "export")
+    assert cli.trainer.max_steps == 60
 
 
 EXPECT = {"textworld/opd.yaml": check_opd, "textworld/teacher_sft.yaml": check_teacher_sft,
