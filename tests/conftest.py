@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import random
+import sys
 
 import pytest
 import torch
@@ -28,3 +30,22 @@ def model_dirs(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("models")
     return {"student": str(save_model_dir(root / "student", tokenizer, seed=0)),
             "teacher": str(save_model_dir(root / "teacher", tokenizer, seed=1))}
+
+
+@pytest.fixture
+def isolate(monkeypatch, tmp_path):
+    """For tests that run LightningCLI in-process: relative paths resolve under ``tmp_path`` (yielded),
+    ``sys.argv`` is pytest-free, and the seed environment and RNG states that ``seed_everything`` sets are
+    restored afterwards."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-opd"])  # LightningCLI warns when pytest's argv is there
+    saved = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    torch_state, py_state = torch.random.get_rng_state(), random.getstate()
+    yield tmp_path
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    torch.random.set_rng_state(torch_state)
+    random.setstate(py_state)

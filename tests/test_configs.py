@@ -11,14 +11,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import os
-import random
 import re
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -205,20 +201,9 @@ def search_qa_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _isolate(monkeypatch, tmp_path):
-    """Relative paths resolve under tmp_path; LightningCLI's seed_everything leaves no global state."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-opd"])  # LightningCLI warns when pytest's argv is there
-    env = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
-    torch_state, py_state = torch.random.get_rng_state(), random.getstate()
+def _isolate(isolate):
+    """Every test here runs LightningCLI in-process (tests/conftest.py: ``isolate``)."""
     yield
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    torch.random.set_rng_state(torch_state)
-    random.setstate(py_state)
 
 
 @pytest.fixture
@@ -331,11 +316,11 @@ def check_vllm(cli, tmp):
 
 
 def check_search_qa_opd(cli, tmp):
-    assert type(cli.model) is OPDModule and isinstance(cli.model.loss, FullVocabReverseKL)
+    assert type(cli.model) is OPDModule and isinstance(cli.model.loss_fn, FullVocabReverseKL)
     env = cli.datamodule.env
     assert isinstance(env, SearchQAEnvFactory) and env.top_k == 2
     assert (len(env.train_tasks()), len(env.eval_tasks())) == (20, 5)  # the fixture's data, not the default path
-    assert cli.datamodule.max_turns == 4 and cli.model.max_logged_turns == 4  # interpolated from data
+    assert cli.datamodule.max_turns == 4 and cli.config["model.init_args.max_logged_turns"] == 4  # interpolated
     assert cli.trainer.max_steps == 50
 
 

@@ -45,15 +45,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from prerequisites import check_artifacts  # tutorials/prerequisites.py (this folder)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "conf" / "textworld" / "opd.yaml"
 RUN_NAME = "quickstart"
-# what the run needs -> the Makefile target that builds it
-ARTIFACTS = {
-    "artifacts/models/smollm2-135m/config.json": "model",
-    "artifacts/games/quest3/manifest.json": "games",
-    "artifacts/models/teacher-textworld/config.json": "teacher",
-}
 TINY = [  # CI settings: every knob is an ordinary command-line override of the YAML
     "--trainer.max_steps=2",
     "--trainer.val_check_interval=2",  # held-out success once, at the end
@@ -64,14 +60,6 @@ TINY = [  # CI settings: every knob is an ordinary command-line override of the 
     "--data.init_args.eval_batch_size=4",
 ]
 
-
-def check_artifacts(root: Path = ROOT) -> None:
-    """Exit with a message naming the ``make`` targets when a prerequisite is missing."""
-    missing = {path: target for path, target in ARTIFACTS.items() if not (root / path).exists()}
-    if missing:
-        targets = " ".join(dict.fromkeys(missing.values()))
-        lines = "\n".join(f"  {path}  (make {target})" for path, target in missing.items())
-        raise SystemExit(f"missing prerequisites:\n{lines}\nbuild them from the repository root with: make {targets}")
 
 
 def fit_args(out: Path, tiny: bool, steps: int | None) -> list[str]:

@@ -37,16 +37,13 @@ import os
 import tempfile
 from pathlib import Path
 
+from prerequisites import check_artifacts  # tutorials/prerequisites.py (this folder)
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "conf" / "textworld" / "grpo.yaml"
 OVERLAY = ROOT / "tutorials" / "03_compose_controllers.yaml"
 RUN_NAME = "composed"
 PREFIXES = ("schedule/", "controller/", "staleness/")
-ARTIFACTS = {
-    "artifacts/models/smollm2-135m/config.json": "model",
-    "artifacts/games/quest3/manifest.json": "games",
-    "artifacts/models/teacher-textworld/config.json": "teacher",
-}
 TINY = [
     "--trainer.max_steps=4",  # optimizer updates: 2 rollout iterations x 2 PPO mini-batches
     "--trainer.limit_val_batches=0",  # no held-out evaluation
@@ -57,14 +54,6 @@ TINY = [
     "--data.init_args.env.init_args.num_eval=4",
 ]
 
-
-def check_artifacts(root: Path = ROOT) -> None:
-    """Exit with a message naming the ``make`` targets when a prerequisite is missing."""
-    missing = {path: target for path, target in ARTIFACTS.items() if not (root / path).exists()}
-    if missing:
-        targets = " ".join(dict.fromkeys(missing.values()))
-        lines = "\n".join(f"  {path}  (make {target})" for path, target in missing.items())
-        raise SystemExit(f"missing prerequisites:\n{lines}\nbuild them from the repository root with: make {targets}")
 
 
 def fit_args(out: Path, tiny: bool) -> list[str]:

@@ -17,14 +17,12 @@ import inspect
 import json
 import math
 import os
-import random
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from lightning_opd.callbacks.annealing import AnnealingSchedule
@@ -35,8 +33,7 @@ from lightning_opd.data import RolloutDataModule
 from lightning_opd.losses import ClippedSurrogate, FullVocabReverseKL
 from lightning_opd.models.fsdp import FSDP2Strategy
 from lightning_opd.module import OPDModule
-from lightning_opd.rollout import AgentLoop, EpisodeSpec, HFGenerator, SamplingParams
-from lightning_opd.rollout.scripted import ScriptedGenerator, walkthrough_replies
+from lightning_opd.rollout import HFGenerator
 from lightning_opd.rollout.vllm import VLLMGenerator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +49,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:No seed found")
 
 def load_tutorial(name: str):
     """Import ``tutorials/<name>.py`` as a module (file names start with a digit: not importable by name)."""
+    if str(TUTORIALS) not in sys.path:  # tutorials import their shared tutorials/prerequisites.py
+        sys.path.insert(0, str(TUTORIALS))
     spec = importlib.util.spec_from_file_location(f"tutorial_{name}", TUTORIALS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -73,23 +72,6 @@ def artifacts():
     missing = [p for p in NEEDS if not (ROOT / p).exists()]
     if missing:
         pytest.fail(f"missing {missing}: run `make model games teacher` first")
-
-
-@pytest.fixture
-def isolate(monkeypatch, tmp_path):
-    """Relative paths under tmp_path; LightningCLI's seed_everything leaves no global state behind."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["lightning-opd"])
-    saved = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
-    torch_state, py_state = torch.random.get_rng_state(), random.getstate()
-    yield tmp_path
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    torch.random.set_rng_state(torch_state)
-    random.setstate(py_state)
 
 
 @pytest.fixture(scope="module")
