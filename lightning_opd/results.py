@@ -6,17 +6,15 @@ from pathlib import Path
 
 
 def last_scalar(run_dir: str | Path, tag: str) -> tuple[int, float] | None:
-    """``(step, value)`` of the last event of ``tag`` under ``run_dir`` (newest event file last), or None."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """``(step, value)`` of the last logged step of ``tag`` under ``run_dir`` (event files merged by
+    :func:`lightning_opd.report.read_scalars`), or None when the tag or the event files are missing."""
+    from lightning_opd.report import read_scalars
 
-    found = None
-    for f in sorted(Path(run_dir).rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        if tag in acc.Tags().get("scalars", []):
-            ev = acc.Scalars(tag)[-1]
-            found = (ev.step, ev.value)
-    return found
+    try:
+        steps, values = read_scalars(run_dir)[tag]
+    except (FileNotFoundError, KeyError):
+        return None
+    return steps[-1], values[-1]
 
 
 def print_results(runs: list[str], metric: str = "val/success") -> None:

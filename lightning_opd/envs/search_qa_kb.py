@@ -26,6 +26,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_opd.envs.textworld_games import in_eval_split as hash_in_eval_split
 from lightning_opd.models.loading import _atomic_dir
 
 PROFESSIONS = ("painter", "engineer", "sailor", "baker", "astronomer", "lawyer", "farmer", "poet", "chemist",
@@ -61,6 +62,7 @@ class KBSpec:
 
     @property
     def documents(self) -> int:
+        """Documents in the knowledge base (one per entity)."""
         return self.persons + self.orgs + self.cities + self.countries
 
 
@@ -155,9 +157,9 @@ def make_questions(kb: dict[str, dict[str, dict]], count: int, seed: int = 0) ->
 
 
 def in_eval_split(question: str, eval_fraction: float) -> bool:
-    """A question is held out iff the first 8 hex digits of the sha256 of its text, read as a fraction of
-    2**32, fall below ``eval_fraction`` (fixed: independent of how many questions are made)."""
-    return int(hashlib.sha256(question.encode()).hexdigest()[:8], 16) / 2**32 < eval_fraction
+    """A question is held out iff the sha256 of its text falls in ``eval_fraction`` (the rule of
+    :func:`lightning_opd.envs.textworld_games.in_eval_split`; independent of how many questions are made)."""
+    return hash_in_eval_split(hashlib.sha256(question.encode()).hexdigest(), eval_fraction)
 
 
 def write_search_qa(out: str | Path, num_train: int = 600, num_eval: int = 50, spec: KBSpec = KBSpec(),
