@@ -6,7 +6,7 @@ Metric glossary (logged every step):
 |---|---|---|
 | ``train/loss`` | nats | step loss (§0.5) |
 | ``train/kl`` | nats/token | mean exact reverse KL over supervised tokens (whatever the loss) |
-| ``kl/turn_NN`` | nats/token | mean over supervised tokens of turn NN (zero-based), token-weighted across ranks |
+| ``kl/turn_NN`` | nats/token | mean over supervised tokens of turn NN (zero-based), token-weighted across ranks; NaN at a step where no episode reached turn NN (after some step did) |
 | ``train/entropy`` | nats/token | mean student entropy over supervised tokens |
 | ``train/grad_norm`` | - | global L2 norm before clipping |
 | ``train/lr`` | - | learning rate |
@@ -14,7 +14,7 @@ Metric glossary (logged every step):
 | ``rollout/*`` | see ``lightning_opd.data.collate.rollout_stats`` | per batch |
 | ``rollout/lag`` | policy versions | max over the batch of learner version - behaviour version |
 | ``timing/rollout_s``, ``timing/update_s`` | seconds | per step |
-| ``turn/survivors_NN`` | episodes | episodes of the step (all ranks) still running at turn NN (TurnOPD §4) |
+| ``turn/survivors_NN`` | episodes | episodes of the step (all ranks) still running at turn NN (TurnOPD §4); 0 once none reach it |
 | ``turn/token_share_NN``, ``turn/loss_share_NN`` | fraction | turn NN's share of supervised tokens / of ``sum m w l`` |
 | ``train/kappa``, ``train/rho`` | - | hybrid loss only: the coefficients the step trained with |
 | ``grpo/reward_mean`` | reward units | mean episode reward of the batch (this rank) |
@@ -61,9 +61,10 @@ class StepLogging:
         for key, value in scalars.items():
             self.log(key, value, batch_size=n, prog_bar=key in ("rollout/success", "train/kl"))
         turn = self.turn_kl.compute()
-        for t in range(self.turn_kl.num_turns):
-            if turn["weight"][t] > 0:  # weights are synced: the same key set on every rank
-                self.log(f"kl/turn_{t:02d}", turn["mean"][t].float(), batch_size=n)
+        reached = turn["weight"] > 0  # synced: the same on every rank
+        nan = torch.full((), float("nan"), device=turn["mean"].device)
+        for t in range(self._turn_keys(reached)):
+            self.log(f"kl/turn_{t:02d}", turn["mean"][t].float() if reached[t] else nan, batch_size=n)
         self.turn_kl.reset()
         self._log_turn_shares(n)
         if self.hybrid:
@@ -81,12 +82,23 @@ class StepLogging:
         tokens = self.reduce_sum(stats.tokens.sum(0))
         loss = self.reduce_sum(stats.loss_sum.sum(0))
         token_total, loss_total = tokens.sum(), loss.sum()
-        for t in range(stats.num_tracked_turns):
-            if survivors[t] > 0:  # reduced: the same key set on every rank
-                self.log(f"turn/survivors_{t:02d}", survivors[t].float(), batch_size=n)
-                self.log(f"turn/token_share_{t:02d}", (tokens[t] / token_total.clamp(min=1)).float(), batch_size=n)
-                share = loss[t] / loss_total if loss_total != 0 else torch.zeros((), dtype=loss.dtype, device=loss.device)
-                self.log(f"turn/loss_share_{t:02d}", share.float(), batch_size=n)
+        for t in range(self._turn_keys(survivors > 0)):  # reduced: the same key set on every rank
+            self.log(f"turn/survivors_{t:02d}", survivors[t].float(), batch_size=n)
+            self.log(f"turn/token_share_{t:02d}", (tokens[t] / token_total.clamp(min=1)).float(), batch_size=n)
+            share = loss[t] / loss_total if loss_total != 0 else torch.zeros((), dtype=loss.dtype, device=loss.device)
+            self.log(f"turn/loss_share_{t:02d}", share.float(), batch_size=n)
+
+    def _turn_keys(self, reached: torch.Tensor) -> int:
+        """How many per-turn keys to log this step: ``1 + `` the deepest turn reached in this fit so far.
+
+        ``reached`` is the step's ``(H,)`` bool "some episode reached turn t". Lightning keeps an on-step
+        value in its result collection until the epoch ends and hands it to the loggers at every later
+        step, so a per-turn key, once logged, is rewritten at every step: NaN KL (no tokens: the mean is
+        undefined) and 0 survivors and shares when no episode reached the turn, never last step's value.
+        """
+        deepest = int(reached.nonzero().max()) + 1 if bool(reached.any()) else 0
+        self._turn_keys_logged = max(getattr(self, "_turn_keys_logged", 0), deepest)
+        return min(self._turn_keys_logged, reached.numel())
 
     def _log_episode_text(self, batch: RolloutBatch) -> None:
         loggers = [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]

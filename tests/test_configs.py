@@ -29,7 +29,7 @@ from lightning_opd.data.expert import ExpertDataModule
 from lightning_opd.envs.search_qa import SearchQAEnvFactory
 from lightning_opd.envs.search_qa_kb import KBSpec, write_search_qa
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory
-from lightning_opd.losses import ClippedSurrogate, EpisodeReward, FullVocabReverseKL, SampledTokenReverseKL
+from lightning_opd.losses import ClippedSurrogate, EpisodeReward, ForwardKL, FullVocabReverseKL, SampledTokenReverseKL
 from lightning_opd.module import OPDModule
 from lightning_opd.policy import PolicyModule
 from lightning_opd.rollout.hf import HFGenerator
@@ -316,7 +316,7 @@ def check_vllm(cli, tmp):
 
 
 def check_search_qa_opd(cli, tmp):
-    assert type(cli.model) is OPDModule and isinstance(cli.model.loss_fn, FullVocabReverseKL)
+    assert type(cli.model) is OPDModule and type(cli.model.loss_fn) is ForwardKL
     env = cli.datamodule.env
     assert isinstance(env, SearchQAEnvFactory) and env.top_k == 2
     assert (len(env.train_tasks()), len(env.eval_tasks())) == (20, 5)  # the fixture's data, not the default path

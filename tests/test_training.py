@@ -3,6 +3,8 @@ at every step), Lightning's prefetch would break it (negative control), logging 
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import pytest
 import torch
@@ -81,3 +83,34 @@ def test_weights_change_and_logs_reach_tensorboard(model_dirs, tmp_path):
         assert last_scalar(run, tag) is not None, tag
     assert last_scalar(run, "val/episodes")[1] == 2.0  # both held-out tasks, once
     assert last_scalar(run, "train/policy_version")[1] == 2.0
+
+
+class CutTurnsAfterFirstStep(L.Callback):
+    """Step 0 plays 3 turns, every later step 1 turn (through the DataModule's named setter)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.datamodule.set_max_turns(1)
+
+
+def test_per_turn_keys_are_rewritten_when_a_turn_is_no_longer_reached(model_dirs, tmp_path):
+    """Lightning hands an on-step value to the loggers at every later step of the epoch, so a turn that step 0
+    reached and step 1 did not must log NaN KL and 0 survivors at step 1, not step 0's values again. The tiny
+    random student's replies are invalid actions, which do not end an episode: both episodes of step 0 play
+    all 3 turns, both of step 1 play 1."""
+    from lightning_opd.report import read_scalars
+
+    model = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=4)
+    logger = TensorBoardLogger(str(tmp_path), name="run")
+    trainer = _trainer(tmp_path, max_steps=2, logger=logger, log_every_n_steps=1, callbacks=[CutTurnsAfterFirstStep()])
+    trainer.fit(model, datamodule=_datamodule(max_turns=3))
+    logger.experiment.flush()
+    series = {tag: dict(zip(*steps_values)) for tag, steps_values in read_scalars(logger.log_dir).items()}
+    assert series["rollout/turns"] == {0: 3.0, 1: 1.0}
+    assert series["turn/survivors_00"] == {0: 2.0, 1: 2.0}
+    assert series["turn/survivors_02"] == {0: 2.0, 1: 0.0}
+    assert series["turn/token_share_02"][1] == 0.0 and series["turn/loss_share_02"][1] == 0.0
+    for t in (0, 1, 2):
+        assert math.isfinite(series[f"kl/turn_{t:02d}"][0]), t
+    assert math.isfinite(series["kl/turn_00"][1])
+    assert math.isnan(series["kl/turn_01"][1]) and math.isnan(series["kl/turn_02"][1])
+    assert "kl/turn_03" not in series and "turn/survivors_03" not in series  # never reached: no key

@@ -92,6 +92,27 @@ def test_hand_values_top_k():
     assert tail <= ForwardKL().token_terms(s, t, A0).loss.item() == pytest.approx(0.2748872, abs=1e-6)
 
 
+def test_saturated_wrong_student_reverse_kl_gradient_vanishes_forward_kl_does_not():
+    """The Search-QA stall (README "Search-QA"): the student is sure of the wrong token, the teacher of another.
+    Logits s = (20, 0, 0), t = (0, 20, 0): p_S = (a, b, b), p_T = (b, a, b) with b = 1/(e^20 + 2) = 2.06e-9,
+    a = 1 - 2b. Reverse KL = 20 a - 20 b = 20.0 nats (large), but its logit gradient
+    p_S (log p_S/p_T - KL) = 20 b (3a, -1 - a + b, -a + b) ~ (1.2e-7, -8.2e-8, -4.1e-8): nothing to learn from.
+    Forward KL's logit gradient is p_S - p_T = (a - b, b - a, 0) ~ (1, -1, 0)."""
+    b = 1 / (math.exp(20) + 2)
+    a = 1 - 2 * b
+    t = torch.tensor([[0.0, 20.0, 0.0]])
+    grads, values = {}, {}
+    for loss in (FullVocabReverseKL(), ForwardKL()):
+        s = torch.tensor([[20.0, 0.0, 0.0]], requires_grad=True)
+        out = loss.token_terms(s, t, A0)
+        out.loss.sum().backward()
+        grads[type(loss).__name__], values[type(loss).__name__] = s.grad[0], out.loss.item()
+    assert values["FullVocabReverseKL"] == pytest.approx(20 * (a - b), abs=1e-4)
+    assert values["ForwardKL"] == pytest.approx(20 * (a - b), abs=1e-4)  # symmetric case: same value
+    assert grads["FullVocabReverseKL"].abs().max().item() < 1e-5  # fp32 noise around the 1e-7 hand value
+    torch.testing.assert_close(grads["ForwardKL"], torch.tensor([a - b, b - a, 0.0]), atol=1e-6, rtol=0)
+
+
 # ------------------------------------------------------------------------------------- fp64 references
 @pytest.mark.parametrize("temperature", [0.6, 1.0, 1.3])
 @pytest.mark.parametrize("name", list(FAMILY))
