@@ -61,7 +61,6 @@ TINY = [  # CI settings: every knob is an ordinary command-line override of the 
 ]
 
 
-
 def fit_args(out: Path, tiny: bool, steps: int | None) -> list[str]:
     """``lightning-opd fit`` arguments: the experiment YAML plus overrides (later ones win)."""
     args = ["fit", "--config", str(CONFIG),

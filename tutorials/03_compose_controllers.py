@@ -55,7 +55,6 @@ TINY = [
 ]
 
 
-
 def fit_args(out: Path, tiny: bool) -> list[str]:
     args = ["fit", "--config", str(BASE), "--config", str(OVERLAY),
             f"--model.init_args.student={ROOT / 'artifacts/models/smollm2-135m'}",
