@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+from typing import Callable
+
 import torch
 from torchmetrics import Metric
 
@@ -19,7 +23,8 @@ class PerTurnMean(Metric):
     (any shape, flattened); tokens with ``turns < 0`` (observation tokens) are ignored.
     ``compute()`` returns ``{"mean": (K,), "weight": (K,)}`` synced across ranks: the means (NaN for a
     turn without tokens) and the token weights, so a decision to skip a turn made from ``weight`` is
-    the same on every rank.
+    the same on every rank. Both keep their turn axis at ``K = 1`` (F17: torchmetrics squeezes a
+    one-element result to 0-d, which broke single-turn runs).
     """
 
     full_state_update = False
@@ -39,6 +44,22 @@ class PerTurnMean(Metric):
         t = turns[keep]
         self.total.index_add_(0, t, values[keep] * w[keep])
         self.weight.index_add_(0, t, w[keep])
+
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        # torchmetrics' wrapper (sync, cache) squeezes every one-element tensor of the result; undo that
+        # for the (K,) results so K = 1 runs the same indexing as any K (tests/metrics/test_per_turn.py).
+        # A rank without rows computes without an update: NaN means and 0 weights are the documented
+        # result there, so torchmetrics' "compute before update" warning is dropped.
+        wrapped = super()._wrap_compute(compute)
+
+        @functools.wraps(wrapped)
+        def per_turn(*args, **kwargs) -> dict[str, torch.Tensor]:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The ``compute`` method of metric", category=UserWarning)
+                out = wrapped(*args, **kwargs)
+            return {k: v.reshape(self.num_turns) for k, v in out.items()}
+
+        return per_turn
 
     def compute(self) -> dict[str, torch.Tensor]:
         mean = torch.where(self.weight > 0, self.total / self.weight.clamp(min=1e-30),
