@@ -40,6 +40,7 @@ from lightning_opd.metrics.per_turn import PerTurnMean
 from lightning_opd.metrics.turn_stats import TurnStats, per_turn_sums
 from lightning_opd.models.fsdp import with_root_params
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer
+from lightning_opd.models.logits import check_head_path, output_head, trunk_hidden_states
 from lightning_opd.models.tokenizers import check_tokenizers_compatible
 from lightning_opd.hybrid import HybridObjective
 from lightning_opd.policy import PolicyModule
@@ -89,6 +90,8 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
 
     Raises:
         TokenizerMismatchError: at setup, when the teacher's tokenizer differs from the student's.
+        UnsupportedArchitectureError: in ``configure_model``, a student or teacher whose log-probs the
+            chunked head path cannot reproduce (F20, :mod:`lightning_opd.models.logits`).
         ValueError: a non-positive ``micro_batch_size``, ``max_logged_turns``, ``ppo_epochs`` or
             ``ppo_mini_batches``; a negative ``kappa``, ``rho`` or ``advantage_eps``; ``kappa != 1``,
             ``rho != 0`` or ``tdur`` with a loss other than ``ClippedSurrogate``.
@@ -148,7 +151,13 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
         if self.teacher is None and (self._trainer is None or self.trainer.state.fn == "fit"):
             teacher = load_causal_lm(self.teacher_path, self.teacher_dtype, self.trust_remote_code)
             teacher.eval().requires_grad_(False)
+            check_head_path(teacher, self.vocab_size, "model.init_args.teacher")  # F20
             self._teacher.append(teacher)
+
+    def check_loaded_student(self, model) -> None:
+        """Refuse a student whose log-probs the head path cannot reproduce (F20; see
+        :func:`~lightning_opd.models.logits.check_head_path`, which raises ``UnsupportedArchitectureError``)."""
+        check_head_path(model, self.vocab_size, "model.init_args.student")
 
     def on_fit_start(self) -> None:
         if self.teacher is not None:
@@ -173,22 +182,16 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
         return rows, cols
 
     def lm_head(self, model) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``(n, D) -> (n, V)`` output head of ``model``, cut to the shared vocabulary (F01b), with the
-        model's final logit soft-capping when its config has one."""
-        head, v = model.get_output_embeddings(), self.vocab_size
-        cap = getattr(model.config, "final_logit_softcapping", None)
-
-        def apply(h: torch.Tensor) -> torch.Tensor:
-            logits = head(h)[..., :v]
-            return torch.tanh(logits / cap) * cap if cap else logits
-
-        return apply
+        """``(n, D) -> (n, V)`` output head of ``model``, cut to the shared vocabulary (F01b), followed by
+        the family's logit post-processing (scaling, soft-capping; F20): with :meth:`hidden_states`, the
+        log-probs of ``model(...).logits``, which :func:`~lightning_opd.models.logits.check_head_path`
+        verifies for the student and the teacher at setup."""
+        return output_head(model, self.vocab_size)
 
     @staticmethod
     def hidden_states(model, batch: RolloutBatch) -> torch.Tensor:
         """``(B, T, D)`` final hidden states (after the last norm), i.e. the LM head's input."""
-        return model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                use_cache=False).last_hidden_state
+        return trunk_hidden_states(model, batch.input_ids, batch.attention_mask)
 
     def token_losses(self, batch: RolloutBatch) -> tuple[TokenLoss, torch.Tensor, torch.Tensor]:
         """Per-token divergence of one micro-batch.

@@ -83,6 +83,7 @@ class PolicyModule(L.LightningModule):
         if self.student is not None:
             return
         self.student = load_causal_lm(self.student_path, self.dtype_name, self.trust_remote_code)
+        self.check_loaded_student(self.student)  # before sharding: a plain model on one device
         self.student.train()  # from_pretrained returns eval mode; Lightning toggles modes from here on
         if self.gradient_checkpointing:
             self.student.gradient_checkpointing_enable()
@@ -90,6 +91,10 @@ class PolicyModule(L.LightningModule):
         mesh = self.data_parallel_mesh()
         if mesh is not None:
             shard_causal_lm(self.student, mesh, mixed_precision_policy(self.fsdp_mixed_precision))
+
+    def check_loaded_student(self, model) -> None:
+        """Called on the freshly loaded, not yet sharded student; a subclass that cannot train some
+        architectures raises here (at setup), naming ``model.init_args.student``. Default: accept."""
 
     def data_parallel_mesh(self):
         """The 1-D data-parallel ``DeviceMesh`` of a ``ModelParallelStrategy`` run (``None`` otherwise).
