@@ -8,6 +8,9 @@ still one rollout iteration: ``policy_version`` moves by 1 (§3.1 note), while `
 (and so ``trainer.max_steps``) counts optimizer updates, ``updates_per_batch`` per batch. ``kappa`` and
 ``rho`` are plain attributes that callbacks may change between steps (``AnnealingSchedule``).
 
+F22 (docs/faults.md): at setup, with the module, the DataModule and the schedules known, a knob combination
+that makes a term of the loss identically zero is refused, naming both keys (:meth:`HybridObjective.setup`).
+
 Deliberate simplification: PPO mini-batches are contiguous row ranges, the same in every epoch (no
 shuffling).
 """
@@ -18,10 +21,11 @@ from dataclasses import replace
 
 import torch
 
+from lightning_opd.callbacks.annealing import AnnealingSchedule
 from lightning_opd.data.collate import RolloutBatch
 from lightning_opd.losses.divergences import TokenLoss
-from lightning_opd.losses.grpo import (ClippedSurrogate, clipped_surrogate, compute_rewards, group_advantages,
-                                       hybrid_advantage)
+from lightning_opd.losses.grpo import (ClippedSurrogate, EpisodeReward, clipped_surrogate, compute_rewards,
+                                       group_advantages, hybrid_advantage)
 from lightning_opd.losses.tdur import tdur_weights
 
 
@@ -58,6 +62,78 @@ class HybridObjective:
             raise ValueError(f"model.kappa={self.kappa}, model.rho={self.rho}, model.tdur={self.tdur}: the hybrid "
                              f"objective needs loss lightning_opd.losses.ClippedSurrogate, got {type(self.loss_fn).__name__} "
                              "(which needs kappa=1, rho=0, tdur=false)")
+
+    def setup(self, stage: str) -> None:
+        """At ``fit`` setup (after the DataModule's and the callbacks' setup, so every schedule's horizon is
+        known): refuse a knob combination that makes a loss term identically zero (F22, :meth:`_check_signal`)."""
+        super().setup(stage)
+        if stage == "fit" and self.hybrid:
+            self._check_signal(self.trainer)
+
+    def _coefficient_plan(self, trainer) -> dict[str, tuple[list[float], str]]:
+        """``{"kappa": (values, key), "rho": (values, key)}``: the coefficient at every rollout iteration
+        ``0..n`` after which nothing changes any more (the latest horizon of the ``AnnealingSchedule``
+        callbacks of ``kappa``/``rho``, capped by the iterations of the fit), and the configuration key
+        that sets it (the schedule, which overrides the module's value, or ``model.init_args.<name>``)."""
+        schedules = {cb.attribute: cb for cb in trainer.callbacks  # the last one wins, as in on_train_batch_start
+                     if isinstance(cb, AnnealingSchedule) and cb.attribute in ("kappa", "rho")}
+        last = max((cb.horizon for cb in schedules.values()), default=0)
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            last = min(last, max(1, trainer.max_steps // self.updates_per_batch) - 1)
+        plan = {}
+        for name in ("kappa", "rho"):
+            cb = schedules.get(name)
+            if cb is None:
+                value = float(getattr(self, name))
+                plan[name] = ([value] * (last + 1), f"model.init_args.{name}={value}")
+            else:
+                plan[name] = ([cb.value_at(s) for s in range(last + 1)],
+                              f"the {cb.schedule_name} callback (trainer.callbacks: init_args.start={cb.start}, "
+                              f"init_args.end={cb.end})")
+        return plan
+
+    def _check_signal(self, trainer) -> None:
+        """F22: refuse a configuration under which a term of the hybrid loss is identically zero.
+
+        Refused, at any rollout iteration of the fit (schedules included, see :meth:`_coefficient_plan`):
+
+        * ``rho > 0`` with ``data.group_size = 1``: every GRPO group is one episode, every advantage 0;
+        * ``rho > 0`` with ``data.group_size > 1`` and ``data.temperature = 0``: greedy rollouts play every
+          episode of a group (one task) the same way, so their rewards are equal and the advantages 0;
+        * ``rho > 0`` with the default ``EpisodeReward`` and both of its weights 0: every reward is 0;
+        * ``kappa = 0`` and ``rho = 0`` together: the advantage is 0 on every token, nothing to learn;
+        * ``tdur`` with ``kappa = 0`` at every iteration: T-DUR weights only the OPD term, which is off.
+
+        Raises:
+            ValueError: naming both keys and the fix.
+        """
+        plan = self._coefficient_plan(trainer)
+        (kappas, kappa_key), (rhos, rho_key) = plan["kappa"], plan["rho"]
+        dm = trainer.datamodule
+        group_size, temperature = getattr(dm, "group_size", None), getattr(getattr(dm, "sampling", None), "temperature", None)
+        reward = self.reward_fn
+        if any(r > 0 for r in rhos):
+            if group_size == 1:
+                raise ValueError(f"{rho_key} makes rho > 0 with data.init_args.group_size=1: every GRPO group holds "
+                                 "one episode, so every advantage is exactly 0 and the rho term trains nothing; set "
+                                 "data.init_args.group_size >= 2 (data.init_args.episodes_per_step a multiple of it) "
+                                 "or rho = 0")
+            if group_size is not None and temperature == 0:
+                raise ValueError(f"{rho_key} makes rho > 0 with data.init_args.temperature=0: greedy rollouts play "
+                                 f"the {group_size} episodes of a group alike, so their rewards are equal and every "
+                                 "advantage is 0; set data.init_args.temperature > 0 or rho = 0")
+            if type(reward) is EpisodeReward and reward.success_weight == 0 and reward.score_weight == 0:
+                raise ValueError(f"{rho_key} makes rho > 0 with model.init_args.reward.init_args.success_weight=0 "
+                                 "and model.init_args.reward.init_args.score_weight=0: every reward is 0, so every "
+                                 "advantage is 0; give the reward a non-zero weight or set rho = 0")
+        idle = [s for s, (k, r) in enumerate(zip(kappas, rhos)) if k == 0 and r == 0]
+        if idle:
+            raise ValueError(f"{kappa_key} and {rho_key} give kappa = 0 and rho = 0 at rollout iteration {idle[0]}: "
+                             "the advantage is 0 on every token and the step learns nothing; keep kappa > 0 "
+                             "(OPD term) or rho > 0 (GRPO term) at every iteration")
+        if self.tdur and all(k == 0 for k in kappas):
+            raise ValueError(f"model.init_args.tdur=true with {kappa_key}: T-DUR weights only the OPD term, which "
+                             "kappa = 0 switches off; set tdur=false or kappa > 0")
 
     def advantage_inputs(self, batch: RolloutBatch) -> dict[str, torch.Tensor | None]:
         """``(b, T-1)`` per-token inputs of the hybrid loss for one (micro-)batch: ``opd_weight`` = κ · w_turn,

@@ -300,3 +300,49 @@ def test_fit_with_several_updates_per_batch_is_one_policy_version_per_batch(mode
     # later updates on the same batch move the ratio away from 1 (what makes clipping matter)
     last = model.metrics[-1]
     assert last["ppo/ratio_max"] - last["ppo/ratio_min"] > 1e-3
+
+
+# --------------------------------------------------------------------- F22: a loss term that is always 0
+def fit_until_setup_error(model_dirs, callbacks=(), data=None, max_steps=4, **model_kw) -> str:
+    """The ValueError that ``trainer.fit`` raises at setup, before any rollout (module and DataModule known)."""
+    model = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=ClippedSurrogate(),
+                      log_text_every_n_steps=0, **model_kw)
+    dm = RolloutDataModule(**{**dict(env=KeywordEnvFactory(need=2), episodes_per_step=2, max_turns=2, max_new_tokens=4,
+                                     eval_batch_size=2, seed=0), **(data or {})})
+    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, callbacks=list(callbacks))
+    with pytest.raises(ValueError) as err:
+        trainer.fit(model, datamodule=dm)
+    assert model.policy_version == 0 and trainer.global_step == 0 and dm._batches_started == 0  # nothing generated
+    return str(err.value)
+
+
+@pytest.mark.parametrize(("model_kw", "data", "keys"), [
+    (dict(rho=1.0), dict(group_size=1), ("model.init_args.rho=1.0", "data.init_args.group_size=1")),  # the default
+    (dict(kappa=0.5, rho=1.0), dict(group_size=2, episodes_per_step=4, temperature=0.0),
+     ("model.init_args.rho=1.0", "data.init_args.temperature=0")),
+    (dict(rho=1.0, reward=EpisodeReward(0.0, 0.0)), dict(group_size=2),
+     ("model.init_args.rho=1.0", "model.init_args.reward.init_args.success_weight=0", "score_weight=0")),
+    (dict(kappa=0.0, rho=0.0), {}, ("model.init_args.kappa=0.0", "model.init_args.rho=0.0")),
+    (dict(kappa=0.0, rho=1.0, tdur=True), dict(group_size=2), ("model.init_args.tdur=true", "model.init_args.kappa=0.0")),
+], ids=["rho_group_size_1", "rho_greedy_groups", "rho_zero_reward", "kappa0_rho0", "tdur_kappa0"])
+def test_f22_a_term_that_is_identically_zero_is_refused_at_setup(model_dirs, model_kw, data, keys):
+    message = fit_until_setup_error(model_dirs, data=data, **model_kw)
+    for key in keys:
+        assert key in message, (key, message)
+
+
+def test_f22_check_accepts_every_term_that_can_train(model_dirs):
+    """The same knobs set so that every term can be non-zero pass the setup check."""
+    from types import SimpleNamespace
+
+    model = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=ClippedSurrogate(),
+                      kappa=0.0, rho=1.0, reward=EpisodeReward(0.0, 1.0))
+    dm = RolloutDataModule(env=KeywordEnvFactory(), episodes_per_step=4, group_size=2, temperature=0.7)
+    for kappa, rho, tdur in ((0.0, 1.0, False), (1.0, 0.0, True), (0.5, 2.0, True)):
+        model.kappa, model.rho, model.tdur = kappa, rho, tdur
+        model._check_signal(SimpleNamespace(callbacks=[], max_steps=4, datamodule=dm))
+    single = RolloutDataModule(env=KeywordEnvFactory(), group_size=1, temperature=0.0)  # OPD only: no groups needed
+    model.kappa, model.rho = 1.0, 0.0
+    model._check_signal(SimpleNamespace(callbacks=[], max_steps=-1, datamodule=single))

@@ -117,3 +117,44 @@ def test_state_key_and_resume_keeps_the_horizon():
     resumed.load_state_dict(cb.state_dict())
     assert resumed.horizon == cb.horizon == 10
     assert [resumed.value_at(s) for s in range(12)] == [cb.value_at(s) for s in range(12)]
+
+
+# -------------------------------------------------------------------- F22: schedules checked at setup
+@pytest.mark.parametrize(("schedules", "model_kw", "keys"), [
+    # rho annealed up from 0 while every GRPO group is one episode (data.group_size defaults to 1)
+    ([AnnealingSchedule("rho", 0.0, 2.0, steps=4)], dict(rho=0.0),
+     ("AnnealingSchedule('rho') callback", "init_args.start=0.0, init_args.end=2.0", "data.init_args.group_size=1")),
+    # kappa annealed to 0 within the fit while rho stays 0: nothing to learn from iteration 2 on
+    ([AnnealingSchedule("kappa", 1.0, 0.0, steps=2)], dict(rho=0.0),
+     ("AnnealingSchedule('kappa') callback", "model.init_args.rho=0.0", "iteration 2")),
+])
+def test_f22_schedule_that_switches_a_term_off_is_refused_at_setup(model_dirs, schedules, model_kw, keys):
+    from tests.test_hybrid import fit_until_setup_error
+
+    message = fit_until_setup_error(model_dirs, callbacks=schedules, **model_kw)
+    for key in keys:
+        assert key in message, (key, message)
+
+
+def test_f22_schedule_check_counts_only_iterations_of_the_fit():
+    """kappa reaches 0 at iteration 4 of its schedule, but a fit of 3 rollout iterations (6 optimizer updates,
+    2 per batch) never gets there; the module's own rho (1.0) is overridden by a schedule that keeps it at 0."""
+    from types import SimpleNamespace
+
+    from lightning_opd.hybrid import HybridObjective
+    from lightning_opd.losses import ClippedSurrogate, EpisodeReward
+
+    class Hybrid(HybridObjective):  # the attributes OPDModule gives the mixin
+        kappa, rho, tdur, ppo_epochs, ppo_mini_batches = 1.0, 1.0, False, 2, 1
+        loss_fn, reward_fn = ClippedSurrogate(), EpisodeReward()
+
+    module = Hybrid()
+    kappa, rho = AnnealingSchedule("kappa", 1.0, 0.0, steps=4), AnnealingSchedule("rho", 0.0, 0.0, steps=1)
+    trainer = SimpleNamespace(callbacks=[kappa, rho], max_steps=6, datamodule=SimpleNamespace(group_size=1))
+    plan = module._coefficient_plan(trainer)
+    assert plan["kappa"][0] == [1.0, 0.75, 0.5] and plan["rho"][0] == [0.0, 0.0, 0.0]
+    module._check_signal(trainer)  # accepted
+    trainer.max_steps = 10  # 5 iterations: kappa = 0 = rho at iteration 4
+    with pytest.raises(ValueError, match=r"AnnealingSchedule\('kappa'\) callback .* and the AnnealingSchedule\('rho'\) "
+                                         r"callback .* iteration 4"):
+        module._check_signal(trainer)
