@@ -16,7 +16,9 @@ Deliberate choices (PROPOSED in docs/algorithms.md or here, not from the paper):
 1. ε = 0.2 (verl default), ε_A = 1e-6; ``std`` is the unbiased (Bessel) standard deviation, as verl's
    GRPO advantage computes it.
 2. A group whose rewards are all equal, including a group of one episode, gets advantage exactly 0
-   (no baseline to compare with); :class:`GroupAdvantages` counts such groups.
+   (no baseline to compare with); :class:`GroupAdvantages` counts such groups. A configuration under
+   which every group is like that (``rho > 0`` with ``data.group_size = 1``, greedy rollouts, an
+   all-zero reward) is refused at setup (F22, :meth:`lightning_opd.hybrid.HybridObjective.setup`).
 3. F13 (docs/faults.md): a reward function that raises, returns ``None`` or the wrong number of values
    is an error (:class:`RewardFunctionError`) naming the function and the expected count; a
    non-finite (NaN, inf) or ``None`` reward of one episode is a counted fallback: its whole group gets
