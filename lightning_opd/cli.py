@@ -8,6 +8,8 @@
     lightning-opd merge-adapter --adapter DIR --out DIR           # base + LoRA adapter -> HF directory
     lightning-opd results RUN_DIR...                              # table of val/success from TensorBoard
     lightning-opd report RUN_DIR [--out DIR]                      # report.png + report.html of one run
+    lightning-opd evaluate --students PATH... --games DIR --out F # greedy success, Avg@k, teacher-trajectory KL
+    lightning-opd compare [LABEL=]A.json [LABEL=]B.json ...       # paired bootstrap CIs over tasks x seeds
 
 The helper commands go through a thin dispatcher in front of LightningCLI (its sub-commands are the
 Trainer's methods). Configs are composed from several ``--config`` files; ``parser_mode="omegaconf+"``
@@ -24,7 +26,7 @@ import sys
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
-HELPERS = ("prepare-model", "make-games", "make-search-qa", "merge-adapter", "results", "report")
+HELPERS = ("prepare-model", "make-games", "make-search-qa", "merge-adapter", "results", "report", "evaluate", "compare")
 
 
 class OPDCLI(LightningCLI):
@@ -127,12 +129,25 @@ def _report(argv: list[str]) -> None:
         print(path)
 
 
+def _evaluate(argv: list[str]) -> None:
+    from lightning_opd.evaluation.evaluate import main as evaluate_main
+
+    evaluate_main(argv)
+
+
+def _compare(argv: list[str]) -> None:
+    from lightning_opd.evaluation.compare import main as compare_main
+
+    compare_main(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lightning-opd`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in HELPERS:
         {"prepare-model": _prepare_model, "make-games": _make_games, "make-search-qa": _make_search_qa,
-         "merge-adapter": _merge_adapter, "results": _results, "report": _report}[args[0]](args[1:])
+         "merge-adapter": _merge_adapter, "results": _results, "report": _report, "evaluate": _evaluate,
+         "compare": _compare}[args[0]](args[1:])
         return
     OPDCLI(args=argv)  # None: LightningCLI reads sys.argv itself
 

@@ -1,0 +1,504 @@
+"""``lightning-opd evaluate``: held-out evaluation of exported students or training checkpoints, one JSON per run.
+
+    lightning-opd evaluate --students artifacts/models/smollm2-135m after=artifacts/models/student-opd \\
+        --games artifacts/games/quest3 --seeds 0 1 2 --avg-k 4 --temperature 0.7 \\
+        --teacher artifacts/models/teacher-textworld --out results.json
+    lightning-opd compare results.json                       # one arm per student, paired by (task, seed)
+
+For every student (a Hugging Face directory, e.g. an ``export_dir``, or a Lightning ``.ckpt`` written while
+training ``OPDModule``, whose ``student.*`` weights are loaded into ``--base``), on the tasks of one split:
+
+* **greedy**: every task played once with greedy decoding (``success``, ``turns``, ``invalid_actions``,
+  ``reward`` per episode). Greedy decoding does not use the episode seed and the environments are
+  deterministic, so the episode is played once per task and recorded under every seed of ``--seeds``:
+  the same (task, seed) keys as the sampled episodes and as other arms, so runs pair in ``compare``;
+* **sampled** (``--avg-k k`` > 0): ``k`` episodes per task and seed at ``--temperature``, episode seeds
+  ``seed * 1_000_003 + task_index * k + j``; Avg@k is their mean success;
+* **teacher-trajectory KL** (``--teacher``): the student's teacher-forced reverse KL on the teacher's own
+  greedy trajectories of the same tasks (nats/token, mean and per turn; :mod:`.teacher_kl`). The teacher's
+  trajectories are cached (``--cache-dir``) and reused by later runs.
+
+Episodes go through the training stack unchanged: the agent loop that ``RolloutDataModule.connect``
+builds (same chat rendering, stop ids, context limit), with the vLLM generator when vLLM is importable
+(``--backend auto``; an in-process engine, reused across checkpoints of one ``--base`` by pushing their
+weights) or the HF generator.
+
+Output (``--out``, written atomically at the end)::
+
+    {"format": "lightning-opd-evaluate/1", "config": {...}, "tasks": [...],
+     "teacher": {"path", "cache", "greedy": {summary of the teacher's own greedy episodes}} | null,
+     "students": [{"name", "path", "kind": "hf" | "ckpt", "policy_version", "global_step", "seconds",
+                   "greedy": [{"task_id", "seed", "success", "turns", "invalid_actions", "reward", ...}],
+                   "sampled": [{... , "sample", "episode_seed"}],
+                   "teacher_traj_kl": [{"task_id", "seed", "kl", "tokens"}],      # per task, under every seed
+                   "summary": {"greedy": {...}, "sampled": {"avg_at_k", ...}, "teacher_traj_kl": {mean, per_turn, ...}}}]}
+
+Values per episode: ``success``/``failure``/``truncated``/``env_error`` 0 or 1, ``turns`` replies,
+``invalid_actions`` count, ``reward`` points, ``cut_replies`` count; greedy records also keep the
+decoded ``replies`` (what the student said, turn by turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
+from lightning_opd.rollout.generator import Generator, SamplingParams
+from lightning_opd.rollout.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+FORMAT = "lightning-opd-evaluate/1"
+DEFAULT_ENV = "lightning_opd.envs.textworld_env.TextWorldEnvFactory"
+SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class EvalSettings:
+    """What ``evaluate`` plays, with the command-line flag of each knob.
+
+    Attributes:
+        seeds: ``--seeds``: episode keys; sampled episodes are drawn per seed.
+        avg_k: ``--avg-k``: sampled episodes per task and seed (0: none).
+        temperature: ``--temperature``: sampling temperature of those episodes (> 0).
+        max_turns: ``--max-turns``: turn limit per episode (turns).
+        max_new_tokens: ``--max-new-tokens``: reply limit per turn (tokens).
+        max_context_tokens: ``--max-context-tokens``: context limit per episode (tokens).
+        batch_size: ``--batch-size``: episodes played together.
+        backend: ``--backend``: ``auto`` (vLLM if importable, else HF), ``hf`` or ``vllm``.
+        device: ``--device``: ``auto`` (cuda if available), ``cpu``, ``cuda``, ...: where HF models run.
+        dtype: ``--dtype``: parameter dtype of every model (HF and vLLM).
+        vllm_kv_cache_bytes: ``--vllm-kv-cache-bytes``: KV cache of a vLLM engine (bytes).
+
+    Raises:
+        ValueError: a bad value; the message names the flag.
+    """
+
+    seeds: list[int] = field(default_factory=lambda: [0])
+    avg_k: int = 4
+    temperature: float = 0.7
+    max_turns: int = 8
+    max_new_tokens: int = 16
+    max_context_tokens: int = 2048
+    batch_size: int = 50
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "float32"
+    vllm_kv_cache_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"--seeds {self.seeds}: give at least one seed, each once")
+        if self.avg_k < 0:
+            raise ValueError(f"--avg-k {self.avg_k} must be >= 0 (0: no sampled episodes)")
+        if self.avg_k and not self.temperature > 0:
+            raise ValueError(f"--temperature {self.temperature} must be > 0 for sampled episodes (--avg-k {self.avg_k})")
+        for flag, value in (("--max-turns", self.max_turns), ("--max-new-tokens", self.max_new_tokens),
+                            ("--max-context-tokens", self.max_context_tokens), ("--batch-size", self.batch_size)):
+            if value < 1:
+                raise ValueError(f"{flag} {value} must be >= 1")
+        if self.backend not in ("auto", "hf", "vllm"):
+            raise ValueError(f"--backend {self.backend!r}: use auto, hf or vllm")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        try:
+            importlib.import_module("lightning_opd.rollout.vllm")._import_vllm()
+        except ImportError:
+            return "hf"
+        return "vllm"
+
+
+# ---------------------------------------------------------------------------------------- environment
+def make_env(class_path: str = DEFAULT_ENV, init_args: dict | None = None, data_dir: str | None = None):
+    """The environment factory ``class_path(**init_args)``; ``data_dir`` (``--games``), if given, is passed
+    as the factory's first argument (``games_dir`` for TextWorld, ``data_dir`` for Search-QA).
+
+    Returns:
+        ``(factory, env_id)``, ``env_id`` = ``{"class_path", "init_args"}`` as used (directories resolved).
+
+    Raises:
+        ValueError: ``class_path`` is not ``module.Class`` or cannot be imported.
+    """
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"--env {class_path!r}: cannot import it ({err}); give module.Class") from err
+    args = dict(init_args or {})
+    if data_dir is not None:
+        params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
+        if not params:
+            raise ValueError(f"--games: {class_path} takes no data directory argument")
+        args[params[0].name] = str(Path(data_dir).resolve())
+    return cls(**args), {"class_path": class_path, "init_args": args}
+
+
+# -------------------------------------------------------------------------------------------- students
+@dataclass
+class PolicyHandle:
+    """What the generators and the agent loop need from a policy (``PolicySource``)."""
+
+    tokenizer: object
+    policy_model: object | None
+    student_path: str
+    policy_version: int = 0
+    trust_remote_code: bool = False
+
+
+@dataclass
+class LoadedStudent:
+    """A student to evaluate: its HF model (on ``device``), tokenizer and where it came from."""
+
+    name: str
+    path: str
+    kind: str  # "hf" or "ckpt"
+    model: torch.nn.Module
+    tokenizer: object
+    engine_path: str  # directory a vLLM engine starts from (the student's own, or --base for a .ckpt)
+    policy_version: int | None = None
+    global_step: int | None = None
+
+
+def parse_student(spec: str) -> tuple[str, str]:
+    """``[LABEL=]PATH`` -> ``(label, path)`` (a ``LABEL`` has no ``/``; an existing path is never split);
+    default label: the directory name, or for a ``.ckpt`` ``<run directory>/<file stem>`` (the folder
+    above ``checkpoints/``)."""
+    label, sep, path = spec.partition("=")
+    if sep and label and "/" not in label and not Path(spec).exists():  # not a path like .../step=10.ckpt
+        return label, path
+    p = Path(spec)
+    if p.suffix == ".ckpt":
+        run = p.parent.parent if p.parent.name == "checkpoints" else p.parent
+        return f"{run.name}/{p.stem}", spec
+    return p.name or str(p), spec
+
+
+def load_student(name: str, path: str, base: str | None, dtype: str, device: torch.device) -> LoadedStudent:
+    """Load a student from a Hugging Face directory or an ``OPDModule`` checkpoint.
+
+    A ``.ckpt`` is read with ``torch.load(weights_only=True)`` (F15); its ``state_dict`` entries
+    ``student.*`` are loaded (strict) into the model at ``base`` (the ``model.init_args.student`` the run
+    started from), whose tokenizer is used.
+
+    Raises:
+        FileNotFoundError: ``path`` is neither a model directory nor a file.
+        ValueError: a ``.ckpt`` without ``base`` or without ``student.*`` weights.
+    """
+    from lightning_opd.models.loading import load_causal_lm, load_tokenizer
+
+    p = Path(path)
+    if p.is_dir():
+        model = load_causal_lm(p, dtype).to(device).eval()
+        return LoadedStudent(name, str(p), "hf", model, load_tokenizer(p), engine_path=str(p))
+    if not p.is_file():
+        raise FileNotFoundError(f"--students {path!r}: no such model directory or checkpoint")
+    if base is None:
+        raise ValueError(f"--students {path!r} is a checkpoint: pass --base DIR, the student directory the run "
+                         "started from (its model.init_args.student), for the architecture and tokenizer")
+    ckpt = torch.load(p, map_location="cpu", weights_only=True)
+    state = {k[len("student."):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("student.")}
+    if not state:
+        raise ValueError(f"--students {path!r}: the checkpoint holds no student.* weights (not an OPDModule/"
+                         "PolicyModule checkpoint?)")
+    model = load_causal_lm(base, dtype)
+    model.load_state_dict(state, strict=True)
+    model.to(device).eval()
+    return LoadedStudent(name, str(p), "ckpt", model, load_tokenizer(base), engine_path=str(base),
+                         policy_version=ckpt.get("policy_version"), global_step=ckpt.get("global_step"))
+
+
+# ------------------------------------------------------------------------------------------ generators
+class Backends:
+    """Generators for one run: a fresh ``HFGenerator`` per policy, or one vLLM engine kept while
+    consecutive policies share its start directory (checkpoints of one run). Every policy gets a new
+    version, so the engine (``follow_policy``) loads that policy's weights before its first reply."""
+
+    def __init__(self, settings: EvalSettings) -> None:
+        self.kind = settings.resolved_backend()
+        self.settings = settings
+        self._engine = None
+        self._engine_path: str | None = None
+        self._version = 0  # distinct version per policy: the engine pushes weights when it changes
+
+    def loop(self, env, handle: PolicyHandle, engine_path: str) -> AgentLoop:
+        """The agent loop ``RolloutDataModule.connect`` builds for ``handle`` (errors counted, never raised)."""
+        from lightning_opd.data import RolloutDataModule
+
+        s = self.settings
+        self._version += 1
+        handle.policy_version = self._version
+        dm = RolloutDataModule(env, generator=self._generator(engine_path), max_turns=s.max_turns,
+                               max_new_tokens=s.max_new_tokens, max_context_tokens=s.max_context_tokens,
+                               max_env_error_rate=1.0, eval_batch_size=s.batch_size)
+        dm.connect(handle)
+        return dm.loop
+
+    def _generator(self, engine_path: str) -> Generator:
+        if self.kind == "hf":
+            from lightning_opd.rollout.hf import HFGenerator
+
+            return HFGenerator()
+        if self._engine is not None and self._engine_path == engine_path:
+            return self._engine
+        self.close()
+        from lightning_opd.rollout.vllm import VLLMGenerator
+
+        s = self.settings
+        self._engine = VLLMGenerator(model=engine_path, dtype=s.dtype, kv_cache_memory_bytes=s.vllm_kv_cache_bytes,
+                                     max_model_len=s.max_context_tokens)
+        self._engine_path = engine_path
+        return self._engine
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+        self._engine, self._engine_path = None, None
+
+
+# ---------------------------------------------------------------------------------------------- playing
+def episode_record(traj: Trajectory, seed: int) -> dict:
+    """The per-episode outcome kept in the JSON (0/1 flags as ints)."""
+    return {"task_id": traj.task_id, "seed": seed, "success": int(traj.success), "failure": int(traj.failure),
+            "turns": traj.num_turns, "invalid_actions": traj.invalid_actions, "reward": traj.total_reward,
+            "truncated": int(traj.truncated), "env_error": int(traj.env_error), "cut_replies": traj.cut_replies}
+
+
+def _mean(records: list[dict], key: str) -> float:
+    return sum(r[key] for r in records) / len(records) if records else math.nan
+
+
+def summarise(records: list[dict]) -> dict:
+    """Means over ``records`` of success, turns, invalid actions and reward, and their count."""
+    return {k: _mean(records, k) for k in ("success", "turns", "invalid_actions", "reward")} | {"episodes": len(records)}
+
+
+def play(loop: AgentLoop, specs: list[EpisodeSpec], sampling: SamplingParams, batch_size: int) -> list[Trajectory]:
+    """``specs`` through ``loop``, ``batch_size`` at a time; trajectories in order."""
+    out: list[Trajectory] = []
+    for start in range(0, len(specs), batch_size):
+        out += loop.run(specs[start:start + batch_size], sampling)
+    return out
+
+
+def evaluate_student(loop: AgentLoop, tasks: Sequence[str], settings: EvalSettings) -> dict:
+    """Greedy and sampled episodes of one student (module docstring); returns ``greedy``, ``sampled`` and
+    their ``summary``."""
+    from lightning_opd.evaluation.teacher_kl import play_greedy
+
+    s = settings
+    greedy_trajs = play_greedy(loop, list(tasks), s.max_turns, s.max_new_tokens, s.batch_size)
+    replies = [[m["content"] for m in t.messages if m["role"] == "assistant"] for t in greedy_trajs]
+    greedy = [episode_record(t, seed) | {"replies": r} for seed in s.seeds for t, r in zip(greedy_trajs, replies)]
+    sampled: list[dict] = []
+    if s.avg_k:
+        specs = [EpisodeSpec(task_id=t, seed=seed * SEED_STRIDE + i * s.avg_k + j, max_turns=s.max_turns)
+                 for seed in s.seeds for i, t in enumerate(tasks) for j in range(s.avg_k)]
+        sampling = SamplingParams(temperature=s.temperature, top_p=1.0, top_k=0, max_new_tokens=s.max_new_tokens)
+        trajs = play(loop, specs, sampling, s.batch_size)
+        for n, (spec, traj) in enumerate(zip(specs, trajs)):
+            seed = s.seeds[n // (len(tasks) * s.avg_k)]
+            sampled.append(episode_record(traj, seed) | {"sample": n % s.avg_k, "episode_seed": spec.seed})
+    summary = {"greedy": summarise([episode_record(t, s.seeds[0]) for t in greedy_trajs])}
+    if s.avg_k:
+        summary["sampled"] = summarise(sampled) | {"avg_at_k": _mean(sampled, "success"), "k": s.avg_k}
+    return {"greedy": greedy, "sampled": sampled if s.avg_k else None, "summary": summary}
+
+
+# ----------------------------------------------------------------------------------------------- run
+def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args: dict | None = None,
+             games: str | None = None, split: str = "eval", limit: int | None = None,
+             settings: EvalSettings | None = None, teacher: str | None = None, base: str | None = None,
+             cache_dir: str | None = "artifacts/cache/teacher_trajectories", out: str | os.PathLike | None = None) -> dict:
+    """Evaluate ``students`` (``[LABEL=]PATH`` each) and return the result object (see the module
+    docstring); written atomically to ``out`` when given.
+
+    Raises:
+        ValueError: an unknown ``split``, ``limit < 1``, no tasks, a student label used twice, a
+            student/teacher tokenizer mismatch (F01), a model whose head path differs from its own
+            forward (F20, ``UnsupportedArchitectureError``), or a bad setting (names the flag).
+    """
+    from lightning_opd.evaluation.teacher_kl import teacher_trajectories, trajectory_kl
+    from lightning_opd.models.loading import load_causal_lm, load_tokenizer
+    from lightning_opd.models.logits import check_head_path
+    from lightning_opd.models.tokenizers import check_tokenizers_compatible
+
+    settings = settings or EvalSettings()
+    if split not in ("eval", "train"):
+        raise ValueError(f"--split {split!r}: use eval (held-out tasks) or train")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit {limit} must be >= 1")
+    env, env_id = make_env(env_class, env_args, games)
+    tasks = env.eval_tasks() if split == "eval" else env.train_tasks()
+    tasks = tasks[:limit] if limit is not None else tasks
+    if not tasks:
+        raise ValueError(f"{env_class} has no {split} tasks")
+    specs = [parse_student(s) for s in students]
+    names = [n for n, _ in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--students: labels {names} repeat; name them LABEL=PATH")
+    device = settings.resolved_device()
+    backends = Backends(settings)
+    config = {"env": env_id, "split": split, "limit": limit, "seeds": list(settings.seeds), "avg_k": settings.avg_k,
+              "temperature": settings.temperature, "max_turns": settings.max_turns,
+              "max_new_tokens": settings.max_new_tokens, "max_context_tokens": settings.max_context_tokens,
+              "batch_size": settings.batch_size, "backend": backends.kind, "device": str(device),
+              "dtype": settings.dtype, "teacher": teacher, "base": base}
+    result: dict = {"format": FORMAT, "config": config, "tasks": list(tasks), "teacher": None, "students": []}
+    teacher_model = teacher_tok = teacher_trajs = None
+    teacher_checked = False
+    try:
+        if teacher is not None:
+            t0 = time.perf_counter()
+            teacher_tok = load_tokenizer(teacher)
+            teacher_model = load_causal_lm(teacher, settings.dtype).to(device).eval()
+            handle = PolicyHandle(teacher_tok, teacher_model, str(teacher))
+            teacher_trajs, path = teacher_trajectories(
+                lambda: backends.loop(env, handle, str(teacher)), teacher, env_id, tasks,
+                max_turns=settings.max_turns, max_new_tokens=settings.max_new_tokens,
+                max_context_tokens=settings.max_context_tokens, cache_dir=cache_dir, batch_size=settings.batch_size)
+            result["teacher"] = {"path": str(teacher), "cache": None if path is None else str(path),
+                                 "greedy": summarise([episode_record(t, settings.seeds[0]) for t in teacher_trajs]),
+                                 "seconds": round(time.perf_counter() - t0, 1)}
+        for name, path in specs:
+            t0 = time.perf_counter()
+            student = load_student(name, path, base, settings.dtype, device)
+            handle = PolicyHandle(student.tokenizer, student.model, student.engine_path)
+            entry = {"name": name, "path": student.path, "kind": student.kind,
+                     "policy_version": student.policy_version, "global_step": student.global_step}
+            entry |= evaluate_student(backends.loop(env, handle, student.engine_path), tasks, settings)
+            if teacher_trajs is not None:
+                vocab = check_tokenizers_compatible(student.tokenizer, teacher_tok, path, teacher)
+                check_head_path(student.model, vocab, f"--students {path}")  # F20: the KL's head path is exact
+                if not teacher_checked:
+                    check_head_path(teacher_model, vocab, f"--teacher {teacher}")
+                    teacher_checked = True
+                pad = student.tokenizer.pad_token_id
+                kl = trajectory_kl(student.model, teacher_model, teacher_trajs, vocab,
+                                   int(pad if pad is not None else student.tokenizer.eos_token_id))
+                entry["teacher_traj_kl"] = [
+                    {"task_id": t, "seed": seed, "kl": v["kl_sum"] / v["tokens"], "tokens": v["tokens"]}
+                    for seed in settings.seeds for t, v in kl.per_task.items() if v["tokens"]]
+                entry["summary"]["teacher_traj_kl"] = {"mean": kl.mean, "per_turn": kl.per_turn,
+                                                       "tokens_per_turn": kl.tokens_per_turn, "tokens": kl.tokens}
+            entry["seconds"] = round(time.perf_counter() - t0, 1)
+            result["students"].append(entry)
+            del student
+    finally:
+        backends.close()
+    if out is not None:
+        write_json_atomic(out, result)
+    return result
+
+
+def write_json_atomic(path: str | os.PathLike, data: dict) -> Path:
+    """Write ``data`` as JSON to ``path`` through a temporary file and a rename (never half-written).
+    Non-finite floats are written as ``null``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(_finite(data), indent=1))
+    tmp.replace(path)
+    return path
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def format_summary(result: dict) -> str:
+    """A markdown table of each student's summary (and the teacher's greedy success)."""
+    k = result["config"]["avg_k"]
+    header = ["student", "greedy success", "turns", "invalid actions"] + ([f"Avg@{k}"] if k else []) + \
+             (["teacher-traj KL (nats/token)"] if result["teacher"] else []) + ["seconds"]
+    rows = []
+    if result["teacher"]:
+        g = result["teacher"]["greedy"]
+        rows.append(["teacher (own trajectories)", f"{g['success']:.2f}", f"{g['turns']:.2f}",
+                     f"{g['invalid_actions']:.2f}"] + (["-"] if k else []) + ["0"] + [str(result["teacher"]["seconds"])])
+    for s in result["students"]:
+        g = s["summary"]["greedy"]
+        row = [s["name"], f"{g['success']:.2f}", f"{g['turns']:.2f}", f"{g['invalid_actions']:.2f}"]
+        if k:
+            row.append(f"{s['summary']['sampled']['avg_at_k']:.2f}")
+        if result["teacher"]:
+            row.append(f"{s['summary']['teacher_traj_kl']['mean']:.4f}")
+        rows.append(row + [str(s["seconds"])])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """``lightning-opd evaluate`` (module docstring)."""
+    p = argparse.ArgumentParser(
+        prog="lightning-opd evaluate",
+        description="Evaluate exported students or OPDModule checkpoints on a task split: greedy success, Avg@k "
+                    "at a temperature, turns, invalid actions and the teacher-trajectory reverse KL; one JSON "
+                    "with per-episode outcomes keyed by (task, seed), for `lightning-opd compare`.")
+    p.add_argument("--students", nargs="+", required=True,
+                   help="[LABEL=]PATH: Hugging Face directories or .ckpt files of OPDModule runs (those need --base)")
+    p.add_argument("--games", default=None,
+                   help="the environment's data directory (first argument of --env: games_dir of TextWorld)")
+    p.add_argument("--env", default=DEFAULT_ENV, help="environment factory class path")
+    p.add_argument("--env-args", default="{}", help="JSON object of further factory arguments")
+    p.add_argument("--split", default="eval", choices=("eval", "train"))
+    p.add_argument("--limit", type=int, default=None, help="only the first N tasks of the split (smoke runs)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="episode seeds (keys for pairing)")
+    p.add_argument("--avg-k", type=int, default=4, help="sampled episodes per task and seed (0: none)")
+    p.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled episodes")
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="reply limit per turn (tokens)")
+    p.add_argument("--max-context-tokens", type=int, default=2048, help="context limit per episode (tokens)")
+    p.add_argument("--batch-size", type=int, default=50, help="episodes played together")
+    p.add_argument("--backend", default="auto", choices=("auto", "hf", "vllm"),
+                   help="generator: vLLM if importable (auto), or HF")
+    p.add_argument("--teacher", default=None, help="teacher directory: adds the teacher-trajectory KL")
+    p.add_argument("--base", default=None, help="student directory a .ckpt's run started from (architecture, tokenizer)")
+    p.add_argument("--cache-dir", default="artifacts/cache/teacher_trajectories",
+                   help="where the teacher's trajectories are cached")
+    p.add_argument("--device", default="auto", help="device of the HF models (auto: cuda if available)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--vllm-kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--out", required=True, help="output JSON")
+    a = p.parse_args(argv)
+    try:
+        env_args = json.loads(a.env_args)
+    except ValueError as err:
+        raise ValueError(f"--env-args {a.env_args!r} is not JSON: {err}") from None
+    if not isinstance(env_args, dict):
+        raise ValueError(f"--env-args {a.env_args!r} must be a JSON object")
+    settings = EvalSettings(seeds=a.seeds, avg_k=a.avg_k, temperature=a.temperature, max_turns=a.max_turns,
+                            max_new_tokens=a.max_new_tokens, max_context_tokens=a.max_context_tokens,
+                            batch_size=a.batch_size, backend=a.backend, device=a.device, dtype=a.dtype,
+                            vllm_kv_cache_bytes=a.vllm_kv_cache_bytes)
+    t0 = time.perf_counter()
+    result = evaluate(a.students, env_class=a.env, env_args=env_args, games=a.games, split=a.split, limit=a.limit,
+                      settings=settings, teacher=a.teacher, base=a.base, cache_dir=a.cache_dir, out=a.out)
+    print(format_summary(result))
+    print(f"{len(result['tasks'])} {a.split} tasks x seeds {a.seeds}, backend {result['config']['backend']}, "
+          f"{time.perf_counter() - t0:.0f} s; wrote {a.out}")
+    return result

