@@ -1,0 +1,18 @@
+"""Run (or continue) an experiment: arms x seeds of ``lightning-opd fit``, every (arm, seed) in its own
+process with checkpoints every N steps, the checkpoints evaluated afterwards by ``lightning-opd evaluate``
+in a separate process, and the arms compared with paired bootstrap CIs at the end. Stop it at any
+moment and run the same command again to continue; finished (arm, seed) pairs are never rerun.
+
+The experiment file format and the folder layout: lightning_opd/evaluation/runner.py.
+Example: benchmarks/experiments/opd_seeds.yaml (the demo's OPD, 3 seeds, all 50 held-out games).
+
+Run: .venv/bin/python -m benchmarks.experiment benchmarks/experiments/opd_seeds.yaml
+Results: benchmarks/results/<name>/<arm>/seed<k>/ and benchmarks/results/<name>/compare.md
+"""
+
+from __future__ import annotations
+
+from lightning_opd.evaluation.runner import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""Resumable experiment runner: arms x seeds of ``lightning-opd fit``, each checkpoint evaluated afterwards.
+
+An experiment (a YAML file, see :func:`load_experiment`)::
+
+    name: demo_opd                   # results under <results>/demo_opd/<arm>/seed<k>/
+    seeds: [0, 1, 2]
+    checkpoint_every: 10             # optimizer steps; must divide trainer.max_steps
+    evaluate_checkpoints: last       # or: all (a learning curve)
+    arms:
+      opd:
+        configs: [conf/textworld/opd.yaml]
+        overrides: [--trainer.limit_val_batches=0]
+      opd_lr1e-4:
+        configs: [conf/textworld/opd.yaml]
+        overrides: [--model.init_args.optimizer.init_args.lr=1.0e-4, --trainer.limit_val_batches=0]
+    evaluate: [--avg-k, "4", --temperature, "0.7"]   # extra `lightning-opd evaluate` flags
+
+Run it with ``python -m benchmarks.experiment EXPERIMENT.yaml``; it can be stopped at any moment (Ctrl-C,
+``kill -9``, a reboot) and run again with the same command to continue.
+
+Per (arm, seed), in ``<results>/<name>/<arm>/seed<k>/``:
+
+1. ``fit_config.yaml``: the resolved configuration (``fit ... --print_config``), read for the student's
+   base directory, the teacher, the environment and the episode limits that evaluation reuses;
+2. ``lightning-opd fit`` in its own process with the arm's config files and overrides, then the runner's
+   overlay ``runner_overlay.yaml`` (TensorBoard logs in ``logs/``, a ``ModelCheckpoint`` every
+   ``checkpoint_every`` steps keeping every checkpoint, ``checkpoints/step=N.ckpt`` and ``last.ckpt``,
+   the export in ``student/``), then ``--seed_everything=k`` and ``--data.init_args.seed=k`` (the
+   DataModule's seed sets the task order and every episode's sampling seed, so seeds differ in their
+   rollouts, not only in their initial random state). An unfinished fit resumes from
+   ``checkpoints/last.ckpt`` (``--ckpt_path``; Lightning writes checkpoints atomically). ``fit.done`` is
+   written when it exits with 0;
+3. ``lightning-opd evaluate`` in a separate process per evaluated checkpoint, ``--seeds k`` (episodes
+   keyed by the training seed, so arms pair by (task, seed) in ``compare``), written to
+   ``eval/step=N.json`` (atomically; an existing file is not redone);
+4. ``done.json``, written last and atomically: a pair with it is never run again.
+
+Child processes die with the runner (Linux ``PR_SET_PDEATHSIG``), and a lock file stops two runners
+from working on one experiment at once. At the end the runner prints ``lightning-opd compare`` of the
+last evaluated checkpoint of every arm (all seeds merged, paired by (task, seed)) and writes it to
+``<results>/<name>/compare.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_RESULTS = ROOT / "benchmarks" / "results"
+LOPD = [sys.executable, "-m", "lightning_opd"]
+_STEP = re.compile(r"^step=(\d+)\.ckpt$")
+
+
+@dataclass
+class Arm:
+    """One training recipe: config files (in order) and command-line overrides of ``lightning-opd fit``."""
+
+    name: str
+    configs: list[str]
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Experiment:
+    """Arms x seeds (see the module docstring for the YAML form).
+
+    Attributes:
+        name: folder under ``results``.
+        arms: the recipes; names are folder names.
+        seeds: training seeds (``--seed_everything`` and every ``seed_keys`` entry).
+        checkpoint_every: optimizer steps between checkpoints; must divide ``trainer.max_steps``.
+        evaluate_checkpoints: ``"last"`` (the final weights) or ``"all"``.
+        evaluate: extra ``lightning-opd evaluate`` arguments (after the runner's, so they win).
+        teacher_kl: pass the run's teacher to ``evaluate`` (``--teacher``: teacher-trajectory KL).
+        seed_keys: config keys set to the seed besides ``--seed_everything``.
+        results: results root (default ``benchmarks/results``).
+        fit_command, evaluate_command: how to launch ``fit`` / ``evaluate`` (tests swap in fakes).
+
+    Raises:
+        ValueError: no arms or seeds, a repeated arm name or seed, a name that is not a plain folder
+            name, ``checkpoint_every < 1`` or an unknown ``evaluate_checkpoints``.
+    """
+
+    name: str
+    arms: list[Arm]
+    seeds: list[int]
+    checkpoint_every: int
+    evaluate_checkpoints: str = "last"
+    evaluate: list[str] = field(default_factory=list)
+    teacher_kl: bool = True
+    seed_keys: list[str] = field(default_factory=lambda: ["data.init_args.seed"])
+    results: Path = DEFAULT_RESULTS
+    fit_command: list[str] = field(default_factory=lambda: LOPD + ["fit"])
+    evaluate_command: list[str] = field(default_factory=lambda: LOPD + ["evaluate"])
+
+    def __post_init__(self) -> None:
+        self.results = Path(self.results)
+        if not self.arms or not self.seeds:
+            raise ValueError("an experiment needs at least one arm and one seed")
+        names = [a.name for a in self.arms]
+        for n in [self.name, *names]:
+            if not re.fullmatch(r"[\w.+-]+", n):
+                raise ValueError(f"name {n!r}: use letters, digits, '_', '-', '.', '+' (it becomes a folder)")
+        if len(set(names)) != len(names) or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"arms {names} and seeds {self.seeds} must not repeat")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (optimizer steps)")
+        if self.evaluate_checkpoints not in ("last", "all"):
+            raise ValueError(f"evaluate_checkpoints={self.evaluate_checkpoints!r}: use 'last' or 'all'")
+
+    @property
+    def root(self) -> Path:
+        return self.results / self.name
+
+    def run_dir(self, arm: Arm, seed: int) -> Path:
+        return self.root / arm.name / f"seed{seed}"
+
+
+def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None = None) -> Experiment:
+    """Read an experiment YAML (module docstring). ``arms`` maps names to ``{configs, overrides}``.
+
+    Raises:
+        ValueError: an unknown key (named) or a missing one.
+    """
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    known = {"name", "arms", "seeds", "checkpoint_every", "evaluate_checkpoints", "evaluate", "teacher_kl",
+             "seed_keys", "results", "fit_command", "evaluate_command"}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+    for key in ("name", "arms", "seeds", "checkpoint_every"):
+        if key not in data:
+            raise ValueError(f"{path}: missing {key!r}")
+    arms = []
+    for name, spec in data.pop("arms").items():
+        spec = spec or {}
+        bad = set(spec) - {"configs", "overrides"}
+        if bad:
+            raise ValueError(f"{path}: arm {name!r}: unknown key(s) {sorted(bad)}; use configs and overrides")
+        arms.append(Arm(str(name), [str(c) for c in spec.get("configs", [])], [str(o) for o in spec.get("overrides", [])]))
+    if results is not None:
+        data["results"] = results
+    return Experiment(arms=arms, **data)
+
+
+# --------------------------------------------------------------------------------------------- files
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, ``fsync`` and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _run(cmd: list[str], log: Path, cwd: Path) -> int:
+    """Run ``cmd`` with output appended to ``log``; the child is killed if the runner dies."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.flush()
+        pre = _die_with_parent if sys.platform.startswith("linux") else None
+        return subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pre).returncode
+
+
+def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of ``checkpoints/step=N.ckpt``, by step."""
+    folder = run_dir / "checkpoints"
+    found = [(int(m.group(1)), p) for p in folder.glob("step=*.ckpt") if (m := _STEP.match(p.name))]
+    return sorted(found)
+
+
+def _get(config: dict, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+class Runner:
+    """Runs an :class:`Experiment` to completion, skipping what is done (module docstring)."""
+
+    def __init__(self, exp: Experiment, cwd: str | os.PathLike = ROOT, echo=print) -> None:
+        self.exp = exp
+        self.cwd = Path(cwd)
+        self.echo = echo
+
+    # ------------------------------------------------------------------------------------------- run
+    def run(self) -> dict:
+        """Every (arm, seed), then the comparison; returns ``{(arm, seed): done record}``.
+
+        Raises:
+            RuntimeError: another runner holds the experiment's lock, or a fit/evaluate process failed
+                (the message names its log file).
+        """
+        self.exp.root.mkdir(parents=True, exist_ok=True)
+        with open(self.exp.root / ".lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RuntimeError(f"another runner is working on {self.exp.root} (lock held)") from None
+            done = {}
+            for arm in self.exp.arms:
+                for seed in self.exp.seeds:
+                    done[(arm.name, seed)] = self.run_pair(arm, seed)
+            self.summarise(done)
+            return done
+
+    def run_pair(self, arm: Arm, seed: int) -> dict:
+        """Fit (or resume), evaluate and mark one (arm, seed); a marked pair is returned as recorded."""
+        d = self.exp.run_dir(arm, seed)
+        marker = d / "done.json"
+        if marker.is_file():
+            self.echo(f"[{arm.name} seed {seed}] done, skipped")
+            return json.loads(marker.read_text())
+        d.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        overlay = self._write_overlay(d)
+        base_cmd = (self.exp.fit_command + [a for c in arm.configs for a in ("--config", c)] + ["--config", str(overlay)]
+                    + arm.overrides + [f"--seed_everything={seed}"] + [f"--{k}={seed}" for k in self.exp.seed_keys])
+        config = self._resolved_config(d, base_cmd)
+        self._check_steps(config, arm)
+        if not (d / "fit.done").is_file():
+            cmd = list(base_cmd)
+            last = d / "checkpoints" / "last.ckpt"
+            if last.is_file():
+                cmd.append(f"--ckpt_path={last}")
+                self.echo(f"[{arm.name} seed {seed}] resuming fit from {last}")
+            else:
+                self.echo(f"[{arm.name} seed {seed}] fit")
+            if _run(cmd, d / "fit.log", self.cwd) != 0:
+                raise RuntimeError(f"[{arm.name} seed {seed}] fit failed; see {d / 'fit.log'}")
+            write_atomic(d / "fit.done", json.dumps({"seconds": round(time.time() - t0, 1)}))
+        evals = self._evaluate(arm, seed, d, config)
+        record = {"arm": arm.name, "seed": seed, "run_dir": str(d), "evaluations": [str(p) for p in evals],
+                  "fit": json.loads((d / "fit.done").read_text()), "seconds_this_session": round(time.time() - t0, 1)}
+        write_atomic(marker, json.dumps(record, indent=1))
+        return record
+
+    # ---------------------------------------------------------------------------------------- pieces
+    def _write_overlay(self, d: Path) -> Path:
+        overlay = {"trainer": {
+            "enable_checkpointing": True, "default_root_dir": str(d),
+            "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                       "init_args": {"save_dir": str(d), "name": "logs", "version": ""}},
+            "callbacks+": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                            "init_args": {"dirpath": str(d / "checkpoints"), "filename": "step={step}",
+                                          "auto_insert_metric_name": False,
+                                          "every_n_train_steps": self.exp.checkpoint_every,
+                                          "save_top_k": -1, "save_last": True}}]},
+            "model": {"init_args": {"export_dir": str(d / "student")}}}
+        path = d / "runner_overlay.yaml"
+        header = "# written by lightning_opd.evaluation.runner: logs, checkpoints and export of this (arm, seed)\n"
+        write_atomic(path, header + yaml.safe_dump(overlay, sort_keys=False))
+        return path
+
+    def _resolved_config(self, d: Path, base_cmd: list[str]) -> dict:
+        path = d / "fit_config.yaml"
+        if not path.is_file():
+            out = subprocess.run(base_cmd + ["--print_config"], cwd=self.cwd, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"the fit configuration does not parse:\n$ {' '.join(base_cmd)} --print_config\n"
+                                   f"{out.stderr[-3000:]}")
+            write_atomic(path, out.stdout)
+        return yaml.safe_load(path.read_text()) or {}
+
+    def _check_steps(self, config: dict, arm: Arm) -> None:
+        steps = _get(config, "trainer.max_steps")
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"arm {arm.name!r}: trainer.max_steps={steps!r}; the runner needs a step budget")
+        if steps % self.exp.checkpoint_every:
+            raise ValueError(f"arm {arm.name!r}: checkpoint_every={self.exp.checkpoint_every} does not divide "
+                             f"trainer.max_steps={steps}: the final weights would have no checkpoint to evaluate")
+
+    def evaluate_args(self, config: dict, seed: int) -> list[str]:
+        """``evaluate`` flags from the fit configuration (base model, environment, episode limits, teacher),
+        the seed, then the experiment's own ``evaluate`` flags (which win)."""
+        data = _get(config, "data.init_args") or {}
+        env = data.get("env") or {}
+        args = ["--base", str(_get(config, "model.init_args.student")), "--seeds", str(seed)]
+        if isinstance(env, dict) and env.get("class_path"):
+            args += ["--env", env["class_path"], "--env-args", json.dumps(env.get("init_args") or {})]
+        for flag, key in (("--max-turns", "eval_max_turns"), ("--max-turns", "max_turns"),
+                          ("--max-new-tokens", "max_new_tokens"), ("--max-context-tokens", "max_context_tokens")):
+            if data.get(key) is not None and flag not in args:
+                args += [flag, str(data[key])]
+        teacher = _get(config, "model.init_args.teacher")
+        if self.exp.teacher_kl and teacher:
+            args += ["--teacher", str(teacher)]
+        return args + list(self.exp.evaluate)
+
+    def _evaluate(self, arm: Arm, seed: int, d: Path, config: dict) -> list[Path]:
+        found = checkpoints(d)
+        if not found:
+            raise RuntimeError(f"[{arm.name} seed {seed}] fit finished without checkpoints in {d / 'checkpoints'}")
+        chosen = found if self.exp.evaluate_checkpoints == "all" else found[-1:]
+        outs = []
+        for step, ckpt in chosen:
+            out = d / "eval" / f"step={step}.json"
+            outs.append(out)
+            if out.is_file():
+                continue
+            self.echo(f"[{arm.name} seed {seed}] evaluate step {step}")
+            cmd = (self.exp.evaluate_command + ["--students", f"{arm.name}={ckpt}", "--out", str(out)]
+                   + self.evaluate_args(config, seed))
+            if _run(cmd, d / "eval.log", self.cwd) != 0:
+                raise RuntimeError(f"[{arm.name} seed {seed}] evaluate failed; see {d / 'eval.log'}")
+        return outs
+
+    def summarise(self, done: dict) -> str | None:
+        """Compare the arms on their last evaluated checkpoint, every seed merged (printed, and written
+        to ``compare.json`` and ``compare.md``)."""
+        from lightning_opd.evaluation.compare import load_arms, paired_bootstrap
+
+        specs = []
+        for arm in self.exp.arms:
+            files = [done[(arm.name, s)]["evaluations"][-1] for s in self.exp.seeds]
+            specs.append(f"{arm.name}={','.join(files)}")
+        try:
+            result = paired_bootstrap(load_arms(specs), metric="success")
+        except ValueError as err:  # e.g. arms evaluated on different tasks
+            self.echo(f"no comparison: {err}")
+            return None
+        text = result.to_markdown()
+        write_atomic(self.exp.root / "compare.json", json.dumps(result.to_dict(), indent=1))
+        write_atomic(self.exp.root / "compare.md", text + "\n")
+        self.echo(text)
+        return text
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """``python -m benchmarks.experiment EXPERIMENT.yaml [--results DIR]``."""
+    p = argparse.ArgumentParser(prog="benchmarks.experiment",
+                                description="Run (or continue) an experiment: arms x seeds of `lightning-opd fit`, "
+                                            "checkpoints evaluated afterwards, compared at the end.")
+    p.add_argument("experiment", help="experiment YAML (see lightning_opd/evaluation/runner.py)")
+    p.add_argument("--results", default=None, help="results root (default: benchmarks/results)")
+    a = p.parse_args(argv)
+    return Runner(load_experiment(a.experiment, a.results), cwd=Path.cwd()).run()

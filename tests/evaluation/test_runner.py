@@ -1,0 +1,201 @@
+"""The experiment runner (lightning_opd.evaluation.runner): killed at any moment and rerun, finished (arm, seed)
+pairs are never rerun and unfinished fits resume from their last checkpoint; with a fake ``fit``/``evaluate``
+(tests/evaluation/fake_lopd.py) for the kill tests and the real commands on the tiny models end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_opd.evaluation.runner import Arm, Experiment, Runner, load_experiment
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE = [sys.executable, str(Path(__file__).with_name("fake_lopd.py"))]
+pytestmark = pytest.mark.timeout(300)
+
+
+def spec(tmp_path, step_seconds: float, **extra) -> Path:
+    data = {"name": "exp", "seeds": [0, 1], "checkpoint_every": 2, "evaluate_checkpoints": "all",
+            "arms": {"a": {"configs": ["conf-a.yaml"], "overrides": ["--trainer.max_steps=4"]},
+                     "b": {"configs": ["conf-b.yaml"], "overrides": ["--trainer.max_steps=4"]}},
+            "fit_command": FAKE + ["fit"], "evaluate_command": FAKE + ["evaluate"], "evaluate": ["--avg-k", "2"]}
+    data.update(extra)
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start(tmp_path, step_seconds: float) -> subprocess.Popen:
+    env = {**os.environ, "FAKE_CALLS": str(tmp_path / "calls.jsonl"), "FAKE_STEP_SECONDS": str(step_seconds),
+           "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.experiment", str(tmp_path / "exp.yaml"), "--results",
+                             str(tmp_path / "results")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def calls(tmp_path) -> list[dict]:
+    path = tmp_path / "calls.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
+    t0 = time.time()
+    while not path.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() - t0 < timeout, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def test_killed_runner_skips_finished_pairs_and_resumes_the_unfinished_fit(tmp_path):
+    spec(tmp_path, 0.3)
+    runs = tmp_path / "results" / "exp"
+    proc = start(tmp_path, 0.3)
+    wait_for(runs / "a" / "seed1" / "checkpoints" / "step=2.ckpt", proc)  # (a, 0) done, (a, 1) half-way
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (runs / "a" / "seed0" / "done.json").is_file() and not (runs / "a" / "seed1" / "done.json").exists()
+    time.sleep(1.5)  # two more fake steps (0.6 s) would have written step=4: the fit died with the runner
+    assert not (runs / "a" / "seed1" / "checkpoints" / "step=4.ckpt").exists()
+    before = calls(tmp_path)
+
+    proc = start(tmp_path, 0.0)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    new = calls(tmp_path)[len(before):]
+    fits = [c for c in new if c["cmd"] == "fit"]
+    assert not any(c["dir"].endswith("a/seed0") for c in new if c["cmd"] == "fit")  # finished pair: not rerun
+    assert not any("/a/seed0/" in c["out"] for c in new if c["cmd"] == "evaluate")
+    (resumed,) = [c for c in fits if c["dir"].endswith("a/seed1")]
+    assert resumed["ckpt_path"].endswith("a/seed1/checkpoints/last.ckpt") and resumed["start"] == 2
+    assert {c["dir"][-7:] for c in fits} == {"a/seed1", "b/seed0", "b/seed1"}
+    assert all(c["seed"] == c["data_seed"] for c in fits)  # the DataModule gets the seed too
+    assert "[a seed 0] done, skipped" in output and "resuming fit" in output
+    for arm in "ab":
+        for seed in (0, 1):
+            done = json.loads((runs / arm / f"seed{seed}" / "done.json").read_text())
+            assert [Path(p).name for p in done["evaluations"]] == ["step=2.json", "step=4.json"]
+    # the comparison of the last checkpoints, seeds merged: b wins all 8 paired episodes, a 4 of them (tasks
+    # t0, t1); per task the difference is 0, 0, 1, 1, so a resample of 4 tasks has a mean difference in
+    # [0, 1], both ends with probability 1/16 > 2.5%: 4 tasks cannot show it
+    compare = (runs / "compare.md").read_text()
+    assert "| b | +0.50 | [+0.00, +1.00] | 8 (4) | no difference detected at n = 8 |" in compare
+    assert "| a | 0.50 |" in compare and "| success |" in compare
+
+    again = start(tmp_path, 0.0)
+    output, _ = again.communicate(timeout=120)
+    assert again.returncode == 0 and len(calls(tmp_path)) == len(before) + len(new)  # nothing left to run
+    assert output.count("done, skipped") == 4
+
+
+def test_repeatedly_killed_runner_finishes_with_every_step_trained_once_per_run(tmp_path):
+    """Killed again and again wherever it is (start-up, fit, evaluate, writing markers), each attempt
+    living a little longer, until it completes: each pair's fits continue where the last checkpoint left
+    off, and every evaluation exists exactly once."""
+    spec(tmp_path, 0.1, seeds=[0], evaluate_checkpoints="all")
+    for attempt in range(40):
+        proc = start(tmp_path, 0.1)
+        try:
+            proc.wait(timeout=0.8 + 0.25 * attempt)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        if proc.returncode == 0:
+            break
+    assert proc.returncode == 0, f"not finished after {attempt + 1} attempts"
+    assert attempt >= 1  # it was killed at least once (the work takes longer than the first attempt's 0.8 s)
+    runs = tmp_path / "results" / "exp"
+    for arm in "ab":
+        fits = [c for c in calls(tmp_path) if c["cmd"] == "fit" and c["dir"].endswith(f"{arm}/seed0")]
+        starts = [c["start"] for c in fits]
+        assert starts == sorted(starts) and starts[0] == 0  # never back to an earlier step than reached
+        assert json.loads((runs / arm / "seed0" / "done.json").read_text())["arm"] == arm
+        assert sorted(p.name for p in (runs / arm / "seed0" / "eval").iterdir()) == ["step=2.json", "step=4.json"]
+
+
+def test_evaluate_arguments_come_from_the_fit_configuration(tmp_path):
+    exp = Experiment(name="x", arms=[Arm("a", ["c.yaml"])], seeds=[3], checkpoint_every=2, results=tmp_path,
+                     evaluate=["--avg-k", "2", "--max-turns", "5"])
+    config = {"model": {"init_args": {"student": "base", "teacher": "teach"}},
+              "data": {"init_args": {"env": {"class_path": "m.Env", "init_args": {"games_dir": "g"}},
+                                     "max_turns": 8, "eval_max_turns": 6, "max_new_tokens": 16}}}
+    args = Runner(exp).evaluate_args(config, 3)
+    assert args == ["--base", "base", "--seeds", "3", "--env", "m.Env", "--env-args", '{"games_dir": "g"}',
+                    "--max-turns", "6", "--max-new-tokens", "16", "--teacher", "teach", "--avg-k", "2",
+                    "--max-turns", "5"]  # the experiment's own flags come last and win
+
+
+def test_bad_experiments_are_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['seed'\]"):
+        load_experiment(spec(tmp_path, 0, seed=[1]))
+    with pytest.raises(ValueError, match="arm 'a': unknown key"):
+        load_experiment(spec(tmp_path, 0, arms={"a": {"config": ["x.yaml"]}}))
+    with pytest.raises(ValueError, match="must not repeat"):
+        load_experiment(spec(tmp_path, 0, seeds=[1, 1]))
+    with pytest.raises(ValueError, match="checkpoint_every=0"):
+        load_experiment(spec(tmp_path, 0, checkpoint_every=0))
+    exp = load_experiment(spec(tmp_path, 0, checkpoint_every=3), results=tmp_path / "r")
+    os.environ["FAKE_CALLS"] = str(tmp_path / "calls.jsonl")
+    with pytest.raises(ValueError, match=r"checkpoint_every=3 does not divide trainer.max_steps=4"):
+        Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+
+
+TINY = """\
+trainer:
+  accelerator: cpu
+  max_steps: 2
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  enable_progress_bar: false
+  enable_model_summary: false
+model:
+  class_path: lightning_opd.module.OPDModule
+  init_args:
+    student: {student}
+    teacher: {teacher}
+    max_logged_turns: 3
+    log_text_every_n_steps: 0
+data:
+  class_path: lightning_opd.data.RolloutDataModule
+  init_args:
+    env:
+      class_path: tests.helpers.KeywordEnvFactory
+      init_args:
+        need: 2
+    episodes_per_step: 2
+    max_turns: 3
+    max_new_tokens: 4
+    max_context_tokens: 512
+"""
+
+
+@pytest.mark.slow  # four Python processes that import torch, Lightning and transformers: about a minute
+@pytest.mark.timeout(600)
+def test_real_fit_and_evaluate_on_the_tiny_models(model_dirs, tmp_path):
+    """``lightning-opd fit`` and ``evaluate`` for real (tiny models, keyword environment): a checkpoint every
+    step, the last one evaluated with the training seed as key and the run's teacher giving the KL."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY.format(**model_dirs))
+    exp = Experiment(name="tiny", arms=[Arm("opd", [str(config)])], seeds=[5], checkpoint_every=1,
+                     evaluate_checkpoints="last", results=tmp_path / "results",
+                     evaluate=["--backend", "hf", "--avg-k", "1", "--cache-dir", str(tmp_path / "cache")])
+    done = Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    run = tmp_path / "results" / "tiny" / "opd" / "seed5"
+    assert [Path(p).name for p in done[("opd", 5)]["evaluations"]] == ["step=2.json"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt", "step=1.ckpt", "step=2.ckpt"]
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "student" / "config.json").is_file()
+    assert list((run / "logs").glob("events.out.tfevents.*"))
+    res = json.loads((run / "eval" / "step=2.json").read_text())
+    (student,) = res["students"]
+    assert student["kind"] == "ckpt" and student["policy_version"] == 2 and student["name"] == "opd"
+    assert {(r["task_id"], r["seed"]) for r in student["greedy"]} == {("north", 5), ("south", 5)}
+    assert res["config"]["max_turns"] == 3 and res["config"]["teacher"] == model_dirs["teacher"]
+    assert student["summary"]["teacher_traj_kl"]["mean"] > 0
+    assert (tmp_path / "results" / "tiny" / "compare.md").is_file()
