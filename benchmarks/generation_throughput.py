@@ -22,7 +22,8 @@ import torch  # noqa: E402
 from benchmarks.common import ResultFile, markdown_table, memory_bandwidth_gbs  # noqa: E402
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory  # noqa: E402
 from lightning_opd.models import load_causal_lm, load_tokenizer  # noqa: E402
-from lightning_opd.rollout import AgentLoop, EpisodeSpec, HFGenerator, SamplingParams  # noqa: E402
+from lightning_opd.rollout import (AgentLoop, EpisodeSpec, HFGenerator, SamplingParams, policy_configs,  # noqa: E402
+                                   stop_token_ids)
 
 
 class Policy:
@@ -61,7 +62,7 @@ def run(backend: str, batch: int, policy: Policy, envs: TextWorldEnvFactory, tur
         from lightning_opd.rollout.vllm import VLLMGenerator
 
         gen = VLLMGenerator(kv_cache_memory_bytes=1 << 30, max_model_len=4096)
-    gen.attach(policy, policy.tokenizer.eos_token_id)
+    gen.attach(policy, stop_token_ids(policy.tokenizer, policy_configs(policy)[1]))
     if backend == "vllm":
         gen.start()
         warm = AgentLoop(envs, gen, policy.tokenizer, max_turns=1)
@@ -82,7 +83,7 @@ def push_timing(policy: Policy, repeats: int = 3) -> dict:
     from lightning_opd.rollout.vllm import VLLMGenerator
 
     gen = VLLMGenerator(kv_cache_memory_bytes=1 << 28, max_model_len=2048)
-    gen.attach(policy, policy.tokenizer.eos_token_id)
+    gen.attach(policy, stop_token_ids(policy.tokenizer, policy_configs(policy)[1]))
     gen.start()
     state = policy.policy_model.state_dict()
     pushes, copies = [], []

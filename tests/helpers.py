@@ -130,3 +130,70 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def make_second_eos_model(tokenizer, word: str = "key", hidden: int = 128, heads: int = 2, kv_heads: int = 1):
+    """A tiny Llama whose generation config lists two EOS ids, ``[tokenizer EOS, 0]``, and that replies
+    ``word`` (one token) then id 0, whatever the prompt, each by a margin of about 40 nats (F23).
+
+    Every token's embedding has 10 in dimension 1, which the head reads as ``word``; ``word``'s embedding
+    also has 40 in dimension 0, which the head reads as id 0. Head size 64 (vLLM's CPU attention needs it).
+    """
+    (word_id,) = tokenizer.encode(word, add_special_tokens=False)
+    model = make_model(tokenizer, hidden=hidden, heads=heads, kv_heads=kv_heads)
+    with torch.no_grad():
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb[:, 1] = 10.0
+        emb[word_id, 0] = 40.0
+        head[:, :2] = 0.0
+        head[word_id, 1] = 5.0
+        head[0, 0] = 5.0
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, 0]
+    return model
+
+
+class LongObservationEnvFactory(KeywordEnvFactory):
+    """Keyword tasks, except that task ``apple`` answers its first action with an observation of about
+    ``words * 3`` tokens (F24: longer than an engine's limit)."""
+
+    def __init__(self, words: int = 400, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.words = words
+
+    def make(self, task_id: str) -> KeywordEnv:
+        env = super().make(task_id)
+        if task_id == "apple":
+            env.step = lambda action: StepResult("Again. " + "door " * self.words)
+        return env
+
+
+def assert_replies_end_on_the_second_eos(batch, tokenizer, envs: KeywordEnvFactory, word: str = "key") -> None:
+    """Every episode of ``batch`` (2 turns, played by :func:`make_second_eos_model`) replied ``[word, 0]``
+    twice: finished at id 0, no end-of-turn id appended, nothing cut, only those 4 tokens trained on (F23)."""
+    from lightning_opd.data.collate import rollout_stats
+    from lightning_opd.rollout.chat import ChatFormat
+
+    (word_id,) = tokenizer.encode(word, add_special_tokens=False)
+    chat = ChatFormat(tokenizer, envs.system_prompt)
+    assert batch.size == len(batch.trajectories) > 0
+    for row, t in enumerate(batch.trajectories):
+        env = envs.make(t.task_id)
+        first = chat.first_prompt(env.reset())
+        user = chat.user_turn(env.step(word).observation)
+        assert t.token_ids == first + [word_id, 0] + user + [word_id, 0], t.task_id
+        assert (t.num_turns, t.cut_replies, t.success) == (2, 0, t.task_id == word)
+        a, b = len(first), len(first) + 2 + len(user)
+        assert batch.loss_mask[row].nonzero().flatten().tolist() == [a, a + 1, b, b + 1]
+    assert rollout_stats(batch.trajectories)["cut_replies"] == 0
+
+
+def assert_only_the_long_episode_truncated(batch, limit: int) -> None:
+    """Of a batch of :class:`LongObservationEnvFactory` episodes (2 turns, replies "key"), ``apple``
+    ended as truncated by the context limit after one turn; the others played on (F24)."""
+    by_task = {t.task_id: t for t in batch.trajectories}
+    long = by_task.pop("apple")
+    assert (long.truncated, long.truncation_reason, long.num_turns, long.env_error) == (True, "max_context", 1, False)
+    assert long.num_tokens <= limit
+    assert by_task["key"].success and by_task["key"].num_turns == 2
+    for task in ("cherry", "door"):
+        assert (by_task[task].truncation_reason, by_task[task].num_turns) == ("max_turns", 2)

@@ -1,12 +1,15 @@
 """Collate trajectories into padded ``(B, T)`` tensors for the learner.
 
 Padding is on the right; every mask comes from lengths and the trajectory's own assistant mask,
-never from token values (F03: with pad == EOS the EOS that ends a reply is still trained on).
+never from token values (F03: with pad == EOS the EOS that ends a reply is still trained on). The one
+token-value rule is the end of a reply (F23): given the stop ids, a reply's tokens after its first stop id
+are never trained on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Collection
 
 import torch
 
@@ -95,9 +98,30 @@ class RolloutBatch:
         return out
 
 
-def collate_trajectories(trajs: list[Trajectory], sampling: SamplingParams, pad_id: int = 0) -> RolloutBatch:
+def _after_stop(t: Trajectory, stop_ids: Collection[int]) -> list[int]:
+    """Positions of reply tokens that follow a stop id of the same reply (turn)."""
+    out, stopped_turn = [], None
+    for pos, (tok, mask, turn) in enumerate(zip(t.token_ids, t.assistant_mask, t.turn_index)):
+        if not mask:
+            continue
+        if turn == stopped_turn:
+            out.append(pos)
+        elif tok in stop_ids:
+            stopped_turn = turn
+    return out
+
+
+def collate_trajectories(trajs: list[Trajectory], sampling: SamplingParams, pad_id: int = 0,
+                         stop_ids: Collection[int] = ()) -> RolloutBatch:
     """Pad ``trajs`` into a :class:`RolloutBatch`. Trajectories without tokens (an environment that
     failed at reset) are left out of the tensors but kept in ``trajectories`` for the statistics.
+
+    Args:
+        trajs: the episodes.
+        sampling: sampling parameters they were generated with.
+        pad_id: id of padding tokens (masks never depend on it).
+        stop_ids: ids that end a reply (:func:`lightning_opd.rollout.chat.stop_token_ids`); reply
+            tokens after the first stop id of their turn get ``loss_mask`` 0 (F23). Empty: no such rule.
 
     Raises:
         ValueError: a trajectory's per-token lists have different lengths.
@@ -119,6 +143,8 @@ def collate_trajectories(trajs: list[Trajectory], sampling: SamplingParams, pad_
         input_ids[i, :n] = torch.tensor(t.token_ids)
         attention[i, :n] = 1
         loss_mask[i, :n] = torch.tensor(t.assistant_mask, dtype=torch.float32)
+        if stop_ids:
+            loss_mask[i, _after_stop(t, stop_ids)] = 0.0
         turn[i, :n] = torch.tensor(t.turn_index)
         blp[i, :n] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
     turn = torch.where(loss_mask > 0, turn, torch.full_like(turn, NON_ASSISTANT))

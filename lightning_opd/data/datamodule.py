@@ -39,7 +39,8 @@ from lightning_opd.data.collate import RolloutBatch, collate_trajectories
 from lightning_opd.envs.base import EnvFactory
 from lightning_opd.models.fsdp import full_state_dict
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
-from lightning_opd.rollout.generator import Generator, SamplingParams
+from lightning_opd.rollout.chat import stop_token_ids
+from lightning_opd.rollout.generator import Generator, SamplingParams, policy_configs
 from lightning_opd.rollout.hf import HFGenerator
 from lightning_opd.rollout.producer import RolloutProducer
 from lightning_opd.rollout.types import Trajectory
@@ -166,10 +167,15 @@ class RolloutDataModule(L.LightningDataModule):
         self.rank, self.world_size = int(rank), int(world_size)
 
     def connect(self, policy) -> None:
-        """Bind to ``policy`` (a module with ``tokenizer``, ``policy_model`` and ``policy_version``)."""
+        """Bind to ``policy`` (a module with ``tokenizer``, ``policy_model`` and ``policy_version``).
+
+        The generator stops on every EOS of the tokenizer and the policy's generation config (F23);
+        the agent loop plays under the smaller of ``data.init_args.max_context_tokens`` and the
+        generator's own limit, with a warning naming both when they disagree (F24).
+        """
         tok = policy.tokenizer
         self._policy = policy
-        self.generator.attach(policy, int(tok.eos_token_id))
+        self.generator.attach(policy, stop_token_ids(tok, policy_configs(policy)[1]))
         if self.manages_weights and hasattr(self.generator, "follow_policy"):
             self.generator.follow_policy = False
         self.loop = AgentLoop(self.env, self.generator, tok, max_turns=self.max_turns,
@@ -324,7 +330,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.producer.start(first_batch_index=self._batches_started)
         trajs = self._restored.pop(0) if self._restored else self.producer.next_batch()  # resumed ones first
         self._batches_taken += 1
-        return collate_trajectories(trajs, self.sampling, self.pad_id)
+        return collate_trajectories(trajs, self.sampling, self.pad_id, self.loop.stop_ids)
 
     def eval_batches(self) -> Iterator[RolloutBatch]:
         """Every held-out task once (this rank's share: every ``world_size``-th task from ``rank``),
@@ -338,7 +344,8 @@ class RolloutDataModule(L.LightningDataModule):
         for start in range(0, most, self.eval_batch_size):
             specs = [EpisodeSpec(task_id=t, seed=self.rank + (start + i) * self.world_size, max_turns=self.eval_max_turns)
                      for i, t in enumerate(tasks[start:start + self.eval_batch_size])]
-            yield collate_trajectories(self.loop.run(specs, self.eval_sampling), self.eval_sampling, self.pad_id)
+            yield collate_trajectories(self.loop.run(specs, self.eval_sampling), self.eval_sampling, self.pad_id,
+                                       self.loop.stop_ids)
 
     # ------------------------------------------------------------------------------------- dataloaders
     def train_dataloader(self) -> DataLoader:

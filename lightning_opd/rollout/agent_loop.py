@@ -4,8 +4,13 @@ Per turn, every running episode sends its whole conversation (ids) to the genera
 sampled reply ids back unchanged, decodes them only to parse the action, steps its environment and
 appends the next user turn as the chat template's token difference (:class:`ChatFormat`). Episodes end
 on success/failure, on the turn limit (``truncated``, ``"max_turns"``), when the next turn would not
-fit in ``max_context_tokens`` (``truncated``, ``"max_context"``) or when the environment raises
+fit in the context limit (``truncated``, ``"max_context"``) or when the environment raises
 (``env_error``, counted, F11). Training and evaluation use this same loop.
+
+A reply is finished when it ends on one of the generator's stop ids (F23); only a reply cut by
+``max_new_tokens`` gets the template's end-of-turn token appended (outside the loss). The context
+limit is the smaller of ``max_context_tokens`` and the generator's own limit (F24), so an over-long
+episode ends as truncated on every backend instead of failing the batch in the engine.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from lightning.pytorch.utilities import rank_zero_warn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_opd.envs.base import EnvFactory, StepResult, TextEnv
@@ -47,12 +53,15 @@ class AgentLoop:
         tokenizer: the policy's tokenizer (with chat template).
         max_turns: default turn limit per episode (turns).
         max_context_tokens: an episode stops (``truncated``, ``"max_context"``) when its next prompt
-            plus ``max_new_tokens`` would exceed this many tokens.
+            plus ``max_new_tokens`` would exceed this many tokens, or the generator's own
+            :attr:`~lightning_opd.rollout.generator.Generator.context_limit` if that is smaller (a
+            warning at construction names both; :attr:`max_context_tokens` is the effective limit).
         max_env_error_rate: raise :class:`EnvironmentFailureError` when more than this fraction of a
             batch's episodes hit an environment exception (1.0: never raise, only count).
 
     Raises:
-        ValueError: a limit is not positive.
+        ValueError: a limit is not positive, or the generator's stop ids do not include the chat
+            template's end-of-turn id (attach it with ``stop_token_ids(tokenizer, ...)``).
     """
 
     def __init__(self, envs: EnvFactory, generator: Generator, tokenizer: PreTrainedTokenizerBase,
@@ -67,9 +76,26 @@ class AgentLoop:
         self.generator = generator
         self.tokenizer = tokenizer
         self.chat = ChatFormat(tokenizer, envs.system_prompt)
+        if self.chat.end_of_turn_id not in generator.stop_ids:
+            raise ValueError(
+                f"{type(generator).__name__} stops on ids {sorted(generator.stop_ids)}, which lack the chat template's "
+                f"end-of-turn id {self.chat.end_of_turn_id}; attach it with "
+                "lightning_opd.rollout.chat.stop_token_ids(tokenizer, generation_config)")
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
+        limit = generator.context_limit
+        if limit is not None and limit.tokens < max_context_tokens:
+            rank_zero_warn(
+                f"max_context_tokens={max_context_tokens} (data.init_args.max_context_tokens) is above the "
+                f"generator's limit {limit.tokens} ({limit.source}); episodes are truncated at {limit.tokens} tokens. "
+                f"Set data.init_args.max_context_tokens <= {limit.tokens} or raise {limit.source} to silence this.")
+            self.max_context_tokens = limit.tokens
         self.max_env_error_rate = max_env_error_rate
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Ids that end a reply: the generator's (F23); collate stops training a reply at them too."""
+        return self.generator.stop_ids
 
     def _start(self, spec: EpisodeSpec, sampling: SamplingParams) -> tuple[Trajectory, TextEnv | None]:
         cap = spec.max_turns if spec.max_turns is not None else self.max_turns
@@ -149,7 +175,7 @@ class AgentLoop:
         """Record one reply and step the environment; returns True when the episode is over."""
         traj.append(out.token_ids, assistant=True, turn=turn, logprobs=out.logprobs)
         traj.turn_versions.append(out.policy_version)
-        if not out.finished:  # cut by max_new_tokens: close the turn, not trained on
+        if not out.finished:  # cut by max_new_tokens (no stop id): close the turn, not trained on
             traj.append([self.chat.end_of_turn_id], assistant=False, turn=turn)
             traj.cut_replies += 1
         reply_ids = out.token_ids[:-1] if out.finished else out.token_ids

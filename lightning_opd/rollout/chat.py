@@ -10,17 +10,43 @@ For ChatML (SmolLM2) the pieces are::
     first prompt : <|im_start|>system\\n{sys}<|im_end|>\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n
     reply        : {sampled ids ... <|im_end|>}          (end-of-turn id appended if the reply was cut)
     user turn    : \\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n
+
+A reply may end on any stop id (:func:`stop_token_ids`, e.g. a second EOS of the generation config);
+the next user turn follows it as it is.
 """
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 _REF_USER, _REF_REPLY = "ref-user", "ref-reply"
 
 
 class ChatTemplateError(ValueError):
     """The tokenizer's chat template cannot be rendered incrementally."""
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase,
+                   generation_config: GenerationConfig | None = None) -> frozenset[int]:
+    """Every id that ends a reply (F23), the one set shared by the generators, the agent loop and collate:
+    the tokenizer's EOS (the chat template's end-of-turn token, :attr:`ChatFormat.end_of_turn_id`) and
+    every ``eos_token_id`` of the model's generation config (an int or a list, e.g. ``[2, 0]``).
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        generation_config: the policy model's generation config (see
+            :func:`lightning_opd.rollout.generator.policy_configs`); ``None``: the tokenizer's EOS only.
+
+    Raises:
+        ChatTemplateError: the tokenizer has no EOS token.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ChatTemplateError("tokenizer has no eos token; cannot tell where a reply ends")
+    ids = {int(tokenizer.eos_token_id)}
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is not None:
+        ids.update(int(i) for i in ([eos] if isinstance(eos, int) else eos))
+    return frozenset(ids)
 
 
 class ChatFormat:

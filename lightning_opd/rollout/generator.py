@@ -3,16 +3,27 @@
 Token in, token out (F08): a request carries the whole conversation so far as token ids, and the
 result carries the sampled ids exactly as sampled, with the behaviour log-prob of each under the
 distribution actually sampled from (temperature, top-p and top-k applied; F02).
+
+End of a reply (F23): a generator is attached with one set of stop ids
+(:func:`lightning_opd.rollout.chat.stop_token_ids`: the tokenizer's EOS, which is the chat template's
+end-of-turn token, and every EOS of the model's generation config). Every backend stops on all of them,
+and :meth:`Generator.generate` cuts each reply after its first stop id and marks it ``finished``, the one
+definition of a finished reply shared by all backends.
+
+Context length (F24): :attr:`Generator.context_limit` is the backend's own limit on prompt + reply
+tokens (vLLM's ``max_model_len``, the HF model's ``max_position_embeddings``); the agent loop plays
+under the smaller of it and its own ``max_context_tokens``.
 """
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Hashable, Mapping, Protocol
+from dataclasses import dataclass, replace
+from typing import Hashable, Iterable, Mapping, NamedTuple, Protocol
 
 import torch
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -23,8 +34,8 @@ class SamplingParams:
         temperature: softmax temperature; ``0`` means greedy decoding.
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
-        max_new_tokens: per-turn reply limit, in tokens. A reply cut here is closed with the
-            template's end-of-turn token by the agent loop (masked out of the loss).
+        max_new_tokens: per-turn reply limit, in tokens. A reply cut here (no stop id) is closed with
+            the template's end-of-turn token by the agent loop (masked out of the loss).
     """
 
     temperature: float = 1.0
@@ -71,10 +82,12 @@ class GenerationOutput:
     """A sampled reply.
 
     Attributes:
-        token_ids: sampled ids, ending with the end-of-turn id if the model stopped (``finished``).
+        token_ids: sampled ids, ending with a stop id if the model stopped (``finished``); nothing
+            after the first stop id.
         logprobs: behaviour log-prob of each sampled id under the sampling distribution (nats);
             for greedy decoding, under the temperature-1 distribution (greedy rollouts are not trained on).
-        finished: the reply ended with the end-of-turn token; ``False`` = cut by ``max_new_tokens``.
+        finished: the reply ends with one of the generator's stop ids; ``False`` = cut by
+            ``max_new_tokens``. Set by :meth:`Generator.generate` from ``token_ids``.
         policy_version: policy version of the weights that produced it.
     """
 
@@ -93,24 +106,72 @@ class PolicySource(Protocol):
     def policy_model(self): ...  # the student ``PreTrainedModel``
 
 
+def policy_configs(policy) -> tuple[PretrainedConfig | None, GenerationConfig | None]:
+    """The policy's model config and generation config: those of the loaded model
+    (``policy.policy_model``), else read from its model directory (``policy.student_path``; the
+    DataModule connects before the model is loaded). ``None`` where neither is available; a directory
+    without ``generation_config.json`` gives the generation config derived from ``config.json``."""
+    model = getattr(policy, "policy_model", None)
+    if model is not None:
+        return getattr(model, "config", None), getattr(model, "generation_config", None)
+    path = getattr(policy, "student_path", None)
+    if path is None:
+        return None, None
+    trust = bool(getattr(policy, "trust_remote_code", False))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json
+        generation = GenerationConfig.from_model_config(config)
+    return config, generation
+
+
+class ContextLimit(NamedTuple):
+    """A backend's own limit on one sequence (prompt + reply).
+
+    Attributes:
+        tokens: the limit, in tokens.
+        source: the setting it comes from, as the user writes it (named in warnings).
+    """
+
+    tokens: int
+    source: str
+
+
 class Generator(ABC):
     """A backend that samples replies for a batch of episodes.
 
     ``generate`` validates the requests and holds the backend's lock while the subclass's
     ``_generate`` samples, so a concurrent ``push_weights`` (which takes the same lock) never lands
-    in the middle of a call: every reply comes from one policy version.
+    in the middle of a call: every reply comes from one policy version. It then ends every reply at
+    its first stop id (:attr:`stop_ids`) and sets ``finished`` (F23).
     """
 
-    end_of_turn_id: int = -1
+    #: ids that end a reply (set by :meth:`attach`); backends stop sampling on every one of them
+    stop_ids: frozenset[int] = frozenset()
     _policy: PolicySource | None = None
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
 
-    def attach(self, policy: PolicySource, end_of_turn_id: int) -> None:
-        """Bind to the policy whose weights and version the backend samples with."""
+    def attach(self, policy: PolicySource, stop_ids: Iterable[int]) -> None:
+        """Bind to the policy whose weights and version the backend samples with, and to the ids that
+        end a reply (:func:`lightning_opd.rollout.chat.stop_token_ids` of the policy's tokenizer and
+        generation config).
+
+        Raises:
+            ValueError: ``stop_ids`` is empty.
+        """
+        ids = frozenset(int(i) for i in stop_ids)
+        if not ids:
+            raise ValueError("attach() needs at least one stop id (see lightning_opd.rollout.chat.stop_token_ids)")
         self._policy = policy
-        self.end_of_turn_id = end_of_turn_id
+        self.stop_ids = ids
+
+    @property
+    def context_limit(self) -> ContextLimit | None:
+        """The backend's own limit on prompt + reply tokens (``None``: none of its own)."""
+        return None
 
     @property
     def policy_version(self) -> int:
@@ -120,7 +181,8 @@ class Generator(ABC):
         return int(self._policy.policy_version)
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
-        """Sample one reply per request (same order).
+        """Sample one reply per request (same order). Each reply ends at its first stop id
+        (``finished``) or has no stop id (cut by ``max_new_tokens``).
 
         Raises:
             ValueError: an empty request list or an empty prompt.
@@ -130,7 +192,14 @@ class Generator(ABC):
         if any(not r.prompt_ids for r in requests):
             raise ValueError("every request needs a non-empty prompt_ids")
         with self._lock:
-            return self._generate(requests, sampling)
+            return [self._end_at_stop(out) for out in self._generate(requests, sampling)]
+
+    def _end_at_stop(self, out: GenerationOutput) -> GenerationOutput:
+        """``out`` cut after its first stop id, ``finished`` iff it has one (the one definition, F23)."""
+        end = next((k + 1 for k, t in enumerate(out.token_ids) if t in self.stop_ids), None)
+        if end is None:
+            return replace(out, finished=False)
+        return replace(out, token_ids=list(out.token_ids[:end]), logprobs=list(out.logprobs[:end]), finished=True)
 
     @abstractmethod
     def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:

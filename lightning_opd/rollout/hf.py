@@ -25,7 +25,8 @@ import torch.distributed as dist
 from transformers import DynamicCache, GenerationConfig
 
 from lightning_opd.models.fsdp import is_sharded, unsharded_copy
-from lightning_opd.rollout.generator import GenerationOutput, GenerationRequest, Generator, SamplingParams
+from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
+                                             SamplingParams, policy_configs)
 
 
 @dataclass
@@ -55,7 +56,10 @@ class HFGenerator(Generator):
     Args:
         reuse_kv_cache: keep the KV cache between turns of the same episodes (see module docstring).
         pad_token_id: id used for padding (any id works: masks come from lengths); default: the
-            end-of-turn id.
+            smallest stop id.
+
+    Stops on every one of the attached stop ids (F23). Its :attr:`context_limit` is the sampling
+    model's ``max_position_embeddings`` (F24).
     """
 
     def __init__(self, reuse_kv_cache: bool = True, pad_token_id: int | None = None) -> None:
@@ -68,6 +72,21 @@ class HFGenerator(Generator):
 
     def release(self) -> None:
         self._state = None
+
+    @property
+    def context_limit(self) -> ContextLimit | None:
+        """``max_position_embeddings`` of the sampling model (read from the policy's model directory
+        before the model is loaded); ``None`` when not attached or the config has none."""
+        config = self._own_model.config if self._own_model is not None else policy_configs(self._policy)[0]
+        limit = getattr(config, "max_position_embeddings", None)
+        if not limit:
+            return None
+        return ContextLimit(int(limit), "max_position_embeddings in the student's config.json")
+
+    @property
+    def _filler_id(self) -> int:
+        """Id for padding and the idle dummy prompt (any id works: masks come from lengths)."""
+        return self.pad_token_id if self.pad_token_id is not None else min(self.stop_ids)
 
     @property
     def policy_version(self) -> int:
@@ -104,14 +123,14 @@ class HFGenerator(Generator):
 
     def idle_step(self, sampling: SamplingParams) -> None:
         if self.collective:  # a one-token dummy prompt; synced decoding runs as long as the other ranks
-            self.generate([GenerationRequest(key=("idle", id(self)), prompt_ids=[self.end_of_turn_id])], sampling)
+            self.generate([GenerationRequest(key=("idle", id(self)), prompt_ids=[self._filler_id])], sampling)
             self.release()
 
     def _generation_config(self, sampling: SamplingParams, pad_id: int) -> GenerationConfig:
         # Every knob explicit: GenerationConfig defaults (top_k=50) or the model's own generation
         # config must not leak into the sampling distribution (F02).
         common = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, pad_token_id=pad_id,
-                      eos_token_id=self.end_of_turn_id, output_scores=True, return_dict_in_generate=True,
+                      eos_token_id=sorted(self.stop_ids), output_scores=True, return_dict_in_generate=True,
                       use_cache=True, repetition_penalty=1.0, num_beams=1)
         if sampling.greedy:
             return GenerationConfig(do_sample=False, temperature=None, top_p=None, top_k=None, **common)
@@ -141,7 +160,7 @@ class HFGenerator(Generator):
             raise RuntimeError("HFGenerator is not attached to a loaded policy model")
         version = self.policy_version
         device = next(model.parameters()).device
-        pad_id = self.pad_token_id if self.pad_token_id is not None else self.end_of_turn_id
+        pad_id = self._filler_id
 
         if self._reusable(requests, version):
             st = self._state
@@ -176,10 +195,10 @@ class HFGenerator(Generator):
         n = new.shape[1]
         scores = torch.stack(out.scores, dim=1).float()  # (B, n, V) processed: temperature/top-k/top-p applied
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, n)
-        is_eot = new == self.end_of_turn_id
+        is_eot = torch.isin(new, torch.tensor(sorted(self.stop_ids), device=new.device))  # (B, n) any stop id
         has_eot = is_eot.any(dim=1)
         first_eot = torch.where(has_eot, is_eot.float().argmax(dim=1), torch.full_like(has_eot, n - 1, dtype=torch.long))
-        kept = (first_eot + 1).tolist()  # tokens kept per row (up to and including the end-of-turn id)
+        kept = (first_eot + 1).tolist()  # tokens kept per row (up to and including the first stop id)
 
         outputs = []
         new_list, lp_list = new.tolist(), logprobs.tolist()

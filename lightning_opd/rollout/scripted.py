@@ -22,6 +22,8 @@ class ScriptedGenerator(Generator):
         policy_version: version stamped on every output (when not attached to a policy).
 
     The behaviour log-probs are 0 (a scripted reply is deterministic). ``max_new_tokens`` is ignored.
+    Its stop ids are the tokenizer's EOS until :meth:`attach` gives the policy's set; a reply is cut
+    after the first stop id it contains, like every backend's (F23).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, reply_fn: Callable[[GenerationRequest], str],
@@ -31,6 +33,7 @@ class ScriptedGenerator(Generator):
         self.reply_fn = reply_fn
         self._fixed_version = policy_version
         self.end_of_turn_id = int(tokenizer.eos_token_id)
+        self.stop_ids = frozenset({self.end_of_turn_id})
 
     @property
     def policy_version(self) -> int:

@@ -7,7 +7,7 @@ step: :meth:`VLLMGenerator.push_weights` (through :class:`VLLMWeightSync`, the o
 how, pinned by tests: F09) stamps the engine with the version it now serves.
 
 Sampling maps one to one (F02): temperature (0 = greedy), top_p, top_k (0 = off), max_new_tokens,
-stop at the end-of-turn id, a per-request seed; log-probs are requested with
+stop at every attached stop id (F23), a per-request seed; log-probs are requested with
 ``logprobs_mode="processed_logprobs"`` so they describe the distribution actually sampled from (vLLM's
 default is the raw distribution before temperature/top-p).
 """
@@ -21,7 +21,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from lightning_opd.rollout.generator import GenerationOutput, GenerationRequest, Generator, SamplingParams
+from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
+                                             SamplingParams)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ class VLLMGenerator(Generator):
         dtype: engine dtype (fp32 on CPU: bf16 was 2x slower there and would not match the trainer).
         kv_cache_memory_bytes: KV cache size in bytes (set explicitly: the memory-fraction knob fails on
             CPU when other models share the process).
-        max_model_len: longest sequence (tokens) the engine accepts.
+        max_model_len: longest sequence (prompt + reply, tokens) the engine accepts; the agent loop
+            plays under the smaller of it and ``data.init_args.max_context_tokens`` (F24).
         enable_prefix_caching: reuse KV of shared prefixes (earlier turns of the same episode).
         seed: engine seed; each request also carries its episode seed.
         engine_kwargs: extra keyword arguments for ``vllm.LLM`` (e.g. ``tensor_parallel_size`` on GPUs).
@@ -116,6 +118,11 @@ class VLLMGenerator(Generator):
         self.llm, self.sync, self._engine_version = None, None, None
 
     @property
+    def context_limit(self) -> ContextLimit:
+        """The engine's ``max_model_len`` (a longer prompt would fail the whole ``generate`` call)."""
+        return ContextLimit(int(self.max_model_len), "data.init_args.generator.init_args.max_model_len")
+
+    @property
     def engine_version(self) -> int | None:
         """Policy version of the weights the engine serves (``None``: the checkpoint it started from)."""
         return self._engine_version
@@ -151,7 +158,7 @@ class VLLMGenerator(Generator):
         return vllm.SamplingParams(
             n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=sampling.max_new_tokens, min_tokens=0, seed=seed, logprobs=0,
-            stop_token_ids=[self.end_of_turn_id], detokenize=False, skip_special_tokens=False, ignore_eos=False,
+            stop_token_ids=sorted(self.stop_ids), detokenize=False, skip_special_tokens=False, ignore_eos=False,
             repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0)
 
     def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
@@ -166,6 +173,6 @@ class VLLMGenerator(Generator):
             out = res.outputs[0]
             ids = list(out.token_ids)
             lps = [float(step[tok].logprob) for tok, step in zip(ids, out.logprobs)]
-            finished = bool(ids) and ids[-1] == self.end_of_turn_id
-            outputs.append(GenerationOutput(token_ids=ids, logprobs=lps, finished=finished, policy_version=version))
+            # finished (ends on a stop id) is set by Generator.generate, the same rule for every backend
+            outputs.append(GenerationOutput(token_ids=ids, logprobs=lps, finished=False, policy_version=version))
         return outputs

@@ -86,3 +86,18 @@ def test_buffer_back_pressure_and_error_propagation():
     assert isinstance(err.value.__cause__, ValueError)
     with pytest.raises(ValueError):
         RolloutBuffer(capacity=0)
+
+
+def test_f23_reply_tokens_after_a_stop_id_are_not_trained_on():
+    """Stop ids {2, 0}: a reply [9, 0, 9, 2] is trained on up to its first stop id (0); an observation
+    that contains a stop id, and the next reply, are untouched."""
+    t = Trajectory(task_id="t")
+    t.append([5, 6], assistant=False, turn=-1)
+    t.append([9, 0, 9, 2], assistant=True, turn=0, logprobs=[-0.5] * 4)
+    t.append([0, 8], assistant=False, turn=-1)
+    t.append([9, 2], assistant=True, turn=1, logprobs=[-0.5] * 2)
+    batch = collate_trajectories([t], SamplingParams(), pad_id=PAD, stop_ids={EOS, 0})
+    assert batch.loss_mask[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0, 1, 1]
+    assert batch.turn_index[0].tolist() == [-1, -1, 0, 0, -1, -1, -1, -1, 1, 1]
+    # without stop ids the trajectory's own mask is used as is
+    assert collate_trajectories([t], SamplingParams(), pad_id=PAD).loss_mask[0].tolist() == t.assistant_mask

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_opd.rollout.agent_loop import AgentLoop, EnvironmentFailureError, EpisodeSpec
-from lightning_opd.rollout.chat import ChatFormat
+from lightning_opd.rollout.chat import ChatFormat, stop_token_ids
 from lightning_opd.rollout.generator import GenerationOutput, GenerationRequest, Generator, SamplingParams
 from lightning_opd.rollout.scripted import ScriptedGenerator, walkthrough_replies
 from lightning_opd.rollout.types import NON_ASSISTANT, Trajectory
@@ -213,7 +213,7 @@ def test_per_token_bookkeeping(tokenizer):
 
     envs = KeywordEnvFactory(need=2)
     gen = ScriptedGenerator(tokenizer, reply)
-    gen.attach(policy, tokenizer.eos_token_id)
+    gen.attach(policy, stop_token_ids(tokenizer))
     (t,) = AgentLoop(envs, gen, tokenizer).run([EpisodeSpec("door")], SAMPLING)
     # "door" counts, "the door" is not a command (invalid), "door" wins
     assert (t.success, t.num_turns, t.invalid_actions) == (True, 3, 1)
@@ -264,6 +264,7 @@ def test_cut_replies_are_closed_and_masked(tokenizer):
     ids = tokenizer.encode("qqq", add_special_tokens=False)
     assert len(ids) == 3 and tokenizer.eos_token_id not in ids
     gen = _CutGenerator(ids)
+    gen.attach(_VersionedPolicy(), stop_token_ids(tokenizer))
     envs = KeywordEnvFactory(need=2)
     (t,) = AgentLoop(envs, gen, tokenizer, max_turns=2).run([EpisodeSpec("apple")], SAMPLING)
     assert gen.calls == 2

