@@ -80,6 +80,21 @@ def test_async_lags_are_bounded_and_the_producer_stops(model_dirs, max_lag):
     assert not any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())
 
 
+@pytest.mark.timeout(120)
+def test_async_pushes_rarer_than_the_lag_gate_finish(model_dirs):
+    """F18 (the issue's case): max_lag 1 with a push every 3 versions used to leave the learner waiting at
+    version 2 for a batch the producer would only start after the push at 3. Batch v is sampled by the push
+    at ``(v - 1) // 3 * 3`` or later; the last push is at version 3."""
+    model = RecordingOPD(student=model_dirs["student"], teacher=model_dirs["teacher"])
+    dm = _dm(mode="async", max_lag=1, weight_sync_interval=3)
+    _trainer(5).fit(model, datamodule=dm)
+    assert [v for v, _ in model.seen] == [0, 1, 2, 3, 4]
+    for v, behaviour in model.seen:
+        assert all(max(0, (v - 1) // 3 * 3) <= b <= v for b in behaviour), (v, behaviour)
+    assert dm.generator.policy_version == 3 and dm.max_allowed_lag == 3
+    assert not dm.producer.running
+
+
 def test_async_producer_crash_surfaces_in_the_trainer(model_dirs):
     model = RecordingOPD(student=model_dirs["student"], teacher=model_dirs["teacher"])
     dm = _dm(mode="async", max_lag=1, env=KeywordEnvFactory(reset_error=True), max_env_error_rate=0.0)

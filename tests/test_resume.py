@@ -19,6 +19,7 @@ from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.policy import rng_states, set_rng_states
+from lightning_opd.rollout.hf import HFGenerator
 from tests.helpers import KeywordEnvFactory
 from tests.test_training import RecordingOPD
 
@@ -159,3 +160,57 @@ def test_async_checkpoint_keeps_the_buffered_batches(model_dirs, tmp_path):
     first = [(t["task_id"], t["seed"]) for t in buffered[0]]
     assert resumed.steps[0][0] == first
     assert resumed.seen[0][1] == [min(t["turn_versions"]) for t in buffered[0]]  # trained with its versions
+
+
+class RecordingHF(HFGenerator):
+    """Records, in order, its pushes ``("push", version)`` and ``generate`` calls ``("generate", version of its
+    own copy or None for the live student)``, and the weights of its first push."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int | None]] = []
+        self.first_push: dict | None = None
+
+    def push_weights(self, state, version):
+        with self._lock:
+            if self.first_push is None:
+                self.first_push = {k: v.clone() for k, v in state.items()}
+            self.events.append(("push", int(version)))
+            return super().push_weights(state, version)
+
+    def _generate(self, requests, sampling):
+        self.events.append(("generate", self._own_version if self._own_model is not None else None))
+        return super()._generate(requests, sampling)
+
+
+@pytest.mark.timeout(300)
+def test_async_resume_between_pushes_samples_with_the_restored_weights(model_dirs, tmp_path):
+    """F18: async, a push every 2 versions, resumed at version 3. Before its first rollout the generator gets
+    its own copy of exactly the checkpoint's student, stamped 3 (not the live student the learner is
+    training); later pushes land at 4 and 6, and the run finishes."""
+
+    def fit(path, steps, ckpt_path=None, save=False):
+        model = Recorder(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=4)
+        dm = RolloutDataModule(env=KeywordEnvFactory(need=9), generator=RecordingHF(), episodes_per_step=2,
+                               max_turns=2, max_new_tokens=4, eval_batch_size=2, seed=0, mode="async", max_lag=1,
+                               weight_sync_interval=2)
+        ckpt = [L.pytorch.callbacks.ModelCheckpoint(dirpath=path, save_last=True, save_top_k=0)] if save else []
+        trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                            enable_checkpointing=save, callbacks=ckpt)
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+        return model, dm
+
+    fit(tmp_path / "half", 3, save=True)
+    ckpt = torch.load(tmp_path / "half" / "last.ckpt", weights_only=True)
+    assert ckpt["policy_version"] == 3
+    model, dm = fit(tmp_path / "resumed", 6, ckpt_path=str(tmp_path / "half" / "last.ckpt"))
+    events = dm.generator.events
+    assert events[0] == ("push", 3)
+    assert [e for e in events if e[0] == "push"] == [("push", 3), ("push", 4), ("push", 6)]
+    assert all(v is not None and v >= 3 for kind, v in events if kind == "generate")  # never the live student
+    for name, w in dm.generator.first_push.items():
+        torch.testing.assert_close(w, ckpt["state_dict"]["student." + name], rtol=0, atol=0, msg=name)
+    assert [v for v, _ in model.seen] == [3, 4, 5]
+    for v, behaviour in model.seen:
+        assert all(b <= v and v - b <= dm.max_allowed_lag for b in behaviour), (v, behaviour)

@@ -9,8 +9,11 @@ Modes (:class:`~lightning_opd.rollout.producer.RolloutProducer`):
 
 * ``sync``: the batch is generated when the learner asks, by exactly the weights being trained
   (lag 0, checked per step by the module);
-* ``async``: a background producer runs up to ``max_lag`` versions ahead; the learner's weights are
-  pushed to the generator every ``weight_sync_interval`` versions;
+* ``async``: a background producer runs up to ``max_lag`` versions ahead of the pushed weights; the
+  learner's weights are pushed to the generator at every multiple of ``weight_sync_interval`` and
+  whenever the producer (re)starts (train start, resume), so batch ``k`` is sampled with weights no
+  older than the last push at or before version ``k - max_lag`` (lag at most ``max_lag +
+  weight_sync_interval - 1``; every pair of the two knobs finishes, F18);
 * ``forced_lag=k`` (with ``sync``): the generator samples with the weights of version ``max(0, v-k)``
   while the learner is at ``v`` (deterministic staleness studies; keeps ``k+1`` CPU copies).
 
@@ -82,9 +85,12 @@ class RolloutDataModule(L.LightningDataModule):
         max_env_error_rate: fraction of episodes per batch that may hit an environment error before
             the run stops (F11).
         mode: ``"sync"`` (lag 0) or ``"async"`` (background producer, up to ``max_lag`` versions ahead).
-        max_lag: async: versions the producer may run ahead of the learner.
+        max_lag: async: versions the producer may run ahead of the pushed weights: batch ``k`` waits for
+            the last push at or before learner version ``k - max_lag``.
         forced_lag: sync: sample with the weights of version ``max(0, v - forced_lag)`` (0 = off).
-        weight_sync_interval: async: push the learner's weights to the generator every N versions.
+        weight_sync_interval: async: push the learner's weights to the generator at every multiple of N
+            versions (and at train start / resume); any N works with any ``max_lag``, the largest lag a
+            batch can have being ``max_lag + N - 1`` (``max_allowed_lag``).
         group_size: episodes per task, sharing a ``group_id`` (GRPO groups; 1 = every episode its own group).
         seed: seeds the task order and every episode's sampling seed.
 
@@ -134,6 +140,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.pad_id = 0
         self._policy = None
         self._snapshots: dict[int, dict] = {}  # forced_lag: CPU copies of recent versions
+        self._pushed_version: int | None = None  # last version pushed since connect/restore (None: none yet)
         # sampler state (plain numbers: resumable)
         self._epoch = 0
         self._cursor = 0
@@ -182,7 +189,7 @@ class RolloutDataModule(L.LightningDataModule):
                               max_context_tokens=self.max_context_tokens, max_env_error_rate=self.max_env_error_rate)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         self.producer = RolloutProducer(self._play_batch, lambda: int(self.generator.policy_version), mode=self.mode,
-                                        max_lag=max(1, self.max_lag))
+                                        max_lag=max(1, self.max_lag), weight_sync_interval=self.weight_sync_interval)
 
     def teardown(self, stage: str) -> None:
         if self.producer is not None:
@@ -208,16 +215,24 @@ class RolloutDataModule(L.LightningDataModule):
         return self.forced_lag
 
     def on_policy_update(self, policy) -> None:
-        """The learner reached ``policy.policy_version`` (called at train start and after every update)."""
+        """The learner reached ``policy.policy_version`` (called at train start and after every update).
+
+        Async: pushes at multiples of ``weight_sync_interval`` and at the first update after
+        ``connect``/``load_state_dict`` (train start), so a run resumed between two pushes samples with
+        exactly the restored weights (F18)."""
         version = int(policy.policy_version)
         if self.forced_lag:
             self._snapshots[version] = _policy_state(policy)
             for old in [v for v in self._snapshots if v < version - self.forced_lag]:
                 del self._snapshots[old]
-        elif self.mode == "async" and (version % self.weight_sync_interval == 0 or self.generator_version is None):
-            self.generator.push_weights(_policy_state(policy), version)
+        elif self.mode == "async" and (version % self.weight_sync_interval == 0 or self._pushed_version is None):
+            self._push(_policy_state(policy), version)
         if self.producer is not None:
             self.producer.notify_version()
+
+    def _push(self, state: dict, version: int) -> None:
+        self.generator.push_weights(state, version)
+        self._pushed_version = int(version)
 
     @property
     def generator_version(self) -> int | None:
@@ -305,11 +320,11 @@ class RolloutDataModule(L.LightningDataModule):
         """Play one rollout batch with the generator's weights (runs in the producer in async mode)."""
         if self.forced_lag:
             target = max(0, int(self._policy.policy_version) - self.forced_lag)
-            if self.generator_version != target:
+            if self._pushed_version != target:  # not the generator's stamp: it may predate a restore
                 if target not in self._snapshots:
                     raise RuntimeError(f"forced_lag: no copy of version {target} (have {sorted(self._snapshots)}); "
                                        "on_policy_update must run for every version")
-                self.generator.push_weights(self._snapshots[target], target)
+                self._push(self._snapshots[target], target)
         k = self._batches_started
         self._batches_started += 1
         schedule, cap = self.probe_schedule, self.max_turns  # read once: fixed for the whole batch
@@ -327,7 +342,10 @@ class RolloutDataModule(L.LightningDataModule):
         if self.loop is None or self.producer is None:
             raise RuntimeError("RolloutDataModule is not connected to a policy (trainer.fit calls setup)")
         if self.mode == "async" and not self.producer.running:  # after a resume: the lag gate counts from here
-            self.producer.start(first_batch_index=self._batches_started)
+            version = int(self._policy.policy_version)
+            if self._pushed_version != version and self.generator_version != version:
+                self._push(_policy_state(self._policy), version)  # the producer starts on the learner's weights
+            self.producer.start(first_batch_index=self._batches_started, start_version=version)
         trajs = self._restored.pop(0) if self._restored else self.producer.next_batch()  # resumed ones first
         self._batches_taken += 1
         return collate_trajectories(trajs, self.sampling, self.pad_id, self.loop.stop_ids)
@@ -400,6 +418,7 @@ class RolloutDataModule(L.LightningDataModule):
         self._batches_started = int(state.get("batches_started", self._batches_taken))
         self._restored = [[Trajectory(**t) for t in batch] for batch in state.get("buffered_batches", [])]
         self._snapshots = {int(v): w for v, w in state.get("weight_snapshots", {}).items()}
+        self._pushed_version = None  # whatever the generator holds now, the restored weights are pushed again
 
 
 def _policy_state(policy) -> dict:

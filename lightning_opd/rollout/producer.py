@@ -5,10 +5,15 @@ Modes:
 * ``sync``: no background work; the learner asks for a batch inside its training step and the
   batch is generated then, by exactly the weights being trained (lag 0).
 * ``async``: a background thread generates batch ``i`` (the batch the learner will consume at
-  version ``i``) as soon as the weights it samples with have reached version ``i - max_lag``, so
-  every batch is at most ``max_lag`` versions behind the learner that trains on it (measured on the
-  weights actually used, not on the learner's counter, which moves before the push lands); the
-  bounded buffer gives back-pressure.
+  version ``i``) as soon as the weights it samples with have reached :meth:`RolloutProducer.required_version`
+  ``(i)``: the version of the last weight push at or before learner version ``i - max_lag``. Pushes land
+  at the start version (train start, resume) and at every multiple of ``weight_sync_interval``, so that is
+  ``max(start, (i - max_lag) // weight_sync_interval * weight_sync_interval)``. Every batch is then at most
+  ``max_lag + weight_sync_interval - 1`` versions behind the learner that trains on it (``max_lag`` when
+  weights are pushed every version; measured on the weights actually used, not on the learner's counter,
+  which moves before the push lands), and no pair of knobs deadlocks (F18): the learner waiting for batch
+  ``v`` holds weights of version ``max(start, v // interval * interval)``, which is never below what
+  batch ``v`` waits for. The bounded buffer gives back-pressure.
 
 Checkpoints: :meth:`RolloutProducer.quiesce` parks the thread between batches and returns every finished
 batch not yet taken by the learner (the buffer, plus a batch waiting for room), so a checkpoint holds
@@ -46,24 +51,31 @@ class RolloutProducer:
         make_batch: plays one rollout batch with the generator's current weights.
         weights_version: returns the policy version of the weights ``make_batch`` samples with.
         mode: ``"sync"`` or ``"async"``.
-        max_lag: async only: how many versions the producer may run ahead (>= 1).
+        max_lag: async only: how many versions the producer may run ahead of the pushed weights (>= 1).
+        weight_sync_interval: async only: the weights ``weights_version`` reports move at the start version
+            and at multiples of this (versions; >= 1); the lag gate waits for those pushes only.
         capacity: buffered batches (async; default ``max_lag``).
         poll_seconds: how often a waiting side re-checks stop flags and liveness (seconds).
 
     Raises:
-        ValueError: unknown mode or ``max_lag < 1`` in async mode.
+        ValueError: unknown mode, ``max_lag < 1`` in async mode or ``weight_sync_interval < 1``.
     """
 
     def __init__(self, make_batch: Callable[[], list[Trajectory]], weights_version: Callable[[], int],
-                 mode: str = "sync", max_lag: int = 1, capacity: int | None = None, poll_seconds: float = 0.2) -> None:
+                 mode: str = "sync", max_lag: int = 1, capacity: int | None = None, poll_seconds: float = 0.2,
+                 weight_sync_interval: int = 1) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: use one of {MODES}")
         if mode == "async" and max_lag < 1:
             raise ValueError(f"max_lag={max_lag} must be >= 1 in async mode (use mode='sync' for lag 0)")
+        if weight_sync_interval < 1:
+            raise ValueError(f"weight_sync_interval={weight_sync_interval} must be >= 1")
         self.make_batch = make_batch
         self.weights_version = weights_version
         self.mode = mode
         self.max_lag = max_lag if mode == "async" else 0
+        self.weight_sync_interval = weight_sync_interval
+        self.start_version = 0  # the learner's version when the thread started (pushed then)
         self.buffer = RolloutBuffer(capacity or max(1, self.max_lag))
         self.poll_seconds = poll_seconds
         self._stop = threading.Event()
@@ -76,12 +88,19 @@ class RolloutProducer:
         self._pending: list[Trajectory] | None = None  # a finished batch waiting for room in the buffer
 
     # ------------------------------------------------------------------------------------- lifecycle
-    def start(self, first_batch_index: int = 0) -> None:
-        """Start the background thread (async mode; no-op in sync mode or if running)."""
+    def start(self, first_batch_index: int = 0, start_version: int = 0) -> None:
+        """Start the background thread (async mode; no-op in sync mode or if running).
+
+        Args:
+            first_batch_index: index (= learner version it is for) of the first batch the thread makes.
+            start_version: the learner's version now; the caller has pushed those weights (see
+                :meth:`required_version`).
+        """
         if self.mode != "async" or (self._thread is not None and self._thread.is_alive()):
             return
         self._stop.clear()
         self._produced = first_batch_index
+        self.start_version = int(start_version)
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -133,6 +152,13 @@ class RolloutProducer:
                 self._pause_cond.wait(self.poll_seconds)
             self._idle = False
 
+    def required_version(self, index: int) -> int:
+        """Weights version batch ``index`` waits for: the last push at or before learner version
+        ``index - max_lag``, i.e. ``max(start_version, (index - max_lag) // weight_sync_interval *
+        weight_sync_interval)``."""
+        interval = self.weight_sync_interval
+        return max(self.start_version, (index - self.max_lag) // interval * interval)
+
     def notify_version(self) -> None:
         """Wake the producer: the weights' version moved."""
         with self._version_changed:
@@ -144,9 +170,9 @@ class RolloutProducer:
             while not self._stop.is_set():
                 self._park()
                 index = self._produced
-                with self._version_changed:  # at most max_lag versions behind when consumed
+                with self._version_changed:  # at most max_lag + interval - 1 versions behind when consumed
                     while (not self._stop.is_set() and not self._paused.is_set()
-                           and self.weights_version() < index - self.max_lag):
+                           and self.weights_version() < self.required_version(index)):
                         self._version_changed.wait(self.poll_seconds)
                 if self._stop.is_set():
                     return

@@ -61,6 +61,34 @@ def test_async_runs_at_most_max_lag_versions_ahead(max_lag):
     assert not p.running
 
 
+def test_lag_gate_waits_for_the_last_push_at_or_before_index_minus_max_lag():
+    """max_lag 1, pushes every 3 versions: batch i needs the push at ``(i - 1) // 3 * 3``, and after a start
+    (resume) at version 4 never less than 4 (F18)."""
+    p = RolloutProducer(lambda: [], lambda: 0, mode="async", max_lag=1, weight_sync_interval=3)
+    assert [p.required_version(i) for i in range(9)] == [0, 0, 0, 0, 3, 3, 3, 6, 6]
+    p.start_version = 4
+    assert [p.required_version(i) for i in range(4, 9)] == [4, 4, 4, 6, 6]
+
+
+@pytest.mark.parametrize("interval", [2, 3, 5])
+def test_pushes_rarer_than_the_lag_never_deadlock(interval):
+    """The weights move only at multiples of ``interval`` (> max_lag + 1): the learner at version v still gets
+    batch v, sampled by the push at ``(v - 1) // interval * interval`` or a later one."""
+    tl = Timeline()
+    weights = lambda: tl.version // interval * interval  # noqa: E731 - the last push
+    p = RolloutProducer(lambda: [Trajectory(task_id="t", turn_versions=[weights()])], weights, mode="async",
+                        max_lag=1, weight_sync_interval=interval, poll_seconds=0.01)
+    p.start()
+    try:
+        for v in range(2 * interval + 2):
+            batch = p.next_batch(timeout=5)
+            assert max(0, (v - 1) // interval * interval) <= batch[0].turn_versions[0] <= v
+            tl.version = v + 1
+            p.notify_version()
+    finally:
+        p.stop()
+
+
 def test_back_pressure_blocks_a_full_buffer():
     tl = Timeline()
     p = RolloutProducer(tl.make_batch, lambda: 10**9, mode="async", max_lag=1, capacity=2, poll_seconds=0.01)
@@ -112,3 +140,5 @@ def test_arguments_are_checked():
         RolloutProducer(lambda: [], lambda: 0, mode="fast")
     with pytest.raises(ValueError, match="max_lag=0"):
         RolloutProducer(lambda: [], lambda: 0, mode="async", max_lag=0)
+    with pytest.raises(ValueError, match="weight_sync_interval=0"):
+        RolloutProducer(lambda: [], lambda: 0, mode="async", weight_sync_interval=0)
