@@ -26,6 +26,7 @@ import torch
 from torchmetrics import MeanMetric, SumMetric
 
 from lightning_opd.data.collate import RolloutBatch
+from lightning_opd.distributed import gather_per_rank
 from lightning_opd.models.fsdp import full_state_dict, is_sharded, mixed_precision_policy, shard_causal_lm, unsharded_copy
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer, save_hf_atomic
 
@@ -157,13 +158,22 @@ class PolicyModule(L.LightningModule):
         self.trainer.strategy.barrier("export")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Saves the policy version and every rank's random states (``rng_states``, a list indexed by rank:
+        a collective, reached on every rank as Lightning saves on every rank, F21)."""
         checkpoint["policy_version"] = int(self.policy_version)
-        checkpoint["rng_states"] = rng_states()
+        checkpoint["rng_states"] = gather_per_rank(rng_states(), self._trainer.world_size if self._trainer else 1)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Restores the policy version and this rank's random states. On a different number of ranks than
+        the checkpoint's, every rank keeps the state seeded at start (a warning says so)."""
         self.policy_version = int(checkpoint.get("policy_version", 0))
-        if "rng_states" in checkpoint:
-            set_rng_states(checkpoint["rng_states"])
+        states = checkpoint.get("rng_states")
+        states = [states] if isinstance(states, dict) else states  # a checkpoint from before per-rank states
+        world = self._trainer.world_size if self._trainer else 1
+        if states and len(states) == world:
+            set_rng_states(states[self.global_rank])
+        elif states:
+            log.warning("random states saved by %d ranks, this run has %d: not restored", len(states), world)
 
 
 def rng_states() -> dict:

@@ -151,7 +151,7 @@ def test_async_checkpoint_keeps_the_buffered_batches(model_dirs, tmp_path):
 
     full = fit(tmp_path / "full", 5)
     fit(tmp_path / "half", 2, save=True)
-    state = torch.load(tmp_path / "half" / "last.ckpt", weights_only=True)["RolloutDataModule"]
+    state = torch.load(tmp_path / "half" / "last.ckpt", weights_only=True)["RolloutDataModule"]["per_rank"][0]
     buffered = state["buffered_batches"]
     assert len(buffered) >= 1 and state["batches_started"] == 2 + len(buffered)  # the producer ran ahead
     assert all(0 <= v <= 2 for batch in buffered for t in batch for v in t["turn_versions"])

@@ -39,6 +39,7 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_opd.data.collate import RolloutBatch, collate_trajectories
+from lightning_opd.distributed import gather_per_rank
 from lightning_opd.envs.base import EnvFactory
 from lightning_opd.models.fsdp import full_state_dict
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
@@ -383,40 +384,70 @@ class RolloutDataModule(L.LightningDataModule):
         """Sampler state as plain numbers, lists, strings and tensors: loadable with
         ``torch.load(weights_only=True)``.
 
-        ``train_batches`` counts batches the learner took (= its version). In async mode the producer is
-        quiesced first, and the finished batches the learner has not taken yet are included
-        (``buffered_batches``, trajectories as plain dicts, policy versions and all), so a resumed run
-        trains on them first and loses nothing. With ``forced_lag`` the CPU copies of the last
-        ``forced_lag`` versions are included (``weight_snapshots``, version -> student ``state_dict``),
-        so the first batches after a resume are sampled from exactly the weights an uninterrupted run uses.
+        Every rank's own state is gathered (a collective: Lightning calls this on every rank and writes
+        rank 0's dict) into ``per_rank`` (a list indexed by rank; ``world_size`` says how many), so each
+        rank resumes with its own buffered batches and counters (F21). A rank's state: ``epoch``,
+        ``cursor``, ``episodes_started`` (the task order), ``max_turns``, ``train_batches`` (batches the
+        learner took = its version) and ``batches_started``. In async mode the producer is quiesced first,
+        and the finished batches the learner has not taken yet are included (``buffered_batches``,
+        trajectories as plain dicts, policy versions and all), so a resumed run trains on them first and
+        loses nothing. With ``forced_lag`` the CPU copies of the last ``forced_lag`` versions, the same on
+        every rank, are included once (``weight_snapshots``, version -> student ``state_dict``), so the
+        first batches after a resume are sampled from exactly the weights an uninterrupted run uses.
+
+        Raises:
+            RuntimeError: several ranks but no process group to gather over.
         """
         buffered: list[list[Trajectory]] = list(self._restored)
         producer = self.producer if self.mode == "async" else None
         if producer is not None:
             buffered += producer.quiesce()
         try:  # counters read while the producer is parked: consistent with the buffered batches
-            state = {"epoch": self._epoch, "cursor": self._cursor, "episodes_started": self._episodes_started,
-                     "max_turns": self.max_turns, "train_batches": self._batches_taken,
-                     "batches_started": self._batches_taken + len(buffered)}
+            own = {"epoch": self._epoch, "cursor": self._cursor, "episodes_started": self._episodes_started,
+                   "max_turns": self.max_turns, "train_batches": self._batches_taken,
+                   "batches_started": self._batches_taken + len(buffered)}
         finally:
             if producer is not None:
                 producer.resume()
         if self.mode == "async":
-            state["buffered_batches"] = [[asdict(t) for t in batch] for batch in buffered]
+            own["buffered_batches"] = [[asdict(t) for t in batch] for batch in buffered]
+        state = {"world_size": self.world_size, "per_rank": gather_per_rank(own, self.world_size)}
         if self.forced_lag:
             state["weight_snapshots"] = {str(v): w for v, w in self._snapshots.items()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`; the restored weights reach the generator before the first rollout
-        (``on_policy_update`` at train start, and ``_play_batch`` pushes the forced-lag copy it needs)."""
-        self._epoch = int(state.get("epoch", 0))
-        self._cursor = int(state.get("cursor", 0))
-        self._episodes_started = int(state.get("episodes_started", 0))
-        self.max_turns = int(state.get("max_turns", self.max_turns))
-        self._batches_taken = int(state.get("train_batches", 0))
-        self._batches_started = int(state.get("batches_started", self._batches_taken))
-        self._restored = [[Trajectory(**t) for t in batch] for batch in state.get("buffered_batches", [])]
+        """Restore :meth:`state_dict`: this rank's entry of ``per_rank`` (a checkpoint without it, from
+        before per-rank state, is one rank's state). The restored weights reach the generator before the
+        first rollout (pushed at train start, or when the producer starts; ``_play_batch`` pushes the
+        forced-lag copy it needs), whatever version the generator claims to hold (F18).
+
+        On a different number of ranks than the checkpoint's, the run resumes only if no rank had buffered
+        batches (sync, ``forced_lag``, or async with empty buffers): the sampler state is then the same
+        on every rank (every rank lays out the same global batches), and the new ranks split the global
+        task order from there.
+
+        Raises:
+            ValueError: the number of ranks changed and some rank had buffered async batches.
+        """
+        per_rank = state["per_rank"] if "per_rank" in state else [state]
+        saved_world = int(state.get("world_size", len(per_rank)))
+        if saved_world == self.world_size:
+            own = per_rank[self.rank]
+        elif any(s.get("buffered_batches") for s in per_rank):
+            raise ValueError(
+                f"this RolloutDataModule checkpoint was saved by {saved_world} ranks, each with its own buffered "
+                f"async batches; this run has {self.world_size}. Resume with {saved_world} ranks "
+                "(trainer.devices x trainer.num_nodes), or from a checkpoint of a run with data.mode=sync")
+        else:
+            own = per_rank[0]
+        self._epoch = int(own.get("epoch", 0))
+        self._cursor = int(own.get("cursor", 0))
+        self._episodes_started = int(own.get("episodes_started", 0))
+        self.max_turns = int(own.get("max_turns", self.max_turns))
+        self._batches_taken = int(own.get("train_batches", 0))
+        self._batches_started = int(own.get("batches_started", self._batches_taken))
+        self._restored = [[Trajectory(**t) for t in batch] for batch in own.get("buffered_batches", [])]
         self._snapshots = {int(v): w for v, w in state.get("weight_snapshots", {}).items()}
         self._pushed_version = None  # whatever the generator holds now, the restored weights are pushed again
 

@@ -59,7 +59,7 @@ def test_sync_probe_flags_and_caps_follow_the_schedule(tokenizer):
         batch = dm.next_train_batch()
         _assert_batch(batch, k in PROBES, FULL if k in PROBES else cap)
         assert batch.behaviour_version.tolist() == [k, k]
-    assert dm.state_dict()["train_batches"] == len(caps)
+    assert dm.state_dict()["per_rank"][0]["train_batches"] == len(caps)
 
 
 def test_batch_counter_resumes_from_state_dict(tokenizer):
@@ -69,7 +69,7 @@ def test_batch_counter_resumes_from_state_dict(tokenizer):
     for _ in range(5):
         dm.next_train_batch()
     state = dm.state_dict()
-    assert state["train_batches"] == 5 and state["max_turns"] == 2
+    assert state["per_rank"][0]["train_batches"] == 5 and state["per_rank"][0]["max_turns"] == 2
     resumed, _ = _dm(tokenizer)
     resumed.set_probe_schedule(WARMUP, INTERVAL, FULL)
     resumed.load_state_dict(state)
@@ -77,7 +77,8 @@ def test_batch_counter_resumes_from_state_dict(tokenizer):
     _assert_batch(resumed.next_train_batch(), True, FULL)  # k = 6
     fresh, _ = _dm(tokenizer)  # an old checkpoint without the key starts the count at 0
     fresh.set_probe_schedule(WARMUP, INTERVAL, FULL)
-    fresh.load_state_dict({k: v for k, v in state.items() if k not in ("train_batches", "batches_started")})
+    old = {k: v for k, v in state["per_rank"][0].items() if k not in ("train_batches", "batches_started")}
+    fresh.load_state_dict(old)
     _assert_batch(fresh.next_train_batch(), True, FULL)
 
 
@@ -108,7 +109,7 @@ def test_async_samples_carry_the_cap_set_when_their_batch_started(tokenizer, max
             dm.producer.notify_version()
     finally:
         dm.producer.stop()
-    assert dm.state_dict()["train_batches"] == len(caps)
+    assert dm.state_dict()["per_rank"][0]["train_batches"] == len(caps)
     assert dm._batches_started >= len(caps)  # the producer ran ahead
 
 
