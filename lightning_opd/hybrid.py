@@ -191,7 +191,9 @@ class HybridObjective:
         return out
 
     def mini_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
-        """The batch's ``ppo_mini_batches`` contiguous row ranges (the batch itself when 1)."""
+        """The batch's ``ppo_mini_batches`` contiguous row ranges (the batch itself when 1), always that many,
+        empty ones included: every rank takes part in every update, whatever its rows (F19; the update's
+        micro-batches are agreed in ``backward_step``)."""
         if self.ppo_mini_batches == 1:
             return [batch]
         idx = torch.arange(batch.size, device=batch.input_ids.device)

@@ -251,7 +251,8 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
     def _sampled_logprobs(self, model, batch: RolloutBatch) -> torch.Tensor:
         parts = []
         chunk = getattr(self.loss_fn, "chunk_size", 256)
-        for mb in batch.split(self.micro_batch_size):
+        micro, n_real = self.agreed_micro_batches(batch)  # F19: the same number of forwards on every rank
+        for mb in micro:
             rows, cols = self.supervised_positions(mb)
             targets = mb.input_ids[:, 1:][rows, cols]
             head, temp = self.lm_head(model), mb.sampling.temperature or 1.0
@@ -262,8 +263,9 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
                                   for i in range(0, targets.shape[0], chunk)])
 
             lp = with_root_params(model, sampled)
-            dense = torch.zeros(mb.size, batch.input_ids.shape[1] - 1, device=lp.device)
-            parts.append(dense.index_put((rows, cols), lp.float()))
+            if len(parts) < n_real:  # padding rows: run for the collectives, discarded
+                dense = torch.zeros(mb.size, batch.input_ids.shape[1] - 1, device=lp.device)
+                parts.append(dense.index_put((rows, cols), lp.float()))
         return torch.cat(parts) if parts else batch.behaviour_logprobs[:, 1:].clone()
 
     def plan_batch(self, batch: RolloutBatch, student_logprobs: torch.Tensor | None = None) -> RolloutBatch:
@@ -301,12 +303,34 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum ``value`` over data-parallel ranks (through the trainer's strategy, or plain
         ``torch.distributed`` when used without a trainer); identity on one process."""
+        return self._all_reduce(value, "sum")
+
+    def reduce_max(self, value: torch.Tensor) -> torch.Tensor:
+        """Maximum of ``value`` over data-parallel ranks, like :meth:`reduce_sum`."""
+        return self._all_reduce(value, "max")
+
+    def _all_reduce(self, value: torch.Tensor, op: str) -> torch.Tensor:
         if self._trainer is not None:
-            return self.trainer.strategy.reduce(value, reduce_op="sum")
+            return self.trainer.strategy.reduce(value, reduce_op=op)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             value = value.clone()
-            torch.distributed.all_reduce(value)
+            torch.distributed.all_reduce(value, op=getattr(torch.distributed.ReduceOp, op.upper()))
         return value
+
+    def agreed_micro_batches(self, batch: RolloutBatch) -> tuple[list[RolloutBatch], int]:
+        """``batch`` in micro-batches of ``micro_batch_size`` rows, followed by one-row padding micro-batches
+        (:meth:`RolloutBatch.masked_rows`, loss mask 0) up to the largest count on any data-parallel rank
+        (one all-reduce, reached by every rank). Every pass over a batch in micro-batches goes through
+        here, so every rank runs the same number of forwards and backwards, which are collectives under
+        FSDP (F19), whatever its rows: a failed environment, a filtered sample, an empty batch.
+
+        Returns:
+            ``(micro_batches, n_real)``: the first ``n_real`` micro-batches hold ``batch``'s rows, the rest
+            are padding that contributes exactly 0 to the loss and the gradients.
+        """
+        parts = batch.split(self.micro_batch_size)
+        n = int(self.reduce_max(torch.tensor(len(parts), device=self.device)).item())
+        return parts + [batch.masked_rows(1) for _ in range(n - len(parts))], len(parts)
 
     def _allowed_lag(self) -> int:
         dm = self.trainer.datamodule if self._trainer is not None else None
@@ -344,6 +368,8 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
         supervised tokens of the whole step on all ranks, and multiplied by ``world_size`` because
         data-parallel gradient reduction averages over ranks. So the step gradient does not depend on
         ``micro_batch_size`` or the number of ranks (F07), and an all-masked micro-batch adds 0 (F06).
+        Every rank runs the same number of micro-batches (:meth:`agreed_micro_batches`, F19): a rank with
+        fewer rows, or none, adds fully masked padding micro-batches.
 
         Returns:
             Detached sums on this rank: ``loss`` (the step loss share, nats), ``kl`` and ``entropy``
@@ -352,7 +378,8 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
         sums = {k: torch.zeros((), device=self.device) for k in ("loss", "kl", "entropy")}
         parts: dict[str, list[torch.Tensor]] = {"kl_sum": [], "loss_sum": [], "tokens": []}
         h = self.turn_kl.num_turns
-        for mb in batch.split(self.micro_batch_size):
+        micro, n_real = self.agreed_micro_batches(batch)
+        for i, mb in enumerate(micro):
             out, mask, turns = self.token_losses(mb)
             weights = self.token_weights(mb, out)
             loss = aggregate_token_loss(out.loss, mask, step_tokens, weights) * world_size
@@ -364,6 +391,8 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
             self.turn_kl.update(out.kl[keep], turns[keep])
             if self.hybrid:
                 self._surrogate_stats(mb, out, keep)
+            if i >= n_real:  # padding (all sums above got exactly 0): no rows in the turn statistics
+                continue
             contribution = out.loss.detach() * (1.0 if weights is None else weights)
             parts["kl_sum"].append(per_turn_sums(torch.where(keep, out.kl, 0.0), turns, h))
             parts["loss_sum"].append(per_turn_sums(torch.where(keep, contribution, 0.0), turns, h))

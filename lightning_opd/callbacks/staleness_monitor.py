@@ -23,6 +23,7 @@ Logged (``staleness/``, per step): ``lag_mean``, ``lag_max`` (versions), ``delta
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
@@ -113,8 +114,13 @@ class StalenessMonitor(Callback):
 
     # ---------------------------------------------------------------------------------- the weighting
     def prepare(self, module, batch, student_logprobs: torch.Tensor | None) -> BatchPlan:
-        """Diagnostics, freshness and the M1/M2 decisions for one rollout batch (whole step)."""
-        if batch.size == 0 or student_logprobs is None:
+        """Diagnostics, freshness and the M1/M2 decisions for one rollout batch (whole step).
+
+        Every rank reaches its one reduction, also with an empty batch (F19); ``freshness_mean`` (f̄) is
+        the same on every rank, so the adaptive bound moves alike everywhere. Per-rank statistics of a rank
+        without samples are NaN.
+        """
+        if student_logprobs is None:  # on every rank alike: needs_student_logprobs is configuration
             return BatchPlan()
         mask = batch.loss_mask[:, 1:]
         lag = (module.policy_version - batch.behaviour_version).clamp(min=0)
@@ -127,15 +133,24 @@ class StalenessMonitor(Callback):
             bad_groups = torch.unique(batch.group_id[~ok])
             keep = ~torch.isin(batch.group_id, bad_groups)
         tokens = mask.sum(dim=1).double() * keep
-        total = module.reduce_sum(tokens.sum())
-        f_bar = module.reduce_sum((fresh * tokens).sum()) / total.clamp(min=1.0)
+        # all ranks: kept tokens, their freshness mass, samples, freshness sum (float64)
+        total, mass, samples, f_sum = module.reduce_sum(torch.stack([
+            tokens.sum(), (fresh * tokens).sum(), fresh.new_tensor(float(fresh.numel())), fresh.sum()]))
+        f_bar = mass / total.clamp(min=1.0)
         weight = (fresh / f_bar.clamp(min=1e-12)).float() if self.weighting else None
         n_groups = len(torch.unique(batch.group_id))
+        if total > 0:
+            f_mean = float(f_bar)
+        else:  # every sample dropped: the plain mean over all ranks' samples (NaN: no sample anywhere)
+            f_mean = float(f_sum / samples) if samples > 0 else float("nan")
+
+        def local(x: torch.Tensor, fn=torch.mean) -> float:  # this rank's statistic; NaN without samples
+            return float(fn(x.double())) if x.numel() else float("nan")
+
         self._last = {
-            "lag_mean": float(lag.double().mean()), "lag_max": float(lag.max()), "delta": float(diag.delta.mean()),
-            "rho": float(diag.rho.mean()), "chi": float(diag.chi.mean()), "score": float(score.mean()),
-            "freshness_mean": float(f_bar) if total > 0 else float(fresh.mean()), "freshness_min": float(fresh.min()),
-            "dropped_samples": float((~keep).sum()),
+            "lag_mean": local(lag), "lag_max": local(lag, torch.max), "delta": local(diag.delta),
+            "rho": local(diag.rho), "chi": local(diag.chi), "score": local(score), "freshness_mean": f_mean,
+            "freshness_min": local(fresh, torch.min), "dropped_samples": float((~keep).sum()),
             "dropped_groups": float(n_groups - len(torch.unique(batch.group_id[keep]))),
         }
         self.last_freshness = fresh.detach().clone()
@@ -156,8 +171,8 @@ class StalenessMonitor(Callback):
 
     # ------------------------------------------------------------------------------------- internals
     def _update_bound(self) -> None:
-        if not self.adaptive_lag or not self._last:
-            return
+        if not self.adaptive_lag or not self._last or math.isnan(self._last["freshness_mean"]):
+            return  # no sample on any rank this step: nothing learned about freshness
         f_bar = self._last["freshness_mean"]
         if f_bar < self.low_freshness:
             self.low_streak += 1

@@ -97,6 +97,18 @@ class RolloutBatch:
                                       if getattr(mb, k) is not None}))
         return out
 
+    def masked_rows(self, n: int) -> "RolloutBatch":
+        """``n`` padding rows shaped like this batch's (the same optional fields, device and sampling), of 2
+        attended tokens (id 0) with ``loss_mask`` 0 and ``turn_index`` -1: a forward on them trains nothing
+        (sample weight 1, advantage and log-probs 0, turn weight 1). A rank pads its micro-batches with
+        them so that every rank runs the same number of forwards (collectives under FSDP, F19)."""
+        dev = self.input_ids.device
+        fill = {"attention_mask": 1, "turn_index": NON_ASSISTANT, "sample_weight": 1, "turn_weight": 1}
+        values = {k: torch.full((n, 2) if k in self._PER_TOKEN else (n,), fill.get(k, 0), dtype=getattr(self, k).dtype,
+                                device=dev)
+                  for k in self._TENSORS if getattr(self, k) is not None}
+        return replace(self, **values, trajectories=[])
+
 
 def _after_stop(t: Trajectory, stop_ids: Collection[int]) -> list[int]:
     """Positions of reply tokens that follow a stop id of the same reply (turn)."""
