@@ -256,7 +256,9 @@ def tables_from_evaluation(data: dict, table: str = "greedy", metric: str = "suc
         data: the JSON object (``students`` list, see :mod:`lightning_opd.evaluation.evaluate`).
         table: ``"greedy"`` (one episode per task and seed), ``"sampled"`` (the mean of the ``k``
             sampled episodes of each task and seed: Avg@k) or ``"teacher_traj_kl"`` (the student's
-            reverse KL on the teacher's trajectory of each task, nats/token; recorded under each seed).
+            reverse KL on the teacher's trajectory of each task, nats/token, that task's own token mean;
+            recorded under each seed). So ``compare`` weighs every task equally, while evaluate's summary
+            ``teacher_traj_kl.mean`` weighs every token equally.
         metric: episode field (``success``, ``turns``, ``invalid_actions``, ``reward``, ...); ``kl`` for
             ``teacher_traj_kl``.
 
