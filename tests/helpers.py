@@ -197,3 +197,22 @@ def assert_only_the_long_episode_truncated(batch, limit: int) -> None:
     assert by_task["key"].success and by_task["key"].num_turns == 2
     for task in ("cherry", "door"):
         assert (by_task[task].truncation_reason, by_task[task].num_turns) == ("max_turns", 2)
+
+
+def spawn_ranks(target, args, timeout: float = 240, world: int = 2) -> None:
+    """Run ``target(rank, port, *args)`` in ``world`` spawned processes (gloo tests); a rank still running
+    after ``timeout`` seconds is killed and the test fails with "a rank hung" instead of blocking."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+    assert [p.exitcode for p in procs] == [0] * world

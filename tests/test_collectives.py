@@ -19,8 +19,7 @@ from lightning_opd.data.collate import RolloutBatch, collate_trajectories
 from lightning_opd.losses import ClippedSurrogate, FullVocabReverseKL
 from lightning_opd.models.fsdp import FSDP2Strategy, shard_causal_lm
 from lightning_opd.module import OPDModule
-from tests.helpers import KeywordEnvFactory, make_tokenizer
-from tests.models.test_fsdp import _spawn
+from tests.helpers import KeywordEnvFactory, make_tokenizer, spawn_ranks
 from tests.test_module import make_batch, make_module, step_grads
 
 pytestmark = pytest.mark.timeout(300)
@@ -85,7 +84,7 @@ def test_uneven_ranks_give_the_single_process_gradient(model_dirs, tokenizer, tm
     """Rank 0 holds 1 row (that the staleness filter drops) or none, rank 1 the rest: both ranks run the same
     number of student forwards (log-probs, backward) and the freshness reductions, and the sharded gradient,
     loss and log-probs equal the single-process ones on all rows."""
-    _spawn(_uneven_worker, (model_dirs, rows, str(tmp_path)))
+    spawn_ranks(_uneven_worker, (model_dirs, rows, str(tmp_path)))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     module = make_module(model_dirs, FullVocabReverseKL, 4)
     batch = _stale_batch(module, tokenizer)
@@ -167,7 +166,7 @@ def test_fsdp_fit_with_a_failed_environment_on_one_rank(model_dirs, tokenizer, t
     """Issue 14 case 4: ``episodes_per_step=2``, one task raises on ``make()``; the ranks hold 1 and 2 rows,
     the fit finishes its steps, and the first update's gradient is the single-process gradient of the
     surviving rows."""
-    _spawn(_fit_worker, (model_dirs, "failed-env", str(tmp_path)))
+    spawn_ranks(_fit_worker, (model_dirs, "failed-env", str(tmp_path)))
     ranks = _load(tmp_path)
     assert [r["version"] for r in ranks] == [2, 2]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in ranks)
@@ -187,7 +186,7 @@ def test_fsdp_fit_with_an_empty_rank_through_every_site(model_dirs, tmp_path):
     """Rank 0's environments all fail (an empty batch every step) under the staleness filter, the hybrid
     objective with T-DUR and 2 PPO mini-batches: the fit finishes (2 batches, 4 updates) and the gradient is
     rank 1's alone."""
-    _spawn(_fit_worker, (model_dirs, "empty-rank", str(tmp_path)))
+    spawn_ranks(_fit_worker, (model_dirs, "empty-rank", str(tmp_path)))
     ranks = _load(tmp_path)
     assert [r["version"] for r in ranks] == [2, 2]
     assert [[p[0] for p in r["played"]] for r in ranks] == [[0, 0], [2, 2]]

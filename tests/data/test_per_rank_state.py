@@ -13,13 +13,12 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.distributed import gather_per_rank
 from lightning_opd.models.fsdp import FSDP2Strategy
 from lightning_opd.policy import rng_states
-from tests.helpers import KeywordEnvFactory, free_port
+from tests.helpers import KeywordEnvFactory, spawn_ranks
 from tests.test_training import RecordingOPD
 
 pytestmark = pytest.mark.timeout(420)
@@ -108,23 +107,9 @@ def _worker(rank, port, model_dirs, out_dir):
                 "rng_saved": half.rng_saved, "rng_loaded": resumed.rng_loaded}, out / f"rank{rank}.pt")
 
 
-def _spawn(target, args, timeout=360):
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=timeout)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung"
-    assert [p.exitcode for p in procs] == [0, 0]
-
 
 def test_two_ranks_resume_with_their_own_buffers_counters_and_random_states(model_dirs, tmp_path):
-    _spawn(_worker, (model_dirs, str(tmp_path)))
+    spawn_ranks(_worker, (model_dirs, str(tmp_path)), timeout=360)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     saved = [r["saved"] for r in ranks]
     assert all(s["buffered"] for s in saved) and saved[0]["buffered"] != saved[1]["buffered"]  # they differ

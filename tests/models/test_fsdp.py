@@ -12,7 +12,6 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.envs.base import EnvFactory, StepResult
@@ -20,25 +19,11 @@ from lightning_opd.losses import FullVocabReverseKL
 from lightning_opd.models.fsdp import FSDP2Strategy, decoder_layers, full_state_dict, is_sharded, shard_causal_lm
 from lightning_opd.models.loading import load_causal_lm
 from lightning_opd.module import OPDModule
-from tests.helpers import free_port, make_tokenizer
+from tests.helpers import make_tokenizer, spawn_ranks
 from tests.test_module import make_batch, make_module, step_grads
 
 pytestmark = pytest.mark.timeout(300)
 
-
-def _spawn(target, args, timeout=240):
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=timeout)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung (F10)"
-    assert [p.exitcode for p in procs] == [0, 0]
 
 
 # ------------------------------------------------------------------------------------------ F07 sharded
@@ -63,7 +48,7 @@ def _grad_worker(rank, port, model_dirs, out_dir):
 
 
 def test_sharded_step_equals_single_process(model_dirs, tokenizer, tmp_path):
-    _spawn(_grad_worker, (model_dirs, str(tmp_path)))
+    spawn_ranks(_grad_worker, (model_dirs, str(tmp_path)))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     module = make_module(model_dirs, FullVocabReverseKL, 4)
     batch = make_batch(tokenizer)
@@ -144,7 +129,7 @@ def _fit_worker(rank, port, model_dirs, out_dir):
 
 
 def test_fsdp_fit_shards_games_and_survives_uneven_episodes(model_dirs, tmp_path):
-    _spawn(_fit_worker, (model_dirs, str(tmp_path)))
+    spawn_ranks(_fit_worker, (model_dirs, str(tmp_path)))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     assert [r["version"] for r in ranks] == [2, 2]
     for step in range(2):
