@@ -9,6 +9,7 @@ MODEL := artifacts/models/smollm2-135m
 GAMES := artifacts/games/quest3
 LONG_GAMES := artifacts/games/quest5
 TEACHER := artifacts/models/teacher-textworld
+STUDENT := artifacts/models/student-opd
 ADAPTER := assets/teacher-textworld-lora
 SEARCH_QA := artifacts/search_qa
 SQA_TEACHER := artifacts/models/teacher-search-qa
@@ -93,16 +94,18 @@ demo-search-qa: install model search-qa teacher-search-qa
 
 prepare: model games
 
-# The main job: student before, teacher, OPD (validation during fit; the last one is the student after).
+# The main job: OPD (conf/textworld/opd.yaml, student exported to $(STUDENT)), then the student before,
+# the teacher and the student after evaluated greedily on all 50 held-out games in one `evaluate`
+# process (with the teacher-trajectory KL), and the table printed by `compare` with paired 95% CIs.
 demo: install model games teacher
 	rm -rf runs/demo
-	$(LOPD) validate --config conf/textworld/opd.yaml --trainer.logger.init_args.save_dir=runs/demo --trainer.logger.init_args.name=student_before
-	$(LOPD) validate --config conf/textworld/opd.yaml --trainer.logger.init_args.save_dir=runs/demo --trainer.logger.init_args.name=teacher --model.init_args.student=$(TEACHER)
-	$(LOPD) fit --config conf/textworld/opd.yaml --trainer.logger.init_args.save_dir=runs/demo --trainer.logger.init_args.name=opd
-	$(LOPD) results "student before=runs/demo/student_before" "teacher=runs/demo/teacher" "student after (OPD)=runs/demo/opd"
+	$(LOPD) fit --config conf/textworld/opd.yaml --trainer.logger.init_args.save_dir=runs/demo --trainer.logger.init_args.name=opd --trainer.limit_val_batches=0 --model.init_args.export_dir=$(STUDENT)
+	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(TEACHER)" "student after (OPD)=$(STUDENT)" --games $(GAMES) --teacher $(TEACHER) --avg-k 0 --cache-dir runs/demo/teacher_trajectories --out runs/demo/evaluation.json
+	$(LOPD) compare runs/demo/evaluation.json --json runs/demo/comparison.json
+	$(LOPD) compare runs/demo/evaluation.json --table teacher_traj_kl
 
 test: install install-vllm model games teacher
-	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(BIN)/lint-imports && $(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)

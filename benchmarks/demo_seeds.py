@@ -7,7 +7,15 @@ Each seed is one ``lightning-opd fit`` in its own process (``--seed_everything k
 separate process). Resumable at the level of one seed: a seed whose ``done.json`` exists is never rerun
 (written last, atomically); an interrupted one is re-run from the start.
 
-Results: ``benchmarks/results/demo_seeds/seed<k>/`` (fit log, ``done.json`` with the wall time).
+Then each student is evaluated greedily on all 50 held-out games in its own ``lightning-opd evaluate``
+process, with episode seed ``k`` (the pairing key, so the three students merge into one arm of 50 x 3
+episodes), plus the student before and the teacher evaluated with every seed as references; evaluation is
+resumable per JSON (one that exists is never rerun). Last, ``lightning-opd compare`` prints the table
+(student after over 50 games x 3 seeds first, then each seed alone, then the references, with each
+difference to the first arm and its paired 95% CI; tasks resampled as clusters).
+
+Results: ``benchmarks/results/demo_seeds/seed<k>/`` (fit log, ``done.json`` with the wall time),
+``benchmarks/results/demo_seeds/eval/*.json`` (evaluate outputs, with seconds), ``table.md``.
 
 Run: .venv/bin/python -m benchmarks.demo_seeds --seeds 0 1 2
 """
@@ -26,6 +34,7 @@ from benchmarks.common import RESULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 LOPD = [sys.executable, "-m", "lightning_opd"]
+GAMES = "artifacts/games/quest3"
 
 
 def fit_seed(seed: int, out: Path, models: Path) -> dict:
@@ -50,14 +59,48 @@ def fit_seed(seed: int, out: Path, models: Path) -> dict:
     return record
 
 
+def evaluate_student(label: str, path: str, seeds: list[int], out: Path, teacher: str) -> Path:
+    """``lightning-opd evaluate`` one student greedily on the 50 held-out games with episode ``seeds``
+    (and the teacher-trajectory KL against ``teacher``) unless ``out`` exists; returns ``out``."""
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = LOPD + ["evaluate", "--students", f"{label}={path}", "--games", GAMES, "--seeds", *map(str, seeds),
+                  "--avg-k", "0", "--teacher", teacher, "--out", str(out)]
+    with open(out.with_suffix(".log"), "w") as log:
+        subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
+                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--models", default="artifacts/models/demo-seeds", help="where the students are exported")
+    p.add_argument("--before", default="artifacts/models/smollm2-135m", help="the student before OPD")
+    p.add_argument("--teacher", default="artifacts/models/teacher-textworld")
     a = p.parse_args(argv)
+    root = RESULTS / "demo_seeds"
+    evals = []
     for seed in a.seeds:
-        rec = fit_seed(seed, RESULTS / "demo_seeds" / f"seed{seed}", Path(a.models))
+        rec = fit_seed(seed, root / f"seed{seed}", Path(a.models))
         print(f"seed {seed}: {rec['student']} ({rec['fit_seconds']:.0f} s)", flush=True)
+        evals.append(evaluate_student(f"seed{seed}", rec["student"], [seed], root / "eval" / f"seed{seed}.json",
+                                      a.teacher))
+    refs = {name: evaluate_student(name, path, a.seeds, root / "eval" / f"{name}.json", a.teacher)
+            for name, path in (("before", a.before), ("teacher", a.teacher))}
+    merged = ",".join(map(str, evals))
+    arms = [f"student after (OPD, {len(a.seeds)} seeds)={merged}", f"student before={refs['before']}",
+            f"teacher={refs['teacher']}"]
+    from lightning_opd.evaluation.compare import main as compare
+    table = ["### greedy success, 50 held-out games x seeds " + " ".join(map(str, a.seeds)),
+             compare(arms).to_markdown(),
+             "### teacher-trajectory reverse KL (nats/token, each task's token mean)",
+             compare(arms + ["--table", "teacher_traj_kl", "--metric", "kl"]).to_markdown(digits=3)]
+    for seed, e in zip(a.seeds, evals):  # each training seed alone, on its own episodes
+        table += [f"### seed {seed} alone", compare([f"student after, seed {seed}={e}", f"teacher={refs['teacher']}",
+                                                     "--intersect"]).to_markdown()]
+    (root / "table.md").write_text("\n\n".join(table) + "\n")
 
 
 if __name__ == "__main__":
