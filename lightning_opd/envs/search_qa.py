@@ -183,6 +183,23 @@ class SearchQAEnv:
         pass
 
 
+def _read_jsonl(path: Path, data_dir: Path) -> list[dict]:
+    """The JSON objects of a ``.jsonl`` file, one per non-empty line.
+
+    Raises:
+        ValueError: a line is not valid JSON (names the file and the line number).
+    """
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as err:
+                raise ValueError(f"{path}:{number} is not valid JSON ({err}); regenerate the data with "
+                                 f"`lightning-opd make-search-qa --out {data_dir} --force`") from None
+    return rows
+
+
 class SearchQAEnvFactory(EnvFactory):
     """Search-QA tasks from a data directory (``corpus.jsonl``, ``questions.jsonl``, ``manifest.json``).
 
@@ -194,7 +211,8 @@ class SearchQAEnvFactory(EnvFactory):
 
     Raises:
         FileNotFoundError: ``data_dir`` lacks the files (run ``lightning-opd make-search-qa``).
-        ValueError: a split shares a question with the other, or ``top_k < 1``.
+        ValueError: a split shares a question with the other, ``top_k < 1``, or a line of the data files is
+            not valid JSON (the message names the file and line).
     """
 
     system_prompt = SYSTEM_PROMPT
@@ -208,8 +226,7 @@ class SearchQAEnvFactory(EnvFactory):
         if not all(f.is_file() for f in files):
             raise FileNotFoundError(f"no Search-QA data at {str(self.data_dir)!r} (need corpus.jsonl and "
                                     f"questions.jsonl); run `lightning-opd make-search-qa --out {self.data_dir}`")
-        corpus = [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
-        rows = [json.loads(line) for line in files[1].read_text().splitlines() if line.strip()]
+        corpus, rows = (_read_jsonl(f, self.data_dir) for f in files)
         self.top_k, self.max_query_chars, self.max_answer_words = top_k, max_query_chars, max_answer_words
         self.retriever = BM25Retriever([d["text"] for d in corpus], [d["id"] for d in corpus])
         self._tasks = {r["id"]: r for r in rows}

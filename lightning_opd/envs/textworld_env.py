@@ -158,7 +158,8 @@ class TextWorldEnvFactory(EnvFactory):
 
     Raises:
         FileNotFoundError: no manifest in ``games_dir`` (run ``lightning-opd make-games``).
-        ValueError: the manifest's train and held-out splits overlap (same game hash in both).
+        ValueError: the manifest is not valid JSON or lists no games (the message names its path), or its
+            train and held-out splits overlap (same game hash in both).
     """
 
     system_prompt = SYSTEM_PROMPT
@@ -174,8 +175,15 @@ class TextWorldEnvFactory(EnvFactory):
                 f"no TextWorld games at {str(self.games_dir)!r} (missing manifest.json); run "
                 f"`lightning-opd make-games --out {self.games_dir}` first"
             )
-        self.manifest = json.loads(manifest.read_text())
-        games = self.manifest["games"]
+        try:
+            self.manifest = json.loads(manifest.read_text())
+        except ValueError as err:
+            raise ValueError(f"{manifest} is not valid JSON ({err}); regenerate the games with "
+                             f"`lightning-opd make-games --out {self.games_dir} --force`") from None
+        games = self.manifest.get("games") if isinstance(self.manifest, dict) else None
+        if not isinstance(games, list):
+            raise ValueError(f"{manifest} has no 'games' list; regenerate the games with "
+                             f"`lightning-opd make-games --out {self.games_dir} --force`")
         self._games = {g["task_id"]: g for g in games}
         train = [g["task_id"] for g in games if g["split"] == "train"]
         evals = [g["task_id"] for g in games if g["split"] == "eval"]

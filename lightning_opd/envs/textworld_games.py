@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -58,6 +59,13 @@ def in_eval_split(game_hash: str, eval_fraction: float) -> bool:
     return int(game_hash[:8], 16) / 2**32 < eval_fraction
 
 
+def seed_budget(num_train: int, num_eval: int, eval_fraction: float = 0.2) -> int:
+    """Default seed budget of :func:`make_games`: ``4 * ceil(max(num_train / (1 - f), num_eval / f)) + 20``
+    with ``f = eval_fraction``, i.e. four times the seeds needed on average to fill the slower split
+    (held-out games alone: ``num_eval / f`` seeds, five per game at ``f = 0.2``), plus 20."""
+    return 4 * math.ceil(max(num_train / (1.0 - eval_fraction), num_eval / eval_fraction)) + 20
+
+
 def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: GameSpec = GameSpec(),
                seed: int = 0, workers: int = 2, max_attempts: int | None = None, eval_fraction: float = 0.2) -> Path:
     """Generate ``num_train`` training and ``num_eval`` held-out games into ``out``.
@@ -68,7 +76,8 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
         spec: quest length (horizon), world size (rooms) and number of objects.
         seed: first generation seed; seeds ``seed, seed+1, ...`` are tried in order.
         workers: generator processes.
-        max_attempts: give up after this many seeds (default ``4 * (num_train + num_eval) + 20``).
+        max_attempts: give up after this many seeds (default :func:`seed_budget`: 4 times the seeds the
+            split needs on average, plus 20; only ``eval_fraction`` of games fall in the held-out split).
         eval_fraction: split rule (:func:`in_eval_split`); fixed, not derived from the counts, so a
             game's split never depends on how many games are asked for.
 
@@ -76,14 +85,18 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
         ``out``.
 
     Raises:
-        RuntimeError: not enough distinct games within ``max_attempts`` seeds (raise quest length,
-            world size or number of objects).
+        ValueError: a negative count, no game asked for, or ``eval_fraction`` outside (0, 1).
+        RuntimeError: not enough games within ``max_attempts`` seeds; the message says whether the seed
+            budget ran out (raise ``max_attempts``) or most seeds repeated earlier games (the game space is
+            too small: raise quest length, world size or number of objects).
     """
     out = Path(out)
-    total = num_train + num_eval
-    max_attempts = max_attempts or 4 * total + 20
+    if num_train < 0 or num_eval < 0 or num_train + num_eval < 1:
+        raise ValueError(f"num_train={num_train}, num_eval={num_eval}: both must be >= 0 and one >= 1")
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction={eval_fraction} must be in (0, 1)")
+    max_attempts = max_attempts or seed_budget(num_train, num_eval, eval_fraction)
+    share = {"train": 1.0 - eval_fraction, "eval": eval_fraction}
     seen: set[str] = set()
     splits: dict[str, list[dict]] = {"train": [], "eval": []}
     want = {"train": num_train, "eval": num_eval}
@@ -93,11 +106,21 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
         while any(len(splits[s]) < want[s] for s in splits):
             if next_seed - seed >= max_attempts:
                 shutil.rmtree(stage, ignore_errors=True)
+                tried = next_seed - seed
+                repeats = tried - len(seen)
+                if repeats > tried // 2:
+                    cause = (f"the game space ran out: {repeats} of the {tried} seeds repeated an earlier game; "
+                             "increase quest_length, world_size or nb_objects")
+                else:
+                    cause = (f"the seed budget ran out ({repeats} repeated games; a game falls in the held-out "
+                             f"split with probability {eval_fraction}): raise max_attempts (--max-attempts); "
+                             "increase quest_length, world_size or nb_objects only if most seeds repeat")
                 raise RuntimeError(
-                    f"only {len(splits['train'])} train / {len(splits['eval'])} held-out distinct games after "
-                    f"{max_attempts} seeds with {spec}; increase quest_length, world_size or nb_objects"
+                    f"only {len(splits['train'])}/{num_train} train and {len(splits['eval'])}/{num_eval} held-out "
+                    f"games after {tried} seeds with {spec}: {cause}"
                 )
-            n = max(workers, sum(want[s] - len(splits[s]) for s in splits))
+            # seeds expected to fill what is missing, each split filling at its own rate
+            n = max(workers, math.ceil(max((want[s] - len(splits[s])) / share[s] for s in splits)))
             n = min(n, max_attempts - (next_seed - seed))
             batch = [(s, spec, str(stage)) for s in range(next_seed, next_seed + n)]
             next_seed += n

@@ -266,3 +266,10 @@ def test_direct_env_construction():
     env.reset()
     assert env.step("search: Quorin").observation.endswith("1. Quorin. Quorin is a city in Daltha.")
     assert env.step("answer: daltha").won
+
+
+def test_corrupt_data_file_names_the_file_and_line(tmp_path):
+    (tmp_path / "corpus.jsonl").write_text('{"id": "person:A", "text": "A."}\n\n{"id": broken\n')
+    (tmp_path / "questions.jsonl").write_text("")
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'corpus.jsonl'}:3 is not valid JSON .*make-search-qa --out"):
+        SearchQAEnvFactory(str(tmp_path))

@@ -5,7 +5,10 @@ Five tiny games (quest length 2, two rooms) are generated once per session (abou
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +21,8 @@ from lightning_opd.envs.textworld_env import (
     parse_action,
     visible_commands,
 )
-from lightning_opd.envs.textworld_games import GameSpec, _game_hash, in_eval_split, make_games
+from lightning_opd.envs import textworld_games
+from lightning_opd.envs.textworld_games import GameSpec, _game_hash, in_eval_split, make_games, seed_budget
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
 from lightning_opd.rollout.generator import SamplingParams
 from lightning_opd.rollout.scripted import ScriptedGenerator, walkthrough_replies
@@ -366,3 +370,58 @@ def test_goal_repeated_every_turn_by_default(games_dir, manifest):
         assert results[-1].invalid_action and results[-1].observation.splitlines()[1].startswith("Observation: ")
     finally:
         env.close()
+
+
+def test_corrupt_manifest_names_the_file(tmp_path):
+    (tmp_path / "manifest.json").write_text('{"games": [')
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'manifest.json'} is not valid JSON .*--force"):
+        TextWorldEnvFactory(str(tmp_path))
+    (tmp_path / "manifest.json").write_text(json.dumps({"spec": {}}))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'manifest.json'} has no 'games' list"):
+        TextWorldEnvFactory(str(tmp_path))
+
+
+def test_seed_budget_is_sized_from_the_split():
+    """4 x the seeds the slower split needs on average (a game is held out with probability 0.2) + 20."""
+    assert seed_budget(0, 20) == 4 * 100 + 20  # held-out only: 5 seeds per held-out game
+    assert seed_budget(200, 50) == 4 * 250 + 20
+    assert seed_budget(100, 0) == 4 * 125 + 20  # 100 / 0.8
+    assert seed_budget(0, 20, eval_fraction=0.5) == 4 * 40 + 20
+
+
+def _fake_generate(args):
+    """A stand-in for TextWorld: seed s makes game number s // repeat (files written like the real one)."""
+    seed, spec, tmp_dir = args
+    number = seed // int(os.environ["FAKE_GAME_REPEAT"])
+    path = Path(tmp_dir) / f"seed{seed}.z8"
+    path.write_text("z8")
+    path.with_suffix(".json").write_text("{}")
+    return {"seed": seed, "path": str(path), "hash": hashlib.sha256(str(number).encode()).hexdigest(),
+            "walkthrough": ["go east"], "objective": f"game {number}"}
+
+
+def test_held_out_only_games_fit_the_budget(tmp_path, monkeypatch):
+    """20 held-out games alone need about 100 distinct games; the old budget (4 x 20 + 20 = 100 seeds) failed
+    about half the time, the split-sized one (420) does not."""
+    monkeypatch.setenv("FAKE_GAME_REPEAT", "1")
+    monkeypatch.setattr(textworld_games, "_generate_one", _fake_generate)
+    out = make_games(tmp_path / "g", num_train=0, num_eval=20, workers=1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [g["split"] for g in manifest["games"]] == ["eval"] * 20
+    last = max(g["seed"] for g in manifest["games"])
+    assert 20 <= last < seed_budget(0, 20)
+    held_out = sum(in_eval_split(hashlib.sha256(str(s).encode()).hexdigest(), 0.2) for s in range(last + 1))
+    assert held_out == 20  # the 20th held-out game is the last seed used
+
+
+def test_make_games_says_what_ran_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(textworld_games, "_generate_one", _fake_generate)
+    monkeypatch.setenv("FAKE_GAME_REPEAT", "1")  # every seed a new game: the seed budget runs out
+    with pytest.raises(RuntimeError, match=r"only 0/0 train and \d+/20 held-out games after 30 seeds .*: the seed "
+                                           r"budget ran out \(0 repeated games; .*raise max_attempts"):
+        make_games(tmp_path / "a", num_train=0, num_eval=20, workers=1, max_attempts=30)
+    monkeypatch.setenv("FAKE_GAME_REPEAT", "10")  # ten seeds per game: the game space runs out
+    with pytest.raises(RuntimeError, match=r"after 30 seeds .*: the game space ran out: 27 of the 30 seeds repeated "
+                                           r"an earlier game; increase quest_length"):
+        make_games(tmp_path / "b", num_train=3, num_eval=3, workers=1, max_attempts=30)
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
