@@ -1,33 +1,41 @@
 """``lightning-opd report RUN_DIR``: one picture of a run from its TensorBoard event files.
 
-Five panels, drawn with matplotlib (Agg, no display needed) into ``report.png`` and an HTML page
+Panels, drawn with matplotlib (Agg, no display needed) into ``report.png`` and an HTML page
 (``report.html``: the picture inline plus a table of every scalar's last value):
 
-1. per-turn reverse KL (``kl/turn_NN``, nats/token) as a heat map, turns x logged steps;
-2. success rate: held-out ``val/success`` and training ``rollout/success``;
-3. rollout-depth controller (TurnOPD): ``controller/cap``, ``h_eff``, ``h_cov``, ``h_bar`` (turns);
-4. staleness (f-OPD): ``staleness/freshness_mean``, ``freshness_min`` and ``rollout/lag`` (versions);
-5. schedules: ``schedule/*`` (annealing) and ``turn_blend/alpha``.
+1. per-turn reverse KL (``kl/turn_NN``, nats/token) as a heat map, turns x logged steps (integer turn ticks);
+2. training reverse KL ``train/kl`` (nats/token, mean over supervised tokens), or ``train/loss`` for SFT;
+3. success rate: held-out ``val/success`` and training ``rollout/success``, on a fixed 0-1 axis, with the
+   given baselines (e.g. the student before and the teacher) as horizontal dashed lines;
+4. rollout-depth controller (TurnOPD): ``controller/cap``, ``h_eff``, ``h_cov``, ``h_bar`` (integer turns);
+5. staleness (f-OPD): ``staleness/freshness_mean``, ``freshness_min`` and ``rollout/lag`` (versions);
+6. schedules: ``schedule/*`` (annealing) and ``turn_blend/alpha``.
 
-A panel whose tags the run did not log says so instead of failing: every method logs a different
-subset. Events are read with TensorBoard's ``EventAccumulator`` from every event file under the run
-directory (several versions or resumed runs: later files win at equal steps).
+Panels 2-6 are drawn only when the run logged one of their tags (a synchronous run's ``rollout/lag`` is
+always 0 and does not count): every method logs a different subset, and a plain OPD run gets the heat
+map, the KL and the success panels. Events are read with TensorBoard's ``EventAccumulator`` from every
+event file under the run directory (several versions or resumed runs: later files win at equal steps).
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import math
 from pathlib import Path
 
 Series = dict[str, tuple[list[int], list[float]]]
 
+# (title, wanted tags (a trailing "/" is a prefix), y label, y axis kind: None, "fraction" or "integer")
 PANELS = (
-    ("Success rate", ("val/success", "rollout/success"), "fraction"),
-    ("Rollout-depth controller", ("controller/cap", "controller/h_eff", "controller/h_cov", "controller/h_bar"), "turns"),
-    ("Staleness", ("staleness/freshness_mean", "staleness/freshness_min", "rollout/lag"), "freshness / versions"),
-    ("Schedules", ("schedule/", "turn_blend/alpha"), "value"),
+    ("Training reverse KL", ("train/kl",), "nats/token", None),
+    ("Success rate", ("val/success", "rollout/success"), "fraction of episodes", "fraction"),
+    ("Rollout-depth controller", ("controller/cap", "controller/h_eff", "controller/h_cov", "controller/h_bar"),
+     "turns", "integer"),
+    ("Staleness", ("staleness/freshness_mean", "staleness/freshness_min", "rollout/lag"), "freshness / versions", None),
+    ("Schedules", ("schedule/", "turn_blend/alpha"), "value", None),
 )
+SFT_PANEL = ("Training loss", ("train/loss",), "nats/token", None)  # instead of the KL panel when no train/kl
 
 
 def read_scalars(run_dir: str | Path) -> Series:
@@ -67,26 +75,70 @@ def kl_matrix(series: Series) -> tuple[list[int], list[int], list[list[float]]]:
 
 
 def _tags(series: Series, wanted: tuple[str, ...]) -> list[str]:
-    return [t for w in wanted for t in sorted(series) if (t.startswith(w) if w.endswith("/") else t == w)]
+    tags = [t for w in wanted for t in sorted(series) if (t.startswith(w) if w.endswith("/") else t == w)]
+    return [t for t in tags if not (t == "rollout/lag" and not any(series[t][1]))]  # sync run: always 0
 
 
-def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[Path, Path]:
+def panels(series: Series) -> list[tuple[str, list[str], str, str | None]]:
+    """The panels after the heat map that ``series`` has data for: ``(title, tags, y label, y kind)``."""
+    chosen = []
+    for title, wanted, unit, kind in PANELS:
+        if wanted == ("train/kl",) and "train/kl" not in series:
+            title, wanted, unit, kind = SFT_PANEL
+        tags = _tags(series, wanted)
+        if tags:
+            chosen.append((title, tags, unit, kind))
+    return chosen
+
+
+def baseline_value(label: str, value: str | float) -> float:
+    """A baseline success level: a number in [0, 1], or a run directory whose last ``val/success`` is used.
+
+    Raises:
+        ValueError: a number outside [0, 1].
+        FileNotFoundError: neither a number nor a run directory with event files.
+        KeyError: the run directory logged no ``val/success``.
+    """
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        series = read_scalars(value)
+        if "val/success" not in series:
+            raise KeyError(f"baseline {label!r}: {str(value)!r} logged no val/success") from None
+        return series["val/success"][1][-1]
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"baseline {label!r}={number}: a success rate must be in [0, 1]")
+    return number
+
+
+def render_report(run_dir: str | Path, out_dir: str | Path | None = None,
+                  baselines: dict[str, str | float] | None = None) -> tuple[Path, Path]:
     """Write ``report.png`` and ``report.html`` for the run in ``run_dir`` (into ``out_dir``, default
     ``run_dir``); returns their paths.
 
+    Args:
+        baselines: ``{label: value}`` success levels drawn on the success panel (:func:`baseline_value`),
+            e.g. ``{"student before": 0.0, "teacher": "runs/demo/teacher"}``.
+
     Raises:
-        FileNotFoundError: no event files under ``run_dir``.
+        FileNotFoundError: no event files under ``run_dir`` (or under a baseline's run directory).
+        ValueError, KeyError: a baseline is not a success level (:func:`baseline_value`).
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     series = read_scalars(run_dir)
+    levels = {label: baseline_value(label, v) for label, v in (baselines or {}).items()}  # fail before drawing
     out = Path(out_dir) if out_dir is not None else Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(len(PANELS) + 1, 1, figsize=(9, 3.2 * (len(PANELS) + 1)), constrained_layout=True)
+    chosen = panels(series)
+    fig, axes = plt.subplots(len(chosen) + 1, 1, figsize=(9, 3.2 * (len(chosen) + 1)), constrained_layout=True,
+                             squeeze=False)
+    axes = axes[:, 0]
     turns, steps, matrix = kl_matrix(series)
     ax = axes[0]
     if matrix:
@@ -94,22 +146,24 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tup
                           interpolation="nearest", extent=(-0.5, len(steps) - 0.5, min(turns) - 0.5, max(turns) + 0.5))
         ticks = np.linspace(0, len(steps) - 1, min(len(steps), 8)).round().astype(int)
         ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # turns are whole numbers
         fig.colorbar(image, ax=ax, label="reverse KL (nats/token)")
         ax.set_ylabel("turn")
     else:
         ax.text(0.5, 0.5, "no kl/turn_* logged in this run", ha="center", va="center", transform=ax.transAxes)
     ax.set_title("Per-turn reverse KL")
     ax.set_xlabel("step")
-    for ax, (title, wanted, unit) in zip(axes[1:], PANELS):
-        tags = _tags(series, wanted)
+    for ax, (title, tags, unit, kind) in zip(axes[1:], chosen):
         for tag in tags:
             xs, ys = series[tag]
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=tag)
-        if tags:
-            ax.legend(fontsize=8, loc="best")
-        else:
-            ax.text(0.5, 0.5, f"not logged in this run ({', '.join(wanted)})", ha="center", va="center",
-                    transform=ax.transAxes, fontsize=9)
+        if kind == "fraction":
+            ax.set_ylim(-0.02, 1.02)
+            for i, (label, level) in enumerate(levels.items()):
+                ax.axhline(level, linestyle="--", linewidth=1, color=f"C{len(tags) + i}", label=f"{label} ({level:.2f})")
+        if kind == "integer":
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=8, loc="best")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(unit)
@@ -117,8 +171,10 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tup
     png = out / "report.png"
     fig.savefig(png, dpi=90)
     plt.close(fig)
-    rows = "".join(f"<tr><td>{html.escape(t)}</td><td>{xs[-1]}</td><td>{ys[-1]:.4g}</td></tr>"
+    rows = "".join(f"<tr><td>{html.escape(t)}</td><td>{xs[-1]}</td><td>{_num(ys[-1])}</td></tr>"
                    for t, (xs, ys) in sorted(series.items()))
+    rows += "".join(f"<tr><td>baseline: {html.escape(label)}</td><td></td><td>{_num(level)}</td></tr>"
+                    for label, level in levels.items())
     page = out / "report.html"
     page.write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>lightning-opd report</title></head><body>"
@@ -127,3 +183,7 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tup
         f"<h2>Last value of every scalar</h2><table border='1'><tr><th>tag</th><th>step</th><th>value</th></tr>"
         f"{rows}</table></body></html>")
     return png, page
+
+
+def _num(value: float) -> str:
+    return "nan" if math.isnan(value) else f"{value:.4g}"

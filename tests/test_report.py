@@ -11,7 +11,7 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_opd.cli import main
-from lightning_opd.report import kl_matrix, read_scalars, render_report
+from lightning_opd.report import baseline_value, kl_matrix, panels, read_scalars, render_report
 
 RECORDED = Path(__file__).parent / "fixtures" / "recorded_run"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -54,7 +54,8 @@ def test_report_renders_recorded_run(tmp_path, capsys):
     data = png.read_bytes()
     assert data[:8] == PNG_MAGIC
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    assert (width, height) == (810, 1440)  # 9 x 16 inches at 90 dpi: the KL heat map + four panels
+    # 9 x 9.6 inches at 90 dpi: a plain OPD run draws the KL heat map, train/kl and success (no empty panels)
+    assert (width, height) == (810, 864)
     text = page.read_text()
     assert "data:image/png;base64," in text and "kl/turn_00" in text and "val/success" in text
 
@@ -64,3 +65,66 @@ def test_report_says_what_a_run_did_not_log(tmp_path):
     png, page = render_report(tmp_path)
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert "val/success" not in page.read_text()  # only logged tags are tabulated
+
+
+def _drawn_figure(monkeypatch, **kwargs):
+    """Render the recorded run and return the matplotlib figure it drew (``plt.close`` intercepted)."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    try:
+        render_report(RECORDED, **kwargs)
+    finally:
+        monkeypatch.setattr(plt, "close", close)
+    return figures[0]
+
+
+def test_plain_opd_run_draws_only_logged_panels():
+    """The recorded run is plain synchronous OPD: no controller, no schedule, rollout/lag always 0."""
+    chosen = panels(read_scalars(RECORDED))
+    assert [(title, tags) for title, tags, _, _ in chosen] == [
+        ("Training reverse KL", ["train/kl"]), ("Success rate", ["val/success", "rollout/success"])]
+
+
+def test_async_lag_and_sft_loss_get_their_panels(tmp_path):
+    _write(tmp_path, {"train/loss": [(0, 2.0)], "rollout/lag": [(0, 0.0), (1, 2.0)], "controller/cap": [(0, 3.0)]})
+    chosen = [(title, tags) for title, tags, _, _ in panels(read_scalars(tmp_path))]
+    assert chosen == [("Training loss", ["train/loss"]), ("Rollout-depth controller", ["controller/cap"]),
+                      ("Staleness", ["rollout/lag"])]
+
+
+def test_success_axis_is_pinned_turn_ticks_are_integers_and_baselines_drawn(tmp_path, monkeypatch):
+    before = tmp_path / "before"
+    _write(before, {"val/success": [(0, 0.25)]})
+    fig = _drawn_figure(monkeypatch, out_dir=tmp_path / "out", baselines={"student before": str(before),
+                                                                           "teacher": "0.92"})
+    heat, kl, success = fig.axes[:3]
+    assert (heat.get_title(), kl.get_title(), success.get_title()) == (
+        "Per-turn reverse KL", "Training reverse KL", "Success rate")
+    assert success.get_ylim() == (-0.02, 1.02)
+    ticks = [t for t in heat.get_yticks() if heat.get_ylim()[0] <= t <= heat.get_ylim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)  # turns 0..3, no half turns
+    labels = success.get_legend_handles_labels()[1]
+    assert "student before (0.25)" in labels and "teacher (0.92)" in labels
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "baseline: teacher</td><td></td><td>0.92<" in page
+
+
+def test_bad_baselines_name_the_problem(tmp_path):
+    assert baseline_value("t", "0.5") == 0.5
+    with pytest.raises(ValueError, match=r"baseline 't'=1.5: a success rate must be in \[0, 1\]"):
+        baseline_value("t", "1.5")
+    with pytest.raises(FileNotFoundError, match="no TensorBoard event files under"):
+        baseline_value("t", str(tmp_path / "missing"))
+    _write(tmp_path / "nosuccess", {"train/kl": [(0, 1.0)]})
+    with pytest.raises(KeyError, match="logged no val/success"):
+        baseline_value("t", str(tmp_path / "nosuccess"))
+
+
+def test_report_command_exits_non_zero_on_a_missing_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["report", str(tmp_path / "nope")])
+    assert exc.value.code == 1
+    assert "no TensorBoard event files under" in capsys.readouterr().err
