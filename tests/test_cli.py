@@ -1,0 +1,218 @@
+"""``lightning-opd`` front end (lightning_opd/cli.py): the help lists every command, ``predict`` is refused,
+helpers check their arguments before any work and never replace output without ``--force``, config errors
+name the key or file first, ``trainer.gradient_clip_val`` points to ``model.init_args.grad_clip_norm``,
+``validate`` prints rounded metrics, ``fit`` says where the student went, the debug overlay keeps its own
+output, and a non-terminal stdout gets the plain step printer."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from torch.utils.tensorboard import SummaryWriter
+
+from lightning_opd.callbacks.progress import EpisodeProgressBar, StepLinePrinter
+from lightning_opd.cli import COMMANDS, HELPERS, OPDCLI, cause_first, main
+from tests.test_configs import BASE, CONF, build, games_dir, search_qa_dir  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.filterwarnings("ignore:No seed found")
+
+
+@pytest.fixture(autouse=True)
+def _isolate(isolate):
+    yield
+
+
+def _exit(capsys, argv) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    captured = capsys.readouterr()
+    return exc.value.code, captured.err + captured.out
+
+
+# ------------------------------------------------------------------------------------------ --help
+def test_main_help_lists_every_helper_and_no_predict(capsys):
+    code, out = _exit(capsys, ["--help"])
+    assert code == 0
+    assert set(HELPERS) == set(COMMANDS)
+    for name in ("prepare-model", "make-games", "make-search-qa", "merge-adapter", "results", "report", "evaluate",
+                 "compare", "fit", "validate", "test"):
+        assert f"\n    {name}" in out or f"\n  {name}" in out, name
+    assert "predict" not in out.split("helper commands")[0]  # not offered as a subcommand
+
+
+def test_predict_is_refused_with_what_to_use(capsys):
+    code, out = _exit(capsys, ["predict", "--config", str(BASE)])
+    assert code == 2
+    assert "`lightning-opd predict` is not supported" in out and "lightning-opd evaluate" in out
+
+
+# --------------------------------------------------------------------------------- helper arguments
+@pytest.mark.parametrize(("args", "message"), [
+    (["--train", "0", "--eval", "0"], "--train and --eval are both 0: nothing to generate"),
+    (["--train", "-3"], "argument --train: -3 must be >= 0"),
+    (["--eval", "-1"], "argument --eval: -1 must be >= 0"),
+    (["--quest-length", "0"], "argument --quest-length: 0 must be >= 1"),
+    (["--world-size", "0"], "argument --world-size: 0 must be >= 1"),
+    (["--workers", "0"], "argument --workers: 0 must be >= 1"),
+    (["--eval-fraction", "1.5"], "argument --eval-fraction: 1.5 must be in (0, 1)"),
+])
+def test_make_games_rejects_bad_arguments_before_any_work(args, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("lightning_opd.envs.textworld_games.make_games", _must_not_run)
+    code, out = _exit(capsys, ["make-games", "--out", str(tmp_path / "g"), *args])
+    assert code == 2 and message in out
+    assert not (tmp_path / "g").exists()
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("the helper started working on bad arguments")
+
+
+def test_make_games_never_replaces_output_without_force(capsys, monkeypatch, tmp_path):
+    out = tmp_path / "games"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")
+    monkeypatch.setattr("lightning_opd.envs.textworld_games.make_games", _must_not_run)
+    code, text = _exit(capsys, ["make-games", "--out", str(out), "--train", "1", "--eval", "1"])
+    assert code == 2 and f"--out {out} exists; pass --force to replace it" in text
+    assert (out / "manifest.json").read_text() == "{}"
+    calls = []
+    monkeypatch.setattr("lightning_opd.envs.textworld_games.make_games", lambda *a, **k: calls.append((a, k)) or a[0])
+    main(["make-games", "--out", str(out), "--train", "1", "--eval", "2", "--force", "--max-attempts", "7"])
+    (args, kwargs), = calls
+    assert args[:3] == (str(out), 1, 2) and kwargs["max_attempts"] == 7
+
+
+def test_make_search_qa_and_merge_adapter_refuse_existing_output(capsys, monkeypatch, tmp_path):
+    out = tmp_path / "kept"
+    out.mkdir()
+    (out / "file").write_text("x")
+    monkeypatch.setattr("lightning_opd.envs.search_qa_kb.write_search_qa", _must_not_run)
+    code, text = _exit(capsys, ["make-search-qa", "--out", str(out)])
+    assert code == 2 and "exists; pass --force" in text
+    code, text = _exit(capsys, ["make-search-qa", "--out", str(tmp_path / "new"), "--train", "0"])
+    assert code == 2 and "argument --train: 0 must be >= 1" in text
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    code, text = _exit(capsys, ["merge-adapter", "--base", str(base), "--adapter", str(adapter), "--out", str(out)])
+    assert code == 2 and f"--base {base} is not a model directory" in text
+    base.mkdir(), adapter.mkdir()
+    (base / "config.json").write_text("{}"), (adapter / "adapter_config.json").write_text("{}")
+    monkeypatch.setattr("lightning_opd.models.loading.merge_adapter", _must_not_run)
+    code, text = _exit(capsys, ["merge-adapter", "--base", str(base), "--adapter", str(adapter), "--out", str(out)])
+    assert code == 2 and "exists; pass --force" in text
+    assert (out / "file").read_text() == "x"
+
+
+# ------------------------------------------------------------------------------------------ results
+def _run(path: Path, points: dict[str, list[tuple[int, float]]]) -> Path:
+    w = SummaryWriter(str(path))
+    for tag, values in points.items():
+        for step, v in values:
+            w.add_scalar(tag, v, step)
+    w.close()
+    return path
+
+
+def test_results_table_and_errors(capsys, tmp_path):
+    a = _run(tmp_path / "a", {"val/success": [(9, 0.5), (19, 0.92)], "val/episodes": [(19, 50.0)]})
+    b = _run(tmp_path / "b", {"train/kl": [(0, 1.0)]})  # has not validated yet
+    main(["results", f"after={a}", str(b)])
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[1].split("|")[1:] == ["       0.920 ", "       50 ", " 19"]
+    assert lines[2].split("|")[1].strip() == "-" and f"{b} has not logged val/success yet" in captured.err
+    code, text = _exit(capsys, ["results", f"after={a}", f"x={tmp_path / 'missing'}"])
+    assert code == 1 and f"run directory '{tmp_path / 'missing'}' does not exist (label 'x')" in text
+    (tmp_path / "empty").mkdir()
+    code, text = _exit(capsys, ["results", str(tmp_path / "empty")])
+    assert code == 1 and "no TensorBoard event files under" in text
+    code, text = _exit(capsys, ["results", str(a), str(b), "--metric", "val/sucess"])
+    assert code == 1 and "no run logged metric 'val/sucess'; did you mean 'val/success' or 'val/episodes'?" in text
+
+
+# ------------------------------------------------------------------------------------- config errors
+def test_cause_first_names_the_full_key():
+    message = ('Parser key "model":\n  Does not validate against any of the Union subtypes\n  Subtypes: [A, B]\n'
+               "  Errors:\n    - Problem with given class_path 'lightning_opd.module.OPDModule':\n"
+               '        Parser key "micro_batch_size":\n          Expected a <class \'int\'>. Got value: abc\n'
+               "    - Expected a <class 'NoneType'>\n  Given value type: <class 'str'>\n  Given value: abc")
+    first = cause_first(message).splitlines()[0]
+    assert first == ("model.init_args.micro_batch_size: Expected a <class 'int'>. Got value: abc "
+                     "(class lightning_opd.module.OPDModule)")
+    assert cause_first("plain message") == "plain message"
+
+
+def test_config_error_shows_the_cause_first(capsys, tmp_path):
+    code, out = _exit(capsys, ["fit", "--config", str(BASE), "--model.init_args.micro_batch_size=abc",
+                               f"--model.init_args.student={tmp_path / 'none'}"])
+    assert code == 2
+    assert out.startswith("error: model.init_args.micro_batch_size: Expected a <class 'int'>. Got value: abc")
+
+
+def test_corrupt_yaml_config_names_the_file(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_steps: [1\n")
+    code, out = _exit(capsys, ["fit", "--config", str(BASE), "--config", str(bad)])
+    assert code == 2 and f"error: config file {bad} is not valid YAML" in out
+
+
+def test_gradient_clip_val_points_to_grad_clip_norm(capsys, tmp_path):
+    code, out = _exit(capsys, ["fit", "--config", str(BASE), "--trainer.gradient_clip_val=0.5",
+                               f"--model.init_args.student={tmp_path / 'none'}"])
+    assert code == 2
+    assert ("trainer.gradient_clip_val=0.5: OPDModule optimizes manually and clips the gradient norm itself; set "
+            "model.init_args.grad_clip_norm=0.5 instead") in out
+
+
+# --------------------------------------------------------------------------------- debug overlay
+def test_debug_overlay_keeps_its_own_export_and_logs(capsys):
+    """The README's 2-step smoke run must not overwrite the demo's student or write into its log folder."""
+    code, out = _exit(capsys, ["fit", "--config", str(BASE), "--config", str(CONF / "debug/fast_dev_run.yaml"),
+                               "--print_config"])
+    assert code in (0, None)
+    cfg = yaml.safe_load(out)
+    assert cfg["model"]["init_args"]["export_dir"] == "artifacts/models/student-debug"
+    assert cfg["trainer"]["logger"]["init_args"]["name"] == "debug"
+    for path in sorted(CONF.rglob("*.yaml")):
+        own = yaml.safe_load(path.read_text()) or {}
+        if path.parent.name == "debug":
+            continue
+        assert ((own.get("model") or {}).get("init_args") or {}).get("export_dir") != "artifacts/models/student-debug"
+        logger = (own.get("trainer") or {}).get("logger") or {}
+        assert not isinstance(logger, dict) or (logger.get("init_args") or {}).get("name") != "debug", path
+
+
+# ----------------------------------------------------------------------- printing after the commands
+def test_validate_prints_metrics_rounded(capsys):
+    fake = SimpleNamespace(subcommand="validate", trainer=SimpleNamespace(callback_metrics={
+        "val/success": torch.tensor(0.9200000166893005), "val/episodes": torch.tensor(50.0),
+        "train/kl": torch.tensor(0.123456)}))
+    OPDCLI.after_validate(fake)
+    assert capsys.readouterr().out == "val/episodes  50\nval/success   0.92\n"
+
+
+def test_fit_says_where_the_student_was_exported(capsys, tmp_path):
+    export = tmp_path / "student"
+    fake = SimpleNamespace(model=SimpleNamespace(export_dir=str(export)), trainer=SimpleNamespace(interrupted=False))
+    OPDCLI.after_fit(fake)
+    assert capsys.readouterr().out == ""  # nothing exported, nothing claimed
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    OPDCLI.after_fit(fake)
+    assert capsys.readouterr().out == f"student exported to {export.resolve()}\n"
+
+
+def test_progress_display_follows_the_terminal(model_dirs, games_dir, search_qa_dir, tmp_path, monkeypatch):
+    data = {"games_dir": games_dir, "data_dir": search_qa_dir}
+    cli, _, _ = build([BASE], model_dirs, data, tmp_path)  # pytest captures stdout: not a terminal
+    assert isinstance(cli.trainer.progress_bar_callback, StepLinePrinter)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    cli, _, _ = build([BASE], model_dirs, data, tmp_path)
+    assert type(cli.trainer.progress_bar_callback) is EpisodeProgressBar
+    cli, _, _ = build([BASE], model_dirs, data, tmp_path, extra=["--trainer.enable_progress_bar=false"])
+    assert cli.trainer.progress_bar_callback is None
+
