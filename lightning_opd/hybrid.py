@@ -18,15 +18,31 @@ shuffling).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from lightning_opd.callbacks.annealing import AnnealingSchedule
-from lightning_opd.data.collate import RolloutBatch
+from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.losses.divergences import TokenLoss
 from lightning_opd.losses.grpo import (ClippedSurrogate, EpisodeReward, clipped_surrogate, compute_rewards,
                                        group_advantages, hybrid_advantage)
 from lightning_opd.losses.tdur import tdur_weights
+
+
+@runtime_checkable
+class CoefficientSchedule(Protocol):
+    """What the F22 check reads of a callback that sets ``kappa`` or ``rho`` before every rollout batch
+    (:class:`lightning_opd.callbacks.annealing.AnnealingSchedule` is one): the coefficient it drives, its
+    value at every rollout iteration, the iteration after which it is constant, and how messages name it."""
+
+    attribute: str
+    start: float
+    end: float
+    horizon: int | None
+    schedule_name: str
+
+    def value_at(self, step: int) -> float:
+        """The coefficient at rollout iteration ``step``."""
 
 
 class HybridObjective:
@@ -73,10 +89,10 @@ class HybridObjective:
     def _coefficient_plan(self, trainer) -> dict[str, tuple[list[float], str]]:
         """``{"kappa": (values, key), "rho": (values, key)}``: the coefficient at every rollout iteration
         ``0..n`` after which nothing changes any more (the latest horizon of the ``AnnealingSchedule``
-        callbacks of ``kappa``/``rho``, capped by the iterations of the fit), and the configuration key
+        callbacks (:class:`CoefficientSchedule`) of ``kappa``/``rho``, capped by the iterations of the fit), and the configuration key
         that sets it (the schedule, which overrides the module's value, or ``model.init_args.<name>``)."""
         schedules = {cb.attribute: cb for cb in trainer.callbacks  # the last one wins, as in on_train_batch_start
-                     if isinstance(cb, AnnealingSchedule) and cb.attribute in ("kappa", "rho")}
+                     if isinstance(cb, CoefficientSchedule) and cb.attribute in ("kappa", "rho")}
         last = max((cb.horizon for cb in schedules.values()), default=0)
         if trainer.max_steps is not None and trainer.max_steps > 0:
             last = min(last, max(1, trainer.max_steps // self.updates_per_batch) - 1)

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_opd.data.collate import RolloutBatch
+from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss, log_probs
 from lightning_opd.losses.grpo import EpisodeReward

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torchmetrics import MeanMetric, SumMetric
 
-from lightning_opd.data.collate import RolloutBatch
+from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.distributed import gather_per_rank
 from lightning_opd.models.fsdp import full_state_dict, is_sharded, mixed_precision_policy, shard_causal_lm, unsharded_copy
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer, save_hf_atomic

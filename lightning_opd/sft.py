@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_opd.data.collate import RolloutBatch
+from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.divergences import log_probs
 from lightning_opd.models.loading import save_adapter_atomic, save_hf_atomic

@@ -11,7 +11,7 @@ Metric glossary (logged every step):
 | ``train/grad_norm`` | - | global L2 norm before clipping |
 | ``train/lr`` | - | learning rate |
 | ``train/supervised_tokens`` | tokens | per step, all ranks |
-| ``rollout/*`` | see ``lightning_opd.data.collate.rollout_stats`` | per batch |
+| ``rollout/*`` | see ``lightning_opd.rollout.batch.rollout_stats`` | per batch |
 | ``rollout/lag`` | policy versions | max over the batch of learner version - behaviour version |
 | ``timing/rollout_s``, ``timing/update_s`` | seconds | per step |
 | ``turn/survivors_NN`` | episodes | episodes of the step (all ranks) still running at turn NN (TurnOPD §4); 0 once none reach it |
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_opd.data.collate import RolloutBatch, rollout_stats
+from lightning_opd.rollout.batch import RolloutBatch, rollout_stats
 
 
 class StepLogging:

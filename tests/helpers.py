@@ -170,7 +170,7 @@ class LongObservationEnvFactory(KeywordEnvFactory):
 def assert_replies_end_on_the_second_eos(batch, tokenizer, envs: KeywordEnvFactory, word: str = "key") -> None:
     """Every episode of ``batch`` (2 turns, played by :func:`make_second_eos_model`) replied ``[word, 0]``
     twice: finished at id 0, no end-of-turn id appended, nothing cut, only those 4 tokens trained on (F23)."""
-    from lightning_opd.data.collate import rollout_stats
+    from lightning_opd.rollout.batch import rollout_stats
     from lightning_opd.rollout.chat import ChatFormat
 
     (word_id,) = tokenizer.encode(word, add_special_tokens=False)

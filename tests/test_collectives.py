@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
-from lightning_opd.data.collate import RolloutBatch, collate_trajectories
+from lightning_opd.rollout.batch import RolloutBatch, collate_trajectories
 from lightning_opd.losses import ClippedSurrogate, FullVocabReverseKL
 from lightning_opd.models.fsdp import FSDP2Strategy, shard_causal_lm
 from lightning_opd.module import OPDModule

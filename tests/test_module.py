@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_opd.data.collate import collate_trajectories
+from lightning_opd.rollout.batch import collate_trajectories
 from lightning_opd.losses import (ForwardKL, FullVocabReverseKL, GeneralizedJSD, SampledTokenReverseKL,
                                   StudentTopKRenormalizedReverseKL, TeacherTopKForwardKL, log_probs)
 from lightning_opd.models.tokenizers import TokenizerMismatchError

@@ -19,7 +19,7 @@ def _fit(module, steps=3):
 
 
 def _expert_nll(model_dir, tokenizer):
-    from lightning_opd.data.collate import collate_trajectories
+    from lightning_opd.rollout.batch import collate_trajectories
     from lightning_opd.rollout.generator import SamplingParams
 
     dm = ExpertDataModule(KeywordEnvFactory(need=2))

@@ -1,6 +1,7 @@
-"""Data: ``RolloutDataModule`` (streams rollouts of the current policy) and the collate step."""
+"""Data: ``RolloutDataModule`` (streams rollouts of the current policy) and ``ExpertDataModule`` (SFT).
 
-from lightning_opd.data.collate import RolloutBatch, collate_trajectories, rollout_stats
+The batch type and the collate step live in :mod:`lightning_opd.rollout.batch`."""
+
 from lightning_opd.data.datamodule import RolloutDataModule
 
-__all__ = ["RolloutDataModule", "RolloutBatch", "collate_trajectories", "rollout_stats"]
+__all__ = ["RolloutDataModule"]

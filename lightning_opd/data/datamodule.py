@@ -38,7 +38,7 @@ from typing import Iterator
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_opd.data.collate import RolloutBatch, collate_trajectories
+from lightning_opd.rollout.batch import RolloutBatch, collate_trajectories
 from lightning_opd.distributed import gather_per_rank
 from lightning_opd.envs.base import EnvFactory
 from lightning_opd.models.fsdp import full_state_dict

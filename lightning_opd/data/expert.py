@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader
 
-from lightning_opd.data.collate import collate_trajectories
+from lightning_opd.rollout.batch import collate_trajectories
 from lightning_opd.data.datamodule import RolloutDataModule
 from lightning_opd.envs.base import EnvFactory
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_opd.envs.textworld_games import in_eval_split as hash_in_eval_split
-from lightning_opd.models.loading import _atomic_dir
+from lightning_opd.files import write_dir_atomic
 
 PROFESSIONS = ("painter", "engineer", "sailor", "baker", "astronomer", "lawyer", "farmer", "poet", "chemist",
                "architect", "merchant", "doctor", "weaver", "pilot", "teacher", "sculptor", "banker", "miner",
@@ -204,5 +204,5 @@ def write_search_qa(out: str | Path, num_train: int = 600, num_eval: int = 50, s
         (tmp / "questions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
-    _atomic_dir(out, write)
+    write_dir_atomic(out, write)
     return Path(out) / "manifest.json"

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from lightning_opd.data.collate import collate_trajectories
+from lightning_opd.rollout.batch import collate_trajectories
 from lightning_opd.losses.divergences import FullVocabReverseKL
 from lightning_opd.models.fsdp import with_root_params
 from lightning_opd.models.logits import output_head, trunk_hidden_states

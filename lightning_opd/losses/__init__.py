@@ -1,12 +1,12 @@
 """Per-token divergences, the common aggregation (docs/algorithms.md §0) and ATOD's clipped surrogate (§3)."""
 
 from lightning_opd.losses.aggregation import aggregate_token_loss
-from lightning_opd.losses.chunked import chunked_token_terms
+from lightning_opd.losses.chunked import chunked_sampled_logprobs, chunked_token_terms
 from lightning_opd.losses.divergences import (ForwardKL, FullVocabReverseKL, GeneralizedJSD, SampledTokenReverseKL,
                                               TokenDivergence, TokenLoss, log_probs)
 from lightning_opd.losses.grpo import ClippedSurrogate, EpisodeReward
 from lightning_opd.losses.topk import StudentTopKRenormalizedReverseKL, TeacherTopKForwardKL
 
-__all__ = ["aggregate_token_loss", "chunked_token_terms", "TokenDivergence", "TokenLoss", "SampledTokenReverseKL",
-           "FullVocabReverseKL", "ForwardKL", "GeneralizedJSD", "StudentTopKRenormalizedReverseKL",
-           "TeacherTopKForwardKL", "ClippedSurrogate", "EpisodeReward", "log_probs"]
+__all__ = ["aggregate_token_loss", "chunked_token_terms", "chunked_sampled_logprobs", "TokenDivergence", "TokenLoss",
+           "SampledTokenReverseKL", "FullVocabReverseKL", "ForwardKL", "GeneralizedJSD",
+           "StudentTopKRenormalizedReverseKL", "TeacherTopKForwardKL", "ClippedSurrogate", "EpisodeReward", "log_probs"]

@@ -10,19 +10,27 @@ forward per chunk (benchmarks/loss_memory.py measures both).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-if TYPE_CHECKING:
-    from lightning_opd.losses.divergences import TokenDivergence, TokenLoss
+from lightning_opd.losses.base import TokenLoss, log_probs
 
 
-def chunked_token_terms(divergence: "TokenDivergence", student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
+class TokenKernel(Protocol):
+    """What :func:`chunked_token_terms` needs of a loss: its per-token kernel on logits
+    (:meth:`lightning_opd.losses.divergences.TokenDivergence.token_terms`)."""
+
+    def token_terms(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
+                    temperature: float, **extras: torch.Tensor) -> TokenLoss:
+        """``(c, V)`` logits and ``(c,)`` targets -> :class:`TokenLoss` with ``(c,)`` fields."""
+
+
+def chunked_token_terms(divergence: TokenKernel, student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
                         targets: torch.Tensor, student_head: Callable[[torch.Tensor], torch.Tensor],
                         teacher_head: Callable[[torch.Tensor], torch.Tensor], temperature: float,
-                        chunk_size: int, extras: dict[str, torch.Tensor | None] | None = None) -> "TokenLoss":
+                        chunk_size: int, extras: dict[str, torch.Tensor | None] | None = None) -> TokenLoss:
     """Evaluate ``divergence.token_terms`` on ``chunk_size`` tokens at a time, recomputing in backward.
 
     Args:
@@ -38,13 +46,11 @@ def chunked_token_terms(divergence: "TokenDivergence", student_hidden: torch.Ten
             are passed as ``None``.
 
     Returns:
-        :class:`~lightning_opd.losses.divergences.TokenLoss` with ``(N,)`` fields.
+        :class:`~lightning_opd.losses.base.TokenLoss` with ``(N,)`` fields.
 
     Raises:
         ValueError: the inputs disagree on ``N``.
     """
-    from lightning_opd.losses.divergences import TokenLoss
-
     n = targets.shape[0]
     if student_hidden.shape[0] != n or teacher_hidden.shape[0] != n or targets.dim() != 1:
         raise ValueError(f"expected (N, D), (N, D_T), (N,): got student {tuple(student_hidden.shape)}, "
@@ -73,3 +79,25 @@ def chunked_token_terms(divergence: "TokenDivergence", student_hidden: torch.Ten
         return TokenLoss(*(empty for _ in TokenLoss.FIELDS))
     return TokenLoss(*(torch.cat([p[i] for p in parts]) for i in range(len(TokenLoss.FIELDS))))
 
+
+@torch.no_grad()
+def chunked_sampled_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+                             temperature: float, chunk_size: int) -> torch.Tensor:
+    """``(N,)`` log-probs (nats, fp32) of the sampled ``targets`` under ``head`` at ``temperature``, the head
+    applied ``chunk_size`` positions at a time (no ``(N, V)`` tensor beyond one chunk), without gradient.
+
+    The same head pass as :func:`chunked_token_terms`'s student side, for the no-grad passes of the learner
+    (π_old, the staleness diagnostics, T-DUR's teacher log-probs).
+
+    Args:
+        hidden: ``(N, D)`` final hidden states at the positions predicting ``targets``.
+        targets: ``(N,)`` the sampled token ids.
+        head: ``(c, D) -> (c, V)`` LM head (cut to the shared vocabulary).
+        temperature: scoring temperature (> 0).
+        chunk_size: positions per chunk (>= 1).
+
+    Raises:
+        ValueError: ``temperature <= 0``.
+    """
+    return torch.cat([log_probs(head(hidden[i:i + chunk_size]), temperature).gather(-1, targets[i:i + chunk_size, None])[:, 0]
+                      for i in range(0, targets.shape[0], chunk_size)])

@@ -20,33 +20,16 @@ gradient flows through the student only (the teacher is frozen).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
+from lightning_opd.losses.base import TokenLoss, entropy_of, gather_token, log_probs
+from lightning_opd.losses.chunked import chunked_token_terms
 
-def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``log_softmax(logits.float() / temperature)`` over the last dim; ``(..., V)`` -> ``(..., V)`` fp32.
-
-    Raises:
-        ValueError: ``temperature <= 0``.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be > 0 to score tokens (greedy rollouts are not trained on)")
-    return torch.log_softmax(logits.float() / temperature, dim=-1)
-
-
-def entropy_of(lp: torch.Tensor) -> torch.Tensor:
-    """Entropy ``-sum_v p log p`` (nats) of log-probs ``(..., V)`` -> ``(...)``, detached."""
-    with torch.no_grad():
-        return -(lp.exp() * lp).sum(-1)
-
-
-def gather_token(lp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``lp[..., targets]``: ``(..., V)`` log-probs and ``(...)`` ids -> ``(...)``."""
-    return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+__all__ = ["TokenLoss", "TokenDivergence", "SampledTokenReverseKL", "FullVocabReverseKL", "ForwardKL",
+           "GeneralizedJSD", "log_probs", "entropy_of", "gather_token"]
 
 
 def _log_mixture(lp_t: torch.Tensor, lp_s: torch.Tensor, beta: float) -> torch.Tensor:
@@ -56,32 +39,6 @@ def _log_mixture(lp_t: torch.Tensor, lp_s: torch.Tensor, beta: float) -> torch.T
     from_s = lp_s + torch.log1p(beta * torch.expm1(d.clamp(max=0.0)))  # exact where d <= 0
     from_t = lp_t + torch.log1p((1.0 - beta) * torch.expm1((-d).clamp(max=0.0)))  # exact where d > 0
     return torch.where(d <= 0, from_s, from_t)
-
-
-@dataclass
-class TokenLoss:
-    """Per-token output of a divergence (shape ``S`` = the targets' shape: ``(N,)`` or ``(B, T)``).
-
-    Attributes:
-        loss: ``S`` differentiable per-token loss, to be aggregated with the loss mask.
-        kl: ``S`` detached exact full-vocabulary reverse KL(p_S || p_T) per token, for logging and the
-            per-turn diagnostics (nats), whatever the loss (TurnOPD §2.1 needs the full value).
-        student_logprobs: ``S`` detached log p_S(a_t) of the target tokens (nats).
-        teacher_logprobs: ``S`` log p_T(a_t) of the target tokens (nats).
-        entropy: ``S`` detached entropy of the student distribution (nats).
-    """
-
-    loss: torch.Tensor
-    kl: torch.Tensor
-    student_logprobs: torch.Tensor
-    teacher_logprobs: torch.Tensor
-    entropy: torch.Tensor
-
-    FIELDS = ("loss", "kl", "student_logprobs", "teacher_logprobs", "entropy")
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "TokenLoss":
-        """Apply ``fn`` to every field."""
-        return TokenLoss(*(fn(getattr(self, f)) for f in self.FIELDS))
 
 
 class TokenDivergence(nn.Module):
@@ -125,8 +82,6 @@ class TokenDivergence(nn.Module):
         Returns:
             :class:`TokenLoss` with ``(N,)`` fields.
         """
-        from lightning_opd.losses.chunked import chunked_token_terms
-
         return chunked_token_terms(self, student_hidden, teacher_hidden, targets, student_head, teacher_head,
                                    temperature, self.chunk_size, extras)
 

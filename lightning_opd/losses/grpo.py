@@ -56,7 +56,7 @@ class EpisodeReward:
         self.success_weight, self.score_weight = float(success_weight), float(score_weight)
 
     def __call__(self, batch) -> torch.Tensor:
-        """``(B,)`` rewards of ``batch`` (a :class:`~lightning_opd.data.collate.RolloutBatch`)."""
+        """``(B,)`` rewards of ``batch`` (a :class:`~lightning_opd.rollout.batch.RolloutBatch`)."""
         return self.success_weight * batch.success.double() + self.score_weight * batch.rewards.double()
 
 

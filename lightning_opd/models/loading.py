@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from lightning_opd.files import write_dir_atomic
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -74,33 +76,6 @@ def load_causal_lm(
     return model
 
 
-def _atomic_dir(path: str | os.PathLike, write) -> Path:
-    """Run ``write(tmp_dir)`` into a temporary sibling folder, then rename it to ``path`` (replacing a
-    previous one only once the new one is complete, F16). Returns the final path."""
-    import shutil
-    import tempfile
-
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp.", dir=final.parent))
-    try:
-        write(tmp)
-        tmp.chmod(0o755)  # mkdtemp creates 0700
-        old = None
-        if final.exists():
-            old = final.parent / f".{final.name}.old"
-            if old.exists():
-                shutil.rmtree(old)
-            final.rename(old)
-        tmp.rename(final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
-
-
 def save_hf_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, path: str | os.PathLike) -> Path:
     """Save ``model`` (safetensors) and ``tokenizer`` (with chat template) as a Hugging Face directory,
     atomically (F16). Returns the final path."""
@@ -110,7 +85,7 @@ def save_hf_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
 
-    return _atomic_dir(path, write)
+    return write_dir_atomic(path, write)
 
 
 def save_adapter_atomic(peft_model, path: str | os.PathLike) -> Path:
@@ -124,7 +99,7 @@ def save_adapter_atomic(peft_model, path: str | os.PathLike) -> Path:
         state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
         save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
 
-    return _atomic_dir(path, write)
+    return write_dir_atomic(path, write)
 
 
 def merge_adapter(base: str | os.PathLike, adapter: str | os.PathLike, out: str | os.PathLike,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend, blend_weights
-from lightning_opd.data.collate import RolloutBatch
+from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.losses.weighting import Weighting
 
 # positions 0..9 of four samples: P prompt, O observation, _ padding, digits = turn of a supervised token

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lightning_opd.data.collate import collate_trajectories, rollout_stats
+from lightning_opd.rollout.batch import collate_trajectories, rollout_stats
 from lightning_opd.rollout.buffer import RolloutBuffer
 from lightning_opd.rollout.generator import SamplingParams
 from lightning_opd.rollout.types import Trajectory

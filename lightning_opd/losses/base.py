@@ -1,0 +1,61 @@
+"""What every per-token loss shares: the fp32 log-prob primitives and :class:`TokenLoss`, the per-token output.
+
+Kept apart from :mod:`lightning_opd.losses.divergences` so that the chunked head pass
+(:mod:`lightning_opd.losses.chunked`) and the divergences both build on it without importing each other.
+Logits are upcast to fp32 *before* temperature and softmax (F05).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log_softmax(logits.float() / temperature)`` over the last dim; ``(..., V)`` -> ``(..., V)`` fp32.
+
+    Raises:
+        ValueError: ``temperature <= 0``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 to score tokens (greedy rollouts are not trained on)")
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def entropy_of(lp: torch.Tensor) -> torch.Tensor:
+    """Entropy ``-sum_v p log p`` (nats) of log-probs ``(..., V)`` -> ``(...)``, detached."""
+    with torch.no_grad():
+        return -(lp.exp() * lp).sum(-1)
+
+
+def gather_token(lp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``lp[..., targets]``: ``(..., V)`` log-probs and ``(...)`` ids -> ``(...)``."""
+    return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass
+class TokenLoss:
+    """Per-token output of a divergence (shape ``S`` = the targets' shape: ``(N,)`` or ``(B, T)``).
+
+    Attributes:
+        loss: ``S`` differentiable per-token loss, to be aggregated with the loss mask.
+        kl: ``S`` detached exact full-vocabulary reverse KL(p_S || p_T) per token, for logging and the
+            per-turn diagnostics (nats), whatever the loss (TurnOPD §2.1 needs the full value).
+        student_logprobs: ``S`` detached log p_S(a_t) of the target tokens (nats).
+        teacher_logprobs: ``S`` log p_T(a_t) of the target tokens (nats).
+        entropy: ``S`` detached entropy of the student distribution (nats).
+    """
+
+    loss: torch.Tensor
+    kl: torch.Tensor
+    student_logprobs: torch.Tensor
+    teacher_logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+    FIELDS = ("loss", "kl", "student_logprobs", "teacher_logprobs", "entropy")
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "TokenLoss":
+        """Apply ``fn`` to every field."""
+        return TokenLoss(*(fn(getattr(self, f)) for f in self.FIELDS))
