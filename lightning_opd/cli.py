@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -107,9 +108,7 @@ class OPDArgumentParser(LightningArgumentParser):
     """LightningArgumentParser whose errors print the cause first and skip the 40-line usage dump."""
 
     def error(self, message: str, ex: Exception | None = None):
-        from jsonargparse._common import debug_mode_active  # same switch as the parent's
-
-        if not self.exit_on_error or debug_mode_active():
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):  # debug: the parent raises
             return super().error(message, ex)
         self._logger.error(message)
         parser = getattr(ex, "subcommand_parser", None) or self
