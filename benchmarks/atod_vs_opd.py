@@ -31,7 +31,7 @@ from lightning_opd.callbacks.annealing import AnnealingSchedule
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory
 from lightning_opd.losses import ClippedSurrogate, EpisodeReward, FullVocabReverseKL
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import ATODModule, OPDModule
 
 ARMS = ("opd", "grpo", "atod", "teacher")
 HYBRID = {"opd": dict(kappa=1.0, rho=0.0), "grpo": dict(kappa=0.0, rho=1.0), "atod": dict(kappa=1.0, rho=1.0, tdur=True)}
@@ -78,14 +78,13 @@ def run(arm: str, args) -> dict:
         return {"success": float(trainer.callback_metrics["val/success"]),
                 "episodes": float(trainer.callback_metrics["val/episodes"])}
     optimizer = lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.0)  # noqa: E731
-    common = dict(student=args.model, teacher=args.teacher, log_text_every_n_steps=0, optimizer=optimizer,
-                  ppo_mini_batches=args.mini_batches)
+    common = dict(student=args.model, teacher=args.teacher, log_text_every_n_steps=0, optimizer=optimizer)
     callbacks: list[L.Callback] = [Collect()]
-    if arm == "opd_full":
+    if arm == "opd_full":  # plain OPD: one update per rollout batch (PPO mini-batches are ATODModule's)
         model = OPDModule(loss=FullVocabReverseKL(), **common)
     else:
-        model = OPDModule(loss=ClippedSurrogate(clip_eps=args.clip_eps), reward=EpisodeReward(1.0, args.score_weight),
-                          **HYBRID[arm], **common)
+        model = ATODModule(loss=ClippedSurrogate(clip_eps=args.clip_eps), reward=EpisodeReward(1.0, args.score_weight),
+                           ppo_mini_batches=args.mini_batches, **HYBRID[arm], **common)
     if arm == "atod":
         horizon = dict(fraction=args.anneal_fraction)
         callbacks += [AnnealingSchedule("kappa", 1.0, 0.1, **horizon), AnnealingSchedule("rho", 1.0, 2.0, **horizon)]

@@ -20,7 +20,7 @@ from benchmarks.common import ResultFile, add_artifact_args, markdown_table
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import OPDModule
 
 
 class Collect(L.Callback):

@@ -25,7 +25,7 @@ from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory
 from lightning_opd.losses import StudentTopKRenormalizedReverseKL
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import OPDModule
 
 
 class Curve(L.Callback):

@@ -137,12 +137,12 @@ def test_results_table_and_errors(capsys, tmp_path):
 # ------------------------------------------------------------------------------------- config errors
 def test_cause_first_names_the_full_key():
     message = ('Parser key "model":\n  Does not validate against any of the Union subtypes\n  Subtypes: [A, B]\n'
-               "  Errors:\n    - Problem with given class_path 'lightning_opd.module.OPDModule':\n"
+               "  Errors:\n    - Problem with given class_path 'lightning_opd.learner.OPDModule':\n"
                '        Parser key "micro_batch_size":\n          Expected a <class \'int\'>. Got value: abc\n'
                "    - Expected a <class 'NoneType'>\n  Given value type: <class 'str'>\n  Given value: abc")
     first = cause_first(message).splitlines()[0]
     assert first == ("model.init_args.micro_batch_size: Expected a <class 'int'>. Got value: abc "
-                     "(class lightning_opd.module.OPDModule)")
+                     "(class lightning_opd.learner.OPDModule)")
     assert cause_first("plain message") == "plain message"
 
 

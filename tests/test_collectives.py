@@ -18,7 +18,7 @@ from lightning_opd.data import RolloutDataModule
 from lightning_opd.rollout.batch import RolloutBatch, collate_trajectories
 from lightning_opd.losses import ClippedSurrogate, FullVocabReverseKL
 from lightning_opd.models.fsdp import FSDP2Strategy, shard_causal_lm
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import ATODModule, OPDModule
 from tests.helpers import KeywordEnvFactory, make_tokenizer, spawn_ranks
 from tests.test_module import make_batch, make_module, step_grads
 
@@ -68,12 +68,13 @@ def _uneven_worker(rank, port, model_dirs, rows, out_dir):
     module.set_weighting("freshness", monitor)
     shard_causal_lm(module.student, init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",)))
     local = batch.select(torch.tensor(rows[rank], dtype=torch.long))
-    sums, _ = step_grads(module, local, world_size=2)  # plan (student log-probs, filter), backward
+    turn_stats = []
+    sums, _ = step_grads(module, local, world_size=2, stats_out=turn_stats)  # plan (student log-probs, filter), backward
     grads = {n: p.grad.full_tensor() for n, p in module.student.named_parameters()}
     loss = sums["loss"].clone()
     dist.all_reduce(loss)
     logprobs = module.student_logprobs(local)
-    torch.save({"loss": loss, "grads": grads, "logprobs": logprobs, "rows": module.last_turn_stats.kl_sum.shape[0],
+    torch.save({"loss": loss, "grads": grads, "logprobs": logprobs, "rows": turn_stats[0].kl_sum.shape[0],
                 "staleness": dict(monitor._last)}, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -119,8 +120,8 @@ class FailingTaskFactory(KeywordEnvFactory):
         return super().make(task_id)
 
 
-class Recorder(OPDModule):
-    """Keeps every step's trajectories and the first update's gradients (gathered)."""
+class Recording:
+    """Keeps every step's trajectories and the first update's gradients (gathered); mixed into a module."""
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
@@ -135,18 +136,26 @@ class Recorder(OPDModule):
             self.first_grads = {n: p.grad.full_tensor() for n, p in self.student.named_parameters()}
 
 
+class Recorder(Recording, OPDModule):
+    pass
+
+
+class ATODRecorder(Recording, ATODModule):
+    pass
+
+
 def _fit_worker(rank, port, model_dirs, case, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    callbacks, kwargs = [], {}
+    callbacks, kwargs, cls = [], {}, Recorder
     if case == "failed-env":  # one task fails on make(): 1 row on one rank, 2 on the other
         env, max_steps, error_rate = FailingTaskFactory(fail=("apple",)), 2, 0.5
     else:  # every site of the step: staleness filter, hybrid preparation (T-DUR), 2 PPO mini-batches
         env, max_steps, error_rate = FailingTaskFactory(fail_rank=0), 4, 1.0
         callbacks = [StalenessMonitor(filtering=True, max_lag=2)]
-        kwargs = dict(loss=ClippedSurrogate(), tdur=True, ppo_mini_batches=2)
-    model = Recorder(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=4,
+        kwargs, cls = dict(loss=ClippedSurrogate(), tdur=True, ppo_mini_batches=2), ATODRecorder
+    model = cls(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=4,
                      grad_clip_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), **kwargs)
     dm = RolloutDataModule(env=env, episodes_per_step=2, max_turns=2, max_new_tokens=4, max_env_error_rate=error_rate,
                            seed=0)

@@ -30,10 +30,10 @@ from lightning_opd.envs.search_qa import SearchQAEnvFactory
 from lightning_opd.envs.search_qa_kb import KBSpec, write_search_qa
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory
 from lightning_opd.losses import ClippedSurrogate, EpisodeReward, ForwardKL, FullVocabReverseKL, SampledTokenReverseKL
-from lightning_opd.module import OPDModule
-from lightning_opd.policy import PolicyModule
+from lightning_opd.learner import ATODModule, OPDModule
+from lightning_opd.learner.policy import PolicyModule
 from lightning_opd.rollout.hf import HFGenerator
-from lightning_opd.sft import SFTModule
+from lightning_opd.learner import SFTModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -220,7 +220,7 @@ def check_opd(cli, tmp):
     assert isinstance(cli.datamodule.env, TextWorldEnvFactory)
     assert cli.trainer.max_steps == 20 and cli.trainer.val_check_interval == 10
     assert cli.datamodule.max_turns == 8 and cli.datamodule.episodes_per_step == 4
-    assert cli.model.turn_kl.num_turns == cli.datamodule.max_turns == 8  # ${data.init_args.max_turns}
+    assert cli.model.step_metrics.num_turns == cli.datamodule.max_turns == 8  # ${data.init_args.max_turns}
     assert cli.config["model.init_args.optimizer.init_args.lr"] == pytest.approx(5e-5)
     assert isinstance(cli.trainer.logger, TensorBoardLogger) and cli.trainer.logger.name == "opd"
     assert Path(cli.trainer.logger.save_dir) == tmp / "logs"
@@ -245,14 +245,14 @@ def check_opd_sampled(cli, tmp):
 def check_data_textworld(cli, tmp):
     assert isinstance(cli.datamodule.generator, HFGenerator) and cli.datamodule.generator.reuse_kv_cache
     assert cli.datamodule.env.max_observation_chars == 600
-    assert cli.model.turn_kl.num_turns == cli.datamodule.max_turns == 8
+    assert cli.model.step_metrics.num_turns == cli.datamodule.max_turns == 8
 
 
 def check_fast_dev_run(cli, tmp):
     assert cli.trainer.max_steps == 2 and cli.trainer.limit_val_batches == 1
     assert cli.datamodule.episodes_per_step == 2 and cli.datamodule.eval_batch_size == 4
     # the overlay changes data.max_turns; the base file's interpolation follows it across files
-    assert cli.model.turn_kl.num_turns == cli.datamodule.max_turns == 3
+    assert cli.model.step_metrics.num_turns == cli.datamodule.max_turns == 3
     assert cli.trainer.logger.name == "debug" and Path(cli.trainer.logger.save_dir) == tmp / "logs"
 
 
@@ -294,7 +294,7 @@ def check_annealing(cli, tmp):
 
 def check_atod(cli, tmp):
     m, dm = cli.model, cli.datamodule
-    assert isinstance(m.loss_fn, ClippedSurrogate) and m.loss_fn.clip_eps == 0.2 and m.hybrid
+    assert isinstance(m, ATODModule) and isinstance(m.loss_fn, ClippedSurrogate) and m.loss_fn.clip_eps == 0.2
     assert (m.kappa, m.rho, m.tdur, m.ppo_epochs, m.ppo_mini_batches, m.updates_per_batch) == (1.0, 1.0, True, 1, 2, 2)
     assert isinstance(m.reward_fn, EpisodeReward) and m.reward_fn.success_weight == 1.0
     assert dm.group_size == 4 and dm.episodes_per_step == 8  # G = 4 over two tasks per step
@@ -400,21 +400,21 @@ def test_gpu_overlay_is_built_on_cpu(build_cli, tmp_path):
 def test_interpolation_follows_command_line_override(build_cli):
     cli, _, _ = build_cli(BASE, extra=["--data.init_args.max_turns=5"])
     assert cli.datamodule.max_turns == 5
-    assert cli.model.turn_kl.num_turns == 5  # resolved after the override, not when opd.yaml was read
+    assert cli.model.step_metrics.num_turns == 5  # resolved after the override, not when opd.yaml was read
 
 
 def test_interpolation_follows_overlay_file(build_cli, tmp_path):
     overlay = tmp_path / "turns.yaml"
     overlay.write_text("data:\n  init_args:\n    max_turns: 6\n")
     cli, _, _ = build_cli(BASE, overlay)
-    assert cli.datamodule.max_turns == cli.model.turn_kl.num_turns == 6
+    assert cli.datamodule.max_turns == cli.model.step_metrics.num_turns == 6
     cli, _, _ = build_cli(BASE, overlay, extra=["--data.init_args.max_turns=5"])  # command line after both
-    assert cli.datamodule.max_turns == cli.model.turn_kl.num_turns == 5
+    assert cli.datamodule.max_turns == cli.model.step_metrics.num_turns == 5
 
 
 def test_interpolated_value_can_be_set_explicitly(build_cli):
     cli, _, _ = build_cli(BASE, extra=["--model.init_args.max_logged_turns=4"])
-    assert cli.model.turn_kl.num_turns == 4 and cli.datamodule.max_turns == 8
+    assert cli.model.step_metrics.num_turns == 4 and cli.datamodule.max_turns == 8
 
 
 def test_command_line_overrides_win_over_files(build_cli):
@@ -498,7 +498,7 @@ def help_text(capsys, argv) -> str:
 def test_model_help_shows_docstrings(capsys):
     # subclass mode: the init args of a class are listed by --model.help CLASS (``--model CLASS --help``
     # prints the Trainer's options and only the --model/--data entries)
-    out = help_text(capsys, ["fit", "--model.help", "lightning_opd.module.OPDModule"])
+    out = help_text(capsys, ["fit", "--model.help", "lightning_opd.learner.OPDModule"])
     assert "--model.micro_batch_size" in out
     assert "episodes per forward/backward; the step's gradient does not depend on it (F07)" in out
     assert "teacher model directory; must share the student's tokenizer (F01)" in out

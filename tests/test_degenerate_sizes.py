@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.losses import ClippedSurrogate
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import ATODModule, OPDModule
 from lightning_opd.report import read_scalars
 from tests.helpers import KeywordEnvFactory
 
@@ -49,7 +49,8 @@ def test_fit_runs_at_every_degenerate_size(model_dirs, tmp_path, size, loss):
     data_kw, model_kw, supervised = SIZES[size]
     dm = RolloutDataModule(**{**dict(env=KeywordEnvFactory(need=2), episodes_per_step=2, max_turns=2,
                                      max_new_tokens=4, eval_batch_size=2, seed=0), **data_kw})
-    model = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], **model_kw, **LOSSES[loss])
+    cls = ATODModule if loss == "atod" else OPDModule
+    model = cls(student=model_dirs["student"], teacher=model_dirs["teacher"], **model_kw, **LOSSES[loss])
     model.configure_model()
     before = {k: v.clone() for k, v in model.student.state_dict().items()}
     logger, losses = TensorBoardLogger(str(tmp_path), name="run"), StepLosses()

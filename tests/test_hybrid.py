@@ -1,4 +1,4 @@
-"""ATOD's hybrid objective in OPDModule (docs/algorithms.md §3): exact reductions (kappa = 1, rho = 0, w = 1,
+"""ATOD's hybrid objective, ATODModule (docs/algorithms.md §3): exact reductions (kappa = 1, rho = 0, w = 1,
 one update = the sampled-token OPD loss; kappa = 0 = GRPO), T-DUR never touches the GRPO term, whole
 groups under a staleness filter, F01c/F04/F06/F07 re-run with the hybrid loss, and a fit with several
 updates per rollout batch (one policy version per batch, on-policy check, annealing, logs)."""
@@ -19,7 +19,7 @@ from lightning_opd.callbacks.annealing import AnnealingSchedule
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.losses import ClippedSurrogate, EpisodeReward, FullVocabReverseKL, SampledTokenReverseKL, log_probs
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import ATODModule, OPDModule
 from tests.helpers import KeywordEnvFactory, free_port, make_tokenizer
 from tests.test_module import (assert_masked_row_adds_nothing, make_batch, teacher_noise_off_the_loss,
                                with_freshness)
@@ -35,25 +35,30 @@ def scripted(batch):
 
 
 def module_for(model_dirs, loss=None, micro_batch_size=2, teacher=None, **kw):
-    m = OPDModule(student=model_dirs["student"], teacher=teacher or model_dirs["teacher"],
-                  loss=loss if loss is not None else ClippedSurrogate(), micro_batch_size=micro_batch_size,
-                  reward=EpisodeReward(1.0, 1.0), **kw)
+    """An ``ATODModule`` (default loss ``ClippedSurrogate``), or with a plain divergence an ``OPDModule``."""
+    if loss is not None and not isinstance(loss, ClippedSurrogate):
+        m = OPDModule(student=model_dirs["student"], teacher=teacher or model_dirs["teacher"], loss=loss,
+                      micro_batch_size=micro_batch_size, **kw)
+    else:
+        m = ATODModule(student=model_dirs["student"], teacher=teacher or model_dirs["teacher"],
+                       loss=loss if loss is not None else ClippedSurrogate(), micro_batch_size=micro_batch_size,
+                       reward=EpisodeReward(1.0, 1.0), **kw)
     m.configure_model()
     return m
 
 
 def prepared(module, batch):
     """What training_step does before the updates: the shared pass, plan, hybrid preparation."""
-    lp = module.student_logprobs(batch) if module.needs_old_logprobs else None
+    lp = module.student_logprobs(batch) if module.needs_learner_logprobs else None
     batch = module.plan_batch(batch, lp)
-    return module.prepare_hybrid(batch, lp) if module.hybrid else batch
+    return module.prepare_batch(batch, lp)
 
 
 def grads_of(module, batch, world_size=1):
     """One update's loss and gradients on an already prepared batch (step tokens all-reduced)."""
     module.student.zero_grad(set_to_none=True)
     tokens = module.reduce_sum(batch.loss_mask[:, 1:].sum())
-    sums = module.backward_step(batch, tokens, lambda loss: loss.backward(), world_size)
+    sums, _ = module.backward_step(batch, tokens, lambda loss: loss.backward(), world_size)
     return sums, {n: p.grad.clone() for n, p in module.student.named_parameters() if p.grad is not None}
 
 
@@ -158,19 +163,29 @@ def test_f13_reward_function_errors_and_fallback_reach_the_step(model_dirs, batc
 
 
 def test_hybrid_settings_need_the_surrogate(model_dirs):
-    for kw, bad in ((dict(kappa=0.5), "model.kappa=0.5"), (dict(rho=1.0), "model.rho=1.0"), (dict(tdur=True), "model.tdur=True")):
-        with pytest.raises(ValueError, match=bad + ".*needs loss lightning_opd.losses.ClippedSurrogate, got FullVocabReverseKL"):
+    for kw in (dict(kappa=0.5), dict(rho=1.0), dict(tdur=True)):  # ATODModule: the hybrid knobs need the surrogate
+        with pytest.raises(ValueError, match="model.init_args.loss: ATODModule's hybrid objective needs loss "
+                                             "lightning_opd.losses.ClippedSurrogate, got FullVocabReverseKL"):
+            ATODModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=FullVocabReverseKL(), **kw)
+        with pytest.raises(TypeError):  # OPDModule has no hybrid knobs at all
             OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=FullVocabReverseKL(), **kw)
+    with pytest.raises(ValueError, match="model.init_args.loss=lightning_opd.losses.ClippedSurrogate is ATOD's hybrid "
+                                         "objective: set model.class_path=lightning_opd.learner.ATODModule"):
+        OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=ClippedSurrogate())
     for kw, bad in ((dict(ppo_epochs=0), "model.ppo_epochs=0"), (dict(ppo_mini_batches=0), "model.ppo_mini_batches=0"),
                     (dict(kappa=-1.0), "model.kappa=-1.0"), (dict(rho=float("nan")), "model.rho=nan"),
                     (dict(advantage_eps=-1.0), "model.advantage_eps=-1.0")):
         with pytest.raises(ValueError, match=bad):
-            OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=ClippedSurrogate(), **kw)
+            ATODModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=ClippedSurrogate(), **kw)
     plain = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"])
-    assert (plain.kappa, plain.rho, plain.updates_per_batch, plain.hybrid) == (1.0, 0.0, 1, False)
-    plain.rho = 0.5  # e.g. set by a schedule: caught at the next step
-    with pytest.raises(ValueError, match="model.rho=0.5"):
-        plain._check_objective()
+    assert plain.updates_per_batch == 1 and not plain.needs_learner_logprobs and not hasattr(plain, "kappa")
+    atod = ATODModule(student=model_dirs["student"], teacher=model_dirs["teacher"])
+    assert (atod.kappa, atod.rho, atod.updates_per_batch, type(atod.loss_fn)) == (1.0, 0.0, 1, ClippedSurrogate)
+    with pytest.raises(ValueError, match="model.rho=-0.5"):  # e.g. set by a schedule: caught when set
+        atod.rho = -0.5
+    with pytest.raises(ValueError, match="model.kappa=inf"):
+        atod.set_kappa(float("inf"))
+    assert (atod.kappa, atod.rho) == (1.0, 0.0)
 
 
 # --------------------------------------------------------------------------- F01c F04 F06 F07, hybrid
@@ -257,7 +272,7 @@ def test_f07_two_ranks_equal_single_process_hybrid(model_dirs, batch, tmp_path):
 
 
 # ------------------------------------------------------------------------------- several updates: fit
-class Recording(OPDModule):
+class Recording(ATODModule):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.seen, self.kappas, self.metrics = [], [], []
@@ -268,9 +283,9 @@ class Recording(OPDModule):
         self.kappas.append(self.kappa)
         return super()._check_on_policy(batch)
 
-    def _log_hybrid(self, n):
-        super()._log_hybrid(n)
+    def step_extras(self):
         self.metrics.append(dict(self._step_stats))
+        return super().step_extras()
 
 
 def test_fit_with_several_updates_per_batch_is_one_policy_version_per_batch(model_dirs, tmp_path):
@@ -305,8 +320,8 @@ def test_fit_with_several_updates_per_batch_is_one_policy_version_per_batch(mode
 # --------------------------------------------------------------------- F22: a loss term that is always 0
 def fit_until_setup_error(model_dirs, callbacks=(), data=None, max_steps=4, **model_kw) -> str:
     """The ValueError that ``trainer.fit`` raises at setup, before any rollout (module and DataModule known)."""
-    model = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=ClippedSurrogate(),
-                      log_text_every_n_steps=0, **model_kw)
+    model = ATODModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=ClippedSurrogate(),
+                       log_text_every_n_steps=0, **model_kw)
     dm = RolloutDataModule(**{**dict(env=KeywordEnvFactory(need=2), episodes_per_step=2, max_turns=2, max_new_tokens=4,
                                      eval_batch_size=2, seed=0), **(data or {})})
     trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
@@ -337,8 +352,8 @@ def test_f22_check_accepts_every_term_that_can_train(model_dirs):
     """The same knobs set so that every term can be non-zero pass the setup check."""
     from types import SimpleNamespace
 
-    model = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=ClippedSurrogate(),
-                      kappa=0.0, rho=1.0, reward=EpisodeReward(0.0, 1.0))
+    model = ATODModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=ClippedSurrogate(),
+                       kappa=0.0, rho=1.0, reward=EpisodeReward(0.0, 1.0))
     dm = RolloutDataModule(env=KeywordEnvFactory(), episodes_per_step=4, group_size=2, temperature=0.7)
     for kappa, rho, tdur in ((0.0, 1.0, False), (1.0, 0.0, True), (0.5, 2.0, True)):
         model.kappa, model.rho, model.tdur = kappa, rho, tdur

@@ -17,7 +17,7 @@ from lightning_opd.rollout.batch import collate_trajectories
 from lightning_opd.losses import (ForwardKL, FullVocabReverseKL, GeneralizedJSD, SampledTokenReverseKL,
                                   StudentTopKRenormalizedReverseKL, TeacherTopKForwardKL, log_probs)
 from lightning_opd.models.tokenizers import TokenizerMismatchError
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import OPDModule
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
 from lightning_opd.rollout.generator import SamplingParams
 from lightning_opd.rollout.scripted import ScriptedGenerator
@@ -80,13 +80,16 @@ def with_freshness(module, batch):
     return replace(batch, behaviour_logprobs=blp, behaviour_version=torch.tensor([3, 2, 1, 0])[: batch.size])
 
 
-def step_grads(module, batch, world_size=1, step_tokens=None):
+def step_grads(module, batch, world_size=1, step_tokens=None, stats_out=None):
+    """One update's sums and gradients; the step's ``TurnStats`` are appended to ``stats_out`` if given."""
     module.student.zero_grad(set_to_none=True)
     batch = module.plan_batch(batch)
     tokens = batch.loss_mask[:, 1:].sum() if step_tokens is None else step_tokens
     if step_tokens is None:
         tokens = module.reduce_sum(tokens)
-    sums = module.backward_step(batch, tokens, lambda loss: loss.backward(), world_size)
+    sums, stats = module.backward_step(batch, tokens, lambda loss: loss.backward(), world_size)
+    if stats_out is not None:
+        stats_out.append(stats)
     grads = {n: p.grad.clone() for n, p in module.student.named_parameters() if p.grad is not None}
     return sums, grads
 

@@ -18,7 +18,7 @@ from lightning_opd.callbacks.rollout_depth import RolloutDepthController
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
 from lightning_opd.data import RolloutDataModule
-from lightning_opd.policy import rng_states, set_rng_states
+from lightning_opd.learner.policy import rng_states, set_rng_states
 from lightning_opd.rollout.hf import HFGenerator
 from tests.helpers import KeywordEnvFactory
 from tests.test_training import RecordingOPD

@@ -8,7 +8,7 @@ import torch
 
 from lightning_opd.data.expert import ExpertDataModule
 from lightning_opd.models.loading import load_causal_lm, merge_adapter
-from lightning_opd.sft import SFTModule
+from lightning_opd.learner import SFTModule
 from tests.helpers import KeywordEnvFactory
 
 

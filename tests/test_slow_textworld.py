@@ -14,12 +14,12 @@ from lightning_opd.data import RolloutDataModule
 from lightning_opd.data.expert import ExpertDataModule
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory
 from lightning_opd.models import load_tokenizer
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import OPDModule
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
 from lightning_opd.rollout.chat import ChatFormat
 from lightning_opd.rollout.generator import SamplingParams
 from lightning_opd.rollout.scripted import ScriptedGenerator, walkthrough_replies
-from lightning_opd.sft import SFTModule
+from lightning_opd.learner import SFTModule
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "artifacts/models/smollm2-135m"

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_opd.data import RolloutDataModule
-from lightning_opd.module import OffPolicyBatchError, OPDModule
+from lightning_opd.learner import OffPolicyBatchError, OPDModule
 from lightning_opd.results import last_scalar
 from tests.helpers import KeywordEnvFactory
 

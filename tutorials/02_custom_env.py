@@ -48,11 +48,11 @@ from lightning_opd.data import RolloutDataModule
 from lightning_opd.data.expert import ExpertDataModule
 from lightning_opd.envs.base import EnvFactory, StepResult, TextEnv
 from lightning_opd.models import load_tokenizer
-from lightning_opd.module import OPDModule
-from lightning_opd.policy import PolicyModule
+from lightning_opd.learner import OPDModule
+from lightning_opd.learner.policy import PolicyModule
 from lightning_opd.rollout import AgentLoop, EpisodeSpec, SamplingParams
 from lightning_opd.rollout.scripted import ScriptedGenerator, walkthrough_replies
-from lightning_opd.sft import SFTModule
+from lightning_opd.learner import SFTModule
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "artifacts" / "models" / "smollm2-135m"

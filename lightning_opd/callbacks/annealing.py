@@ -121,8 +121,7 @@ class AnnealingSchedule(StepSchedule):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step = max(0, int(pl_module.policy_version) - 1)  # the batch just trained (the version moved after it)
-        pl_module.log(f"schedule/{self.attribute}", self.value_at(step), batch_size=1)
+        pl_module.log(f"schedule/{self.attribute}", self.value_at(self.trained_step(pl_module)), batch_size=1)
 
     # ------------------------------------------------------------------------------------- internals
     def _check_attribute(self, pl_module) -> None:

@@ -169,7 +169,7 @@ class RolloutDepthController(Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._update(trainer, pl_module)
+        self._update(trainer, outputs.get("turn_stats") if isinstance(outputs, dict) else None)
         self._log(pl_module)
 
     @override
@@ -205,8 +205,9 @@ class RolloutDepthController(Callback):
                          rows.sum().to(hist)[None], hist.flatten()])
         return trainer.strategy.reduce(vec, reduce_op="sum")
 
-    def _update(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        stats = getattr(pl_module, "last_turn_stats", None)
+    def _update(self, trainer: L.Trainer, stats) -> None:
+        """One controller step from ``stats``, the :class:`~lightning_opd.metrics.turn_stats.TurnStats` the
+        step just trained on returned (``outputs["turn_stats"]`` of ``training_step``; ``None``: nothing)."""
         self._probe_step = False
         if stats is None or self.h_max is None:
             return

@@ -41,6 +41,12 @@ class StepSchedule(Callback):
                              f"or {fix}")
         return max(1, int(max_steps) // int(getattr(pl_module, "updates_per_batch", 1)))
 
+    @staticmethod
+    def trained_step(pl_module: L.LightningModule) -> int:
+        """The rollout iteration that just trained, in ``on_train_batch_end`` (``policy_version`` has moved
+        past it): ``max(0, policy_version - 1)``."""
+        return max(0, int(pl_module.policy_version) - 1)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"horizon": self.horizon}

@@ -115,8 +115,7 @@ class TurnLossBlend(StepSchedule):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step = max(0, int(pl_module.policy_version) - 1)  # the step just trained (the version moved after it)
-        pl_module.log("turn_blend/alpha", self.alpha_at(step), batch_size=1)
+        pl_module.log("turn_blend/alpha", self.alpha_at(self.trained_step(pl_module)), batch_size=1)
 
     # ---------------------------------------------------------------------------------- the weighting
     def prepare(self, module, batch, student_logprobs: torch.Tensor | None) -> BatchPlan:

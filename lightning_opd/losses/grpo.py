@@ -18,7 +18,7 @@ Deliberate choices (PROPOSED in docs/algorithms.md or here, not from the paper):
 2. A group whose rewards are all equal, including a group of one episode, gets advantage exactly 0
    (no baseline to compare with); :class:`GroupAdvantages` counts such groups. A configuration under
    which every group is like that (``rho > 0`` with ``data.group_size = 1``, greedy rollouts, an
-   all-zero reward) is refused at setup (F22, :meth:`lightning_opd.hybrid.HybridObjective.setup`).
+   all-zero reward) is refused at setup (F22, :meth:`lightning_opd.learner.atod.ATODModule.setup`).
 3. F13 (docs/faults.md): a reward function that raises, returns ``None`` or the wrong number of values
    is an error (:class:`RewardFunctionError`) naming the function and the expected count; a
    non-finite (NaN, inf) or ``None`` reward of one episode is a counted fallback: its whole group gets
@@ -185,7 +185,7 @@ class ClippedSurrogate(TokenDivergence):
     """ATOD's hybrid objective: the clipped surrogate on ``A_t = κ Δlogp_t w_k(t) + ρ Â_i`` (§3.1, Eq. 8).
 
     Support: the sampled token only (like :class:`~lightning_opd.losses.SampledTokenReverseKL`); the
-    logged ``kl`` is the exact reverse KL. ``OPDModule`` supplies, per supervised token,
+    logged ``kl`` is the exact reverse KL. ``ATODModule`` supplies, per supervised token,
     ``opd_weight = κ · w_k(t)``, ``grpo_term = ρ · Â_i`` and ``old_logprobs`` (as keyword inputs of
     :meth:`token_terms`, sliced chunk by chunk). Without them the defaults ``opd_weight = 1``,
     ``grpo_term = 0`` and π_old = sg(π_θ) make it exactly the sampled-token OPD loss.
@@ -215,9 +215,31 @@ class ClippedSurrogate(TokenDivergence):
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0, *, opd_weight=None,
                     grpo_term=None, old_logprobs=None) -> TokenLoss:
         lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
-        s_tok = gather_token(lp_s, targets)
-        old = s_tok.detach() if old_logprobs is None else old_logprobs
-        advantage = hybrid_advantage(gather_token(lp_t, targets), old, 1.0 if opd_weight is None else opd_weight,
-                                     0.0 if grpo_term is None else grpo_term)
-        loss, _, _ = clipped_surrogate(s_tok, old, advantage, self.clip_eps)
+        loss, _, _ = self._surrogate(gather_token(lp_s, targets), gather_token(lp_t, targets), opd_weight, grpo_term,
+                                     old_logprobs)
         return self._full(loss, lp_s, lp_t, targets)
+
+    def ratio_stats(self, token_loss: TokenLoss, opd_weight: torch.Tensor | None = None,
+                    grpo_term: torch.Tensor | None = None,
+                    old_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The importance ratios and clip decisions behind ``token_loss`` (an output of this loss), for the
+        ``ppo/*`` statistics: the same computation as :meth:`token_terms`, on its detached log-probs.
+
+        Args:
+            token_loss: ``S`` output of this loss (its ``student_logprobs`` and ``teacher_logprobs``).
+            opd_weight, grpo_term, old_logprobs: ``S`` the keyword inputs the loss was given.
+
+        Returns:
+            ``(ratio, clipped)``: ``S`` detached η and the bool mask of clipped tokens.
+        """
+        _, ratio, clipped = self._surrogate(token_loss.student_logprobs, token_loss.teacher_logprobs, opd_weight,
+                                            grpo_term, old_logprobs)
+        return ratio, clipped
+
+    def _surrogate(self, student_lp: torch.Tensor, teacher_lp: torch.Tensor, opd_weight, grpo_term, old_logprobs):
+        """``clipped_surrogate`` on the hybrid advantage of ``S`` sampled-token log-probs (defaults: κ w = 1,
+        ρ Â = 0, π_old = sg(π_θ))."""
+        old = student_lp.detach() if old_logprobs is None else old_logprobs
+        advantage = hybrid_advantage(teacher_lp, old, 1.0 if opd_weight is None else opd_weight,
+                                     0.0 if grpo_term is None else grpo_term)
+        return clipped_surrogate(student_lp, old, advantage, self.clip_eps)

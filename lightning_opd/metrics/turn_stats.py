@@ -1,7 +1,7 @@
 """Per-sample, per-turn sums of one training step: the input of the TurnOPD diagnostics (§4) and of
 the rollout-depth controller (docs/algorithms.md §2.3).
 
-The module fills a :class:`TurnStats` for every step (``OPDModule.last_turn_stats``) from the same
+The module fills a :class:`TurnStats` for every step (returned by ``OPDModule.training_step`` as ``outputs["turn_stats"]``) from the same
 per-token values the loss used; consumers reduce it across ranks themselves (every field is a sum or
 a per-sample value, so ``sum`` over ranks / concatenation is exact).
 """

@@ -136,19 +136,15 @@ def test_f22_schedule_that_switches_a_term_off_is_refused_at_setup(model_dirs, s
         assert key in message, (key, message)
 
 
-def test_f22_schedule_check_counts_only_iterations_of_the_fit():
+def test_f22_schedule_check_counts_only_iterations_of_the_fit(model_dirs):
     """kappa reaches 0 at iteration 4 of its schedule, but a fit of 3 rollout iterations (6 optimizer updates,
     2 per batch) never gets there; the module's own rho (1.0) is overridden by a schedule that keeps it at 0."""
     from types import SimpleNamespace
 
-    from lightning_opd.hybrid import HybridObjective
-    from lightning_opd.losses import ClippedSurrogate, EpisodeReward
+    from lightning_opd.learner import ATODModule
 
-    class Hybrid(HybridObjective):  # the attributes OPDModule gives the mixin
-        kappa, rho, tdur, ppo_epochs, ppo_mini_batches = 1.0, 1.0, False, 2, 1
-        loss_fn, reward_fn = ClippedSurrogate(), EpisodeReward()
-
-    module = Hybrid()
+    module = ATODModule(student=model_dirs["student"], teacher=model_dirs["teacher"], kappa=1.0, rho=1.0, tdur=False,
+                        ppo_epochs=2, ppo_mini_batches=1)
     kappa, rho = AnnealingSchedule("kappa", 1.0, 0.0, steps=4), AnnealingSchedule("rho", 0.0, 0.0, steps=1)
     trainer = SimpleNamespace(callbacks=[kappa, rho], max_steps=6, datamodule=SimpleNamespace(group_size=1))
     plan = module._coefficient_plan(trainer)

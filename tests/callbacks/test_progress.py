@@ -12,7 +12,7 @@ import torch
 from lightning_opd.callbacks import progress
 from lightning_opd.callbacks.progress import EpisodeProgressBar, StepLinePrinter, held_out_episodes
 from lightning_opd.data import RolloutDataModule
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import OPDModule
 from tests.helpers import KeywordEnvFactory
 
 

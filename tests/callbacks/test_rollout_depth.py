@@ -34,7 +34,7 @@ class Trainer:
 
 class Module:
     def __init__(self):
-        self.last_turn_stats, self.logged = None, {}
+        self.logged = {}
 
     def log(self, key, value, batch_size):
         self.logged[key] = value
@@ -70,8 +70,7 @@ def _setup(tokenizer, max_turns=8, **kw):
 
 
 def _step(ctrl, trainer, module, rows, h=8):
-    module.last_turn_stats = stats(rows, h)
-    ctrl.on_train_batch_end(trainer, module, None, None, 0)
+    ctrl.on_train_batch_end(trainer, module, {"loss": torch.zeros(()), "turn_stats": stats(rows, h)}, None, 0)
     return ctrl.h_eff, ctrl.h_cov, ctrl.h_bar, ctrl.cap
 
 
@@ -194,8 +193,7 @@ def test_ranks_are_reduced_exactly(tokenizer):
     expect = _step(single, trainer, module, rows)
     assert expect[1] == 5  # 8 successes in one batch
     other, _, other_module, other_trainer = _setup(tokenizer)
-    other_module.last_turn_stats = stats(rows[:3])
-    vec = other._reduced_sums(other_trainer, other_module.last_turn_stats)  # rank 1's contribution
+    vec = other._reduced_sums(other_trainer, stats(rows[:3]))  # rank 1's contribution
     ctrl, _, module, _ = _setup(tokenizer)
     trainer = Trainer(_dm(tokenizer), Strategy(others=[vec]))
     ctrl.setup(trainer, module, "fit")

@@ -14,7 +14,7 @@ from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.losses.divergences import TokenLoss
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import OPDModule
 from lightning_opd.rollout.generator import SamplingParams
 from tests.helpers import KeywordEnvFactory
 

@@ -12,7 +12,7 @@ from lightning_opd.callbacks.teacher_traj_kl import TeacherTrajectoryKL
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.evaluation.teacher_kl import trajectory_kl
 from lightning_opd.models.loading import load_causal_lm
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import OPDModule
 from tests.helpers import KeywordEnvFactory
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,7 +17,7 @@ import torch
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.distributed import gather_per_rank
 from lightning_opd.models.fsdp import FSDP2Strategy
-from lightning_opd.policy import rng_states
+from lightning_opd.learner.policy import rng_states
 from tests.helpers import KeywordEnvFactory, spawn_ranks
 from tests.test_training import RecordingOPD
 

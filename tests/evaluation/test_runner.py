@@ -156,7 +156,7 @@ trainer:
   enable_progress_bar: false
   enable_model_summary: false
 model:
-  class_path: lightning_opd.module.OPDModule
+  class_path: lightning_opd.learner.OPDModule
   init_args:
     student: {student}
     teacher: {teacher}

@@ -48,9 +48,9 @@ def test_compute_without_update_is_nan_and_silent(recwarn):
 
 def test_turn_keys_at_one_turn():
     """``kl/turn_00`` is logged when the only tracked turn is reached, and kept once reached."""
-    from lightning_opd.step_logging import StepLogging
+    from lightning_opd.learner.step_metrics import StepMetrics
 
-    logging = StepLogging()
+    logging = StepMetrics(max_logged_turns=1)
     assert logging._turn_keys(torch.tensor([False])) == 0
     assert logging._turn_keys(torch.tensor([True])) == 1
     assert logging._turn_keys(torch.tensor([False])) == 1

@@ -18,7 +18,7 @@ from lightning_opd.envs.base import EnvFactory, StepResult
 from lightning_opd.losses import FullVocabReverseKL
 from lightning_opd.models.fsdp import FSDP2Strategy, decoder_layers, full_state_dict, is_sharded, shard_causal_lm
 from lightning_opd.models.loading import load_causal_lm
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import OPDModule
 from tests.helpers import make_tokenizer, spawn_ranks
 from tests.test_module import make_batch, make_module, step_grads
 

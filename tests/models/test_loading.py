@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.models.loading import load_causal_lm, save_hf_atomic
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import OPDModule
 from tests.helpers import KeywordEnvFactory, make_model
 
 MARKER = "payload_ran.txt"

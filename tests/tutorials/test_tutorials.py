@@ -32,7 +32,7 @@ from lightning_opd.cli import OPDCLI
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.losses import ClippedSurrogate, FullVocabReverseKL
 from lightning_opd.models.fsdp import FSDP2Strategy
-from lightning_opd.module import OPDModule
+from lightning_opd.learner import OPDModule
 from lightning_opd.rollout import HFGenerator
 from lightning_opd.rollout.vllm import VLLMGenerator
 
@@ -246,7 +246,7 @@ def test_04_gpu_yaml_builds_model_data_and_strategy(generator, model_dirs, fake_
     assert isinstance(model, OPDModule) and model.fsdp_mixed_precision == "bfloat16"
     assert model.teacher_dtype == "bfloat16" and model.dtype_name == "float32" and model.gradient_checkpointing
     assert isinstance(model.loss_fn, FullVocabReverseKL) and model.loss_fn.chunk_size == 1024
-    assert model.micro_batch_size == 2 and model.turn_kl.num_turns == 12
+    assert model.micro_batch_size == 2 and model.step_metrics.num_turns == 12
     assert model.student is None and model.teacher is None  # weights load in configure_model (sharded at fit)
     dm = cli.datamodule
     assert isinstance(dm, RolloutDataModule) and dm.episodes_per_step == 16 and dm.max_turns == 12

@@ -9,16 +9,18 @@ One training step = one rollout batch (docs/design.md "Data flow"):
    supervised-token count, backward;
 3. gradient clipping, optimizer step, LR scheduler step, ``policy_version += 1``.
 
-ATOD's hybrid objective (docs/algorithms.md §3, ``loss: ClippedSurrogate``) lives in
-:mod:`lightning_opd.hybrid`: advantages, old log-probs and T-DUR fixed before the first update, then
-``ppo_epochs * ppo_mini_batches`` optimizer updates on the same rollout batch (one policy version).
+ATOD's hybrid objective (docs/algorithms.md §3) is the subclass :class:`~lightning_opd.learner.atod.ATODModule`,
+which fills the hooks this class leaves empty (:meth:`OPDModule.prepare_batch`, :meth:`OPDModule.loss_inputs`,
+:meth:`OPDModule.updates`, :meth:`OPDModule.after_micro_batch`, :meth:`OPDModule.step_extras`).
 
 Deliberate simplification (this version): the teacher runs in the trainer process on the student's device.
 
-The metrics it logs every step are listed in :mod:`lightning_opd.step_logging` (metric glossary).
+The metrics it logs every step are listed in :mod:`lightning_opd.learner.step_metrics` (metric glossary).
 
-``last_turn_stats`` (:class:`~lightning_opd.metrics.turn_stats.TurnStats`) holds the step's per-sample,
-per-turn sums on this rank for callbacks (the rollout-depth controller).
+``training_step`` returns ``{"loss": ..., "turn_stats": TurnStats}``: Lightning hands that dict to every
+callback's ``on_train_batch_end`` as ``outputs``; ``turn_stats``
+(:class:`~lightning_opd.metrics.turn_stats.TurnStats`) holds the step's per-sample, per-turn sums on this
+rank (what the rollout-depth controller reads).
 """
 
 from __future__ import annotations
@@ -26,26 +28,24 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import replace
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_opd.rollout.batch import RolloutBatch
+from lightning_opd.learner.policy import PolicyModule
+from lightning_opd.learner.step_metrics import StepMetrics, StepRecord
 from lightning_opd.losses.aggregation import aggregate_token_loss
-from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss, log_probs
-from lightning_opd.losses.grpo import EpisodeReward
+from lightning_opd.losses.chunked import chunked_sampled_logprobs
+from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss
+from lightning_opd.losses.grpo import ClippedSurrogate
 from lightning_opd.losses.weighting import Weighting
-from lightning_opd.metrics.per_turn import PerTurnMean
 from lightning_opd.metrics.turn_stats import TurnStats, per_turn_sums
 from lightning_opd.models.fsdp import with_root_params
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer
 from lightning_opd.models.logits import check_head_path, output_head, trunk_hidden_states
 from lightning_opd.models.tokenizers import check_tokenizers_compatible
-from lightning_opd.hybrid import HybridObjective
-from lightning_opd.policy import PolicyModule
-from lightning_opd.step_logging import StepLogging
-
+from lightning_opd.rollout.batch import RolloutBatch
 
 # Pulling the batch inside the step (the ``dataloader_iter`` flavour) is deliberate: it is what keeps
 # synchronous OPD on-policy (docs/design.md, Lightning prefetch). Lightning warns that it is experimental.
@@ -61,7 +61,7 @@ def _default_optimizer(params):
     return torch.optim.AdamW(params, lr=5e-5, weight_decay=0.0)
 
 
-class OPDModule(HybridObjective, StepLogging, PolicyModule):
+class OPDModule(PolicyModule):
     """On-policy distillation: the student learns to match the teacher on its own trajectories.
 
     Args:
@@ -69,6 +69,7 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
         teacher: teacher model directory; must share the student's tokenizer (F01).
         loss: per-token divergence; default ``FullVocabReverseKL`` (analytic reverse KL). Use
             ``lightning_opd.losses.SampledTokenReverseKL`` for the sampled-token policy-gradient form.
+            ATOD's ``ClippedSurrogate`` belongs to :class:`~lightning_opd.learner.atod.ATODModule`.
         optimizer: optimizer factory over the student's parameters (default AdamW, lr 5e-5).
         lr_scheduler: optional scheduler factory; stepped once per optimizer step.
         micro_batch_size: episodes per forward/backward; the step's gradient does not depend on it (F07).
@@ -79,22 +80,13 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
         strict_on_policy: raise :class:`OffPolicyBatchError` when a batch's lag exceeds the
             DataModule's ``max_allowed_lag`` (0 in synchronous mode).
         trust_remote_code, export_dir, gradient_checkpointing, fsdp_mixed_precision: see :class:`PolicyModule`.
-        kappa: κ, coefficient of the OPD term of ATOD's hybrid advantage (§3.1); 1 = plain OPD. Needs
-            ``loss: ClippedSurrogate`` unless 1.
-        rho: ρ, coefficient of the GRPO term; 0 = no reward signal. Needs ``ClippedSurrogate`` unless 0.
-        ppo_epochs: passes over each rollout batch (each pass: ``ppo_mini_batches`` optimizer updates).
-        ppo_mini_batches: optimizer updates per pass, on contiguous row ranges of the batch.
-        tdur: weight the OPD term by T-DUR turn weights (§3.3; never the GRPO term). Needs ``ClippedSurrogate``.
-        reward: episode reward for the GRPO term (default ``EpisodeReward()``: 1 per won episode).
-        advantage_eps: ε_A added to the group standard deviation (PROPOSED 1e-6).
 
     Raises:
         TokenizerMismatchError: at setup, when the teacher's tokenizer differs from the student's.
         UnsupportedArchitectureError: in ``configure_model``, a student or teacher whose log-probs the
             chunked head path cannot reproduce (F20, :mod:`lightning_opd.models.logits`).
-        ValueError: a non-positive ``micro_batch_size``, ``max_logged_turns``, ``ppo_epochs`` or
-            ``ppo_mini_batches``; a negative ``kappa``, ``rho`` or ``advantage_eps``; ``kappa != 1``,
-            ``rho != 0`` or ``tdur`` with a loss other than ``ClippedSurrogate``.
+        ValueError: a non-positive ``micro_batch_size`` or ``max_logged_turns``; ``loss: ClippedSurrogate``
+            (ATOD's objective: use ``ATODModule``).
     """
 
     def __init__(self, student: str, teacher: str, loss: TokenDivergence | None = None,
@@ -102,43 +94,75 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
                  micro_batch_size: int = 1, grad_clip_norm: float | None = 1.0, dtype: str = "float32",
                  teacher_dtype: str | None = None, max_logged_turns: int = 16, log_text_every_n_steps: int = 10,
                  strict_on_policy: bool = True, trust_remote_code: bool = False, export_dir: str | None = None,
-                 gradient_checkpointing: bool = False, kappa: float = 1.0, rho: float = 0.0, ppo_epochs: int = 1,
-                 ppo_mini_batches: int = 1, tdur: bool = False, reward: EpisodeReward | None = None,
-                 advantage_eps: float = 1e-6, fsdp_mixed_precision: str | None = None) -> None:
+                 gradient_checkpointing: bool = False, fsdp_mixed_precision: str | None = None) -> None:
         super().__init__(student=student, dtype=dtype, trust_remote_code=trust_remote_code, export_dir=export_dir,
                          gradient_checkpointing=gradient_checkpointing, fsdp_mixed_precision=fsdp_mixed_precision)
         if micro_batch_size < 1:
             raise ValueError(f"model.micro_batch_size={micro_batch_size} must be >= 1")
-        if max_logged_turns < 1:
-            raise ValueError(f"model.max_logged_turns={max_logged_turns} must be >= 1")
-        for name, value in (("ppo_epochs", ppo_epochs), ("ppo_mini_batches", ppo_mini_batches)):
-            if value < 1:
-                raise ValueError(f"model.{name}={value} must be >= 1")
-        if advantage_eps < 0:
-            raise ValueError(f"model.advantage_eps={advantage_eps} must be >= 0")
         self.automatic_optimization = False
         self.teacher_path = teacher
         self.teacher_dtype = teacher_dtype or dtype
-        self.loss_fn = loss if loss is not None else FullVocabReverseKL()
+        self.loss_fn = loss if loss is not None else self.default_loss()
+        self.check_loss(self.loss_fn)
         self.optimizer_factory = optimizer if optimizer is not None else _default_optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.micro_batch_size = micro_batch_size
         self.grad_clip_norm = grad_clip_norm
-        self.log_text_every_n_steps = log_text_every_n_steps
         self.strict_on_policy = strict_on_policy
-        self.kappa, self.rho, self.tdur = kappa, rho, tdur
-        self.ppo_epochs, self.ppo_mini_batches = ppo_epochs, ppo_mini_batches
-        self.reward_fn = reward if reward is not None else EpisodeReward()
-        self.advantage_eps = advantage_eps
-        self._check_objective()
-        self._step_stats: dict[str, float] = {}  # hybrid-loss statistics of the current step (logged)
-        self.turn_kl = PerTurnMean(max_logged_turns)
-        self.last_turn_stats: TurnStats | None = None  # the last step's per-turn sums (this rank)
+        self.step_metrics = StepMetrics(max_logged_turns, log_text_every_n_steps)
         self._weightings: dict[str, Weighting] = {}
         self._teacher: list = []  # kept out of the module tree: frozen, never checkpointed
         # F01: compare tokenizers before any rollout
         self.vocab_size = check_tokenizers_compatible(self.tokenizer, load_tokenizer(teacher, trust_remote_code),
                                                       student, teacher)
+
+    # ----------------------------------------------------------------------------------- the objective
+    @staticmethod
+    def default_loss() -> TokenDivergence:
+        """The loss when ``model.init_args.loss`` is not given: the analytic reverse KL."""
+        return FullVocabReverseKL()
+
+    def check_loss(self, loss: TokenDivergence) -> None:
+        """Refuse a loss this module cannot train with (at construction).
+
+        Raises:
+            ValueError: ``ClippedSurrogate``, whose advantages only ``ATODModule`` computes.
+        """
+        if isinstance(loss, ClippedSurrogate):
+            raise ValueError("model.init_args.loss=lightning_opd.losses.ClippedSurrogate is ATOD's hybrid objective: "
+                             "set model.class_path=lightning_opd.learner.ATODModule (which owns kappa, rho, the PPO "
+                             "knobs and T-DUR), or use a divergence such as lightning_opd.losses.FullVocabReverseKL")
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer updates per rollout batch: 1 (``ATODModule``: ``ppo_epochs * ppo_mini_batches``)."""
+        return 1
+
+    @property
+    def needs_learner_logprobs(self) -> bool:
+        """The step needs the learner's ``(B, T-1)`` log-probs of the sampled tokens before its first update
+        (one shared no-grad pass): some weighting scheme asks for them."""
+        return any(w.needs_student_logprobs for w in self._weightings.values())
+
+    def prepare_batch(self, batch: RolloutBatch, student_logprobs: torch.Tensor | None) -> RolloutBatch:
+        """Per-batch inputs of the loss fixed before the first update (after :meth:`plan_batch`). OPD: none."""
+        return batch
+
+    def loss_inputs(self, batch: RolloutBatch) -> dict[str, torch.Tensor | None]:
+        """``(b, T-1)`` per-token keyword inputs of the loss for one micro-batch. OPD: none."""
+        return {}
+
+    def updates(self, batch: RolloutBatch) -> list[tuple[int, RolloutBatch]]:
+        """``(epoch, part)`` of every optimizer update of the step, in order. OPD: one update on the whole batch."""
+        return [(0, batch)]
+
+    def after_micro_batch(self, micro_batch: RolloutBatch, out: TokenLoss, keep: torch.Tensor) -> None:
+        """Called after each micro-batch's backward with its per-token output and ``(b, T-1)`` supervised
+        mask (statistics of the step). OPD: nothing."""
+
+    def step_extras(self) -> dict[str, float]:
+        """Scalars of the step beyond :mod:`~lightning_opd.learner.step_metrics`'s common set. OPD: none."""
+        return {}
 
     # ------------------------------------------------------------------------------------------ model
     @property
@@ -210,9 +234,7 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
         with torch.no_grad():
             h_t = self.hidden_states(self.teacher, batch)[rows, cols]  # (N, D_T)
         targets = ids[:, 1:][rows, cols]  # (N,)
-        extras = {}
-        if self.hybrid:  # (b, T-1) -> (N,)
-            extras = {k: None if v is None else v[rows, cols] for k, v in self.advantage_inputs(batch).items()}
+        extras = {k: None if v is None else v[rows, cols] for k, v in self.loss_inputs(batch).items()}  # (b, T-1) -> (N,)
 
         def student_side() -> TokenLoss:  # with a sharded student: its root parameters gathered (FSDP2)
             h_s = self.hidden_states(self.student, batch)[rows, cols]  # (N, D)
@@ -249,6 +271,8 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
 
     @torch.no_grad()
     def _sampled_logprobs(self, model, batch: RolloutBatch) -> torch.Tensor:
+        """The no-grad pass of :meth:`student_logprobs`: agreed micro-batches (F19), the chunked head pass of
+        :func:`~lightning_opd.losses.chunked.chunked_sampled_logprobs` on the supervised positions."""
         parts = []
         chunk = getattr(self.loss_fn, "chunk_size", 256)
         micro, n_real = self.agreed_micro_batches(batch)  # F19: the same number of forwards on every rank
@@ -259,8 +283,7 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
 
             def sampled(mb=mb, rows=rows, cols=cols, targets=targets, head=head, temp=temp) -> torch.Tensor:
                 hidden = self.hidden_states(model, mb)[rows, cols]  # (N, D)
-                return torch.cat([log_probs(head(hidden[i:i + chunk]), temp).gather(-1, targets[i:i + chunk, None])[:, 0]
-                                  for i in range(0, targets.shape[0], chunk)])
+                return chunked_sampled_logprobs(hidden, targets, head, temp, chunk)
 
             lp = with_root_params(model, sampled)
             if len(parts) < n_real:  # padding rows: run for the collectives, discarded
@@ -361,7 +384,7 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
         self._notify_policy_update()  # version 0 (or the restored version) reaches the generator
 
     def backward_step(self, batch: RolloutBatch, step_tokens: torch.Tensor, backward: Callable[[torch.Tensor], None],
-                      world_size: int = 1) -> dict[str, torch.Tensor]:
+                      world_size: int = 1) -> tuple[dict[str, torch.Tensor], TurnStats]:
         """Forward and backward over ``batch`` in micro-batches; gradients accumulate in the student.
 
         Each micro-batch's loss is its share of the step loss (§0.5): divided by ``step_tokens``, the
@@ -372,12 +395,14 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
         fewer rows, or none, adds fully masked padding micro-batches.
 
         Returns:
-            Detached sums on this rank: ``loss`` (the step loss share, nats), ``kl`` and ``entropy``
-            (summed over supervised tokens, nats).
+            ``(sums, turn_stats)``: detached sums on this rank, ``loss`` (the step loss share, nats), ``kl``
+            and ``entropy`` (summed over supervised tokens, nats); and the batch's per-sample, per-turn sums
+            on this rank (:class:`~lightning_opd.metrics.turn_stats.TurnStats`, padding rows left out).
         """
         sums = {k: torch.zeros((), device=self.device) for k in ("loss", "kl", "entropy")}
         parts: dict[str, list[torch.Tensor]] = {"kl_sum": [], "loss_sum": [], "tokens": []}
-        h = self.turn_kl.num_turns
+        turn_kl = self.step_metrics.turn_kl
+        h = turn_kl.num_turns
         micro, n_real = self.agreed_micro_batches(batch)
         for i, mb in enumerate(micro):
             out, mask, turns = self.token_losses(mb)
@@ -388,9 +413,8 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
             sums["loss"] += loss.detach() / world_size
             sums["kl"] += torch.where(keep, out.kl, 0.0).sum()
             sums["entropy"] += torch.where(keep, out.entropy, 0.0).sum()
-            self.turn_kl.update(out.kl[keep], turns[keep])
-            if self.hybrid:
-                self._surrogate_stats(mb, out, keep)
+            turn_kl.update(out.kl[keep], turns[keep])
+            self.after_micro_batch(mb, out, keep)
             if i >= n_real:  # padding (all sums above got exactly 0): no rows in the turn statistics
                 continue
             contribution = out.loss.detach() * (1.0 if weights is None else weights)
@@ -398,54 +422,55 @@ class OPDModule(HybridObjective, StepLogging, PolicyModule):
             parts["loss_sum"].append(per_turn_sums(torch.where(keep, contribution, 0.0), turns, h))
             parts["tokens"].append(per_turn_sums(keep.double(), turns, h))
         empty = torch.zeros(0, h, dtype=torch.float64, device=self.device)
-        self.last_turn_stats = TurnStats(
+        stats = TurnStats(
             **{k: torch.cat(v) if v else empty for k, v in parts.items()}, num_turns=batch.num_turns,
             success=batch.success, is_probe=batch.is_probe, rollout_cap=batch.rollout_cap,
             kept=batch.loss_mask[:, 1:].sum(1) > 0)
-        return sums
+        return sums, stats
 
-    def training_step(self, dataloader_iter: Iterator) -> torch.Tensor:
+    def training_step(self, dataloader_iter: Iterator) -> dict[str, Any]:
+        """One rollout batch: pulled now, checked (on-policy), planned, prepared, trained on with
+        :meth:`updates` optimizer updates; ``policy_version += 1``.
+
+        Returns:
+            ``{"loss": the step loss (detached by Lightning), "turn_stats": the step's TurnStats on this rank}``,
+            what callbacks get as ``outputs`` in ``on_train_batch_end``.
+        """
         t0 = time.perf_counter()
         batch, _, _ = next(dataloader_iter)  # generated now, with the current weights
         batch = batch.to(self.device)
         t1 = time.perf_counter()
         max_lag = self._check_on_policy(batch)
-        self._check_objective()  # kappa / rho may have been changed by a schedule
-        self._step_stats = {}
 
         opt = self.optimizers()
-        needs_lp = self.needs_old_logprobs or any(w.needs_student_logprobs for w in self._weightings.values())
-        lp = self.student_logprobs(batch) if needs_lp else None  # one collection-time pass, shared
+        lp = self.student_logprobs(batch) if self.needs_learner_logprobs else None  # one pass, shared
         batch = self.plan_batch(batch, lp)  # weighting schemes: drop / weight samples for the whole step
-        if self.hybrid:
-            batch = self.prepare_hybrid(batch, lp)  # advantages, old log-probs, T-DUR: fixed for all updates
+        batch = self.prepare_batch(batch, lp)  # ATOD: advantages, old log-probs, T-DUR, fixed for all updates
         sched = self.lr_schedulers()
         clip = self.grad_clip_norm if self.grad_clip_norm is not None else float("inf")
         step_tokens = self.reduce_sum(batch.loss_mask[:, 1:].sum().to(self.device))
-        totals, norms, turn_stats = None, [], []
-        for epoch in range(self.ppo_epochs):
-            for part in self.mini_batches(batch):
-                part_tokens = step_tokens if part is batch else self.reduce_sum(
-                    part.loss_mask[:, 1:].sum().to(self.device))  # §0.5 per update: its own tokens
-                sums = self.backward_step(part, part_tokens, self.manual_backward, self.trainer.world_size)
-                norm = torch.nn.utils.clip_grad_norm_(self.student.parameters(), clip)
-                norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if sched is not None:
-                    sched.step()
-                totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
-                if epoch == 0:
-                    turn_stats.append(self.last_turn_stats)
-        n_updates = self.updates_per_batch
-        sums = {"loss": totals["loss"] / n_updates, "kl": totals["kl"] / self.ppo_epochs,
-                "entropy": totals["entropy"] / self.ppo_epochs}
+        totals, norms, turn_stats, epochs = None, [], [], 0
+        for epoch, part in self.updates(batch):
+            part_tokens = step_tokens if part is batch else self.reduce_sum(
+                part.loss_mask[:, 1:].sum().to(self.device))  # §0.5 per update: its own tokens
+            sums, stats = self.backward_step(part, part_tokens, self.manual_backward, self.trainer.world_size)
+            norm = torch.nn.utils.clip_grad_norm_(self.student.parameters(), clip)
+            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
+            totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
+            if epoch == 0:
+                turn_stats.append(stats)
+            epochs = max(epochs, epoch + 1)
+        n_updates = len(norms)
+        sums = {"loss": totals["loss"] / n_updates, "kl": totals["kl"] / epochs, "entropy": totals["entropy"] / epochs}
         grad_norm = norms[0] if n_updates == 1 else torch.stack(norms).mean()
-        self.last_turn_stats = turn_stats[0] if len(turn_stats) == 1 else TurnStats.cat(turn_stats)  # first epoch
+        stats = turn_stats[0] if len(turn_stats) == 1 else TurnStats.cat(turn_stats)  # first epoch
         self.policy_version += 1  # one rollout iteration, however many updates (§3.1 note)
         self._notify_policy_update()
         t2 = time.perf_counter()
-        self._log_step(batch, sums, step_tokens, grad_norm, max_lag, t1 - t0, t2 - t1)
-        return sums["loss"]
-
-    # ----------------------------------------------------------------------------------------- logging
+        self.step_metrics.log_step(self, StepRecord(batch, sums, step_tokens, grad_norm, max_lag, t1 - t0, t2 - t1,
+                                                    stats, self.step_extras()))
+        return {"loss": sums["loss"], "turn_stats": stats}

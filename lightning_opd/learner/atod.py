@@ -1,15 +1,17 @@
-"""ATOD's hybrid objective as part of :class:`~lightning_opd.module.OPDModule` (docs/algorithms.md §3).
+"""``ATODModule``: ATOD's hybrid objective on top of :class:`~lightning_opd.learner.opd.OPDModule`
+(docs/algorithms.md §3; arXiv 2606.27814).
 
-With :class:`~lightning_opd.losses.grpo.ClippedSurrogate` as the module's ``loss``, before the first
-update the batch gets its GRPO group advantages, its old log-probs and, with ``tdur``, its T-DUR turn
-weights (:meth:`HybridObjective.prepare_hybrid`); then ``ppo_epochs`` passes over ``ppo_mini_batches``
-contiguous mini-batches, one optimizer update each, all on the same advantages. The whole batch is
-still one rollout iteration: ``policy_version`` moves by 1 (§3.1 note), while ``trainer.global_step``
-(and so ``trainer.max_steps``) counts optimizer updates, ``updates_per_batch`` per batch. ``kappa`` and
-``rho`` are plain attributes that callbacks may change between steps (``AnnealingSchedule``).
+The loss is :class:`~lightning_opd.losses.grpo.ClippedSurrogate`. Before the first update the batch gets its
+GRPO group advantages, its old log-probs and, with ``tdur``, its T-DUR turn weights
+(:meth:`ATODModule.prepare_hybrid`); then ``ppo_epochs`` passes over ``ppo_mini_batches`` contiguous
+mini-batches, one optimizer update each, all on the same advantages. The whole batch is still one rollout
+iteration: ``policy_version`` moves by 1 (§3.1 note), while ``trainer.global_step`` (and so
+``trainer.max_steps``) counts optimizer updates, ``updates_per_batch`` per batch. ``kappa`` and ``rho`` may be
+changed between steps through :meth:`ATODModule.set_kappa` / :meth:`ATODModule.set_rho` (``AnnealingSchedule``),
+which check the value when it is set.
 
 F22 (docs/faults.md): at setup, with the module, the DataModule and the schedules known, a knob combination
-that makes a term of the loss identically zero is refused, naming both keys (:meth:`HybridObjective.setup`).
+that makes a term of the loss identically zero is refused, naming both keys (:meth:`ATODModule.setup`).
 
 Deliberate simplification: PPO mini-batches are contiguous row ranges, the same in every epoch (no
 shuffling).
@@ -17,16 +19,56 @@ shuffling).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_opd.rollout.batch import RolloutBatch
-from lightning_opd.losses.divergences import TokenLoss
-from lightning_opd.losses.grpo import (ClippedSurrogate, EpisodeReward, clipped_surrogate, compute_rewards,
-                                       group_advantages, hybrid_advantage)
+from lightning_opd.learner.opd import OPDModule
+from lightning_opd.losses.divergences import TokenDivergence, TokenLoss
+from lightning_opd.losses.grpo import ClippedSurrogate, EpisodeReward, compute_rewards, group_advantages
 from lightning_opd.losses.tdur import tdur_weights
+from lightning_opd.rollout.batch import RolloutBatch
+
+
+def _coefficient(name: str, value: float) -> float:
+    """``value`` as a float, checked: κ and ρ are finite and >= 0.
+
+    Raises:
+        ValueError: naming ``model.<name>``.
+    """
+    value = float(value)
+    if not (value >= 0 and value != float("inf")):
+        raise ValueError(f"model.{name}={value} must be a finite number >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class PPOUpdates:
+    """How a rollout batch is trained on (ATOD §3.4, PPO): ``epochs`` passes, each of ``mini_batches``
+    optimizer updates on contiguous row ranges.
+
+    Attributes:
+        epochs: passes over each rollout batch (``model.init_args.ppo_epochs``, >= 1).
+        mini_batches: optimizer updates per pass (``model.init_args.ppo_mini_batches``, >= 1).
+
+    Raises:
+        ValueError: a value below 1, naming its configuration key.
+    """
+
+    epochs: int = 1
+    mini_batches: int = 1
+
+    def __post_init__(self) -> None:
+        for name, value in (("ppo_epochs", self.epochs), ("ppo_mini_batches", self.mini_batches)):
+            if value < 1:
+                raise ValueError(f"model.{name}={value} must be >= 1")
+
+    @property
+    def per_batch(self) -> int:
+        """Optimizer updates per rollout batch (``epochs * mini_batches``)."""
+        return self.epochs * self.mini_batches
 
 
 @runtime_checkable
@@ -45,45 +87,130 @@ class CoefficientSchedule(Protocol):
         """The coefficient at rollout iteration ``step``."""
 
 
-class HybridObjective:
-    """Mixin of :class:`~lightning_opd.module.OPDModule`: the ATOD hybrid advantage, GRPO groups, PPO
-    mini-batches and T-DUR (docs/algorithms.md §3; arXiv 2606.27814).
+class ATODModule(OPDModule):
+    """ATOD: on-policy distillation with a GRPO reward term, PPO updates and T-DUR turn weights (§3).
 
-    Uses the module's ``loss_fn``, ``kappa``, ``rho``, ``tdur``, ``ppo_epochs``, ``ppo_mini_batches``,
-    ``reward_fn``, ``advantage_eps``, ``student_logprobs``/``teacher_logprobs`` and ``_step_stats``
-    (the step's statistics, logged by :meth:`_log_hybrid`).
+    Args:
+        student, teacher, optimizer, lr_scheduler, micro_batch_size, grad_clip_norm, dtype, teacher_dtype,
+            max_logged_turns, log_text_every_n_steps, strict_on_policy, trust_remote_code, export_dir,
+            gradient_checkpointing, fsdp_mixed_precision: see :class:`~lightning_opd.learner.opd.OPDModule`.
+        loss: the clipped surrogate (default ``ClippedSurrogate()``, clip ε 0.2).
+        kappa: κ, coefficient of the OPD term of the hybrid advantage (§3.1); 1 with ``rho = 0`` and one
+            update per batch = the sampled-token OPD loss.
+        rho: ρ, coefficient of the GRPO term; 0 = no reward signal.
+        ppo_epochs: passes over each rollout batch (each pass: ``ppo_mini_batches`` optimizer updates).
+        ppo_mini_batches: optimizer updates per pass, on contiguous row ranges of the batch.
+        tdur: weight the OPD term by T-DUR turn weights (§3.3; never the GRPO term); costs one teacher pass
+            per batch.
+        reward: episode reward for the GRPO term (default ``EpisodeReward()``: 1 per won episode).
+        advantage_eps: ε_A added to the group standard deviation (PROPOSED 1e-6).
+
+    Raises:
+        ValueError: a loss other than ``ClippedSurrogate``; a non-positive ``ppo_epochs`` or ``ppo_mini_batches``;
+            a negative or non-finite ``kappa`` or ``rho``; a negative ``advantage_eps``; and everything
+            :class:`~lightning_opd.learner.opd.OPDModule` refuses. At fit setup: F22 (:meth:`_check_signal`).
     """
 
+    def __init__(self, student: str, teacher: str, loss: ClippedSurrogate | None = None,
+                 optimizer: OptimizerCallable | None = None, lr_scheduler: LRSchedulerCallable | None = None,
+                 micro_batch_size: int = 1, grad_clip_norm: float | None = 1.0, dtype: str = "float32",
+                 teacher_dtype: str | None = None, max_logged_turns: int = 16, log_text_every_n_steps: int = 10,
+                 strict_on_policy: bool = True, trust_remote_code: bool = False, export_dir: str | None = None,
+                 gradient_checkpointing: bool = False, kappa: float = 1.0, rho: float = 0.0, ppo_epochs: int = 1,
+                 ppo_mini_batches: int = 1, tdur: bool = False, reward: EpisodeReward | None = None,
+                 advantage_eps: float = 1e-6, fsdp_mixed_precision: str | None = None) -> None:
+        self.ppo = PPOUpdates(ppo_epochs, ppo_mini_batches)
+        if advantage_eps < 0:
+            raise ValueError(f"model.advantage_eps={advantage_eps} must be >= 0")
+        kappa, rho = _coefficient("kappa", kappa), _coefficient("rho", rho)
+        super().__init__(student=student, teacher=teacher, loss=loss, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                         micro_batch_size=micro_batch_size, grad_clip_norm=grad_clip_norm, dtype=dtype,
+                         teacher_dtype=teacher_dtype, max_logged_turns=max_logged_turns,
+                         log_text_every_n_steps=log_text_every_n_steps, strict_on_policy=strict_on_policy,
+                         trust_remote_code=trust_remote_code, export_dir=export_dir,
+                         gradient_checkpointing=gradient_checkpointing, fsdp_mixed_precision=fsdp_mixed_precision)
+        self.kappa, self.rho, self.tdur = kappa, rho, tdur
+        self.reward_fn = reward if reward is not None else EpisodeReward()
+        self.advantage_eps = advantage_eps
+        self._step_stats: dict[str, float] = {}  # hybrid-loss statistics of the current step (logged)
+
+    # ----------------------------------------------------------------------------------- the objective
+    @staticmethod
+    def default_loss() -> TokenDivergence:
+        """The loss when ``model.init_args.loss`` is not given: ``ClippedSurrogate()`` (clip ε 0.2)."""
+        return ClippedSurrogate()
+
+    def check_loss(self, loss: TokenDivergence) -> None:
+        """Raises:
+            ValueError: the loss is not ``ClippedSurrogate`` (the only loss that takes the hybrid advantages)."""
+        if not isinstance(loss, ClippedSurrogate):
+            raise ValueError(f"model.init_args.loss: ATODModule's hybrid objective needs loss "
+                             f"lightning_opd.losses.ClippedSurrogate, got {type(loss).__name__} (for a plain "
+                             "divergence use model.class_path=lightning_opd.learner.OPDModule)")
+
     @property
-    def hybrid(self) -> bool:
-        """The loss is ATOD's clipped surrogate (advantages, old log-probs and T-DUR apply)."""
-        return isinstance(self.loss_fn, ClippedSurrogate)
+    def kappa(self) -> float:
+        """κ, the OPD term's coefficient the next rollout batches train with (checked when set)."""
+        return self._kappa
+
+    @kappa.setter
+    def kappa(self, value: float) -> None:
+        self._kappa = _coefficient("kappa", value)
+
+    @property
+    def rho(self) -> float:
+        """ρ, the GRPO term's coefficient the next rollout batches train with (checked when set)."""
+        return self._rho
+
+    @rho.setter
+    def rho(self, value: float) -> None:
+        self._rho = _coefficient("rho", value)
+
+    def set_kappa(self, value: float) -> None:
+        """Set κ for the next rollout batches (a schedule's value).
+
+        Raises:
+            ValueError: ``value`` negative or not finite (``model.kappa=...``).
+        """
+        self.kappa = value
+
+    def set_rho(self, value: float) -> None:
+        """Set ρ for the next rollout batches (a schedule's value).
+
+        Raises:
+            ValueError: ``value`` negative or not finite (``model.rho=...``).
+        """
+        self.rho = value
+
+    @property
+    def ppo_epochs(self) -> int:
+        """Passes over each rollout batch (``model.init_args.ppo_epochs``)."""
+        return self.ppo.epochs
+
+    @property
+    def ppo_mini_batches(self) -> int:
+        """Optimizer updates per pass (``model.init_args.ppo_mini_batches``)."""
+        return self.ppo.mini_batches
 
     @property
     def updates_per_batch(self) -> int:
         """Optimizer updates per rollout batch (``ppo_epochs * ppo_mini_batches``)."""
-        return self.ppo_epochs * self.ppo_mini_batches
+        return self.ppo.per_batch
 
-    def _check_objective(self) -> None:
-        """Check ``kappa``/``rho``/``tdur`` (also after a callback changed them).
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """The hybrid loss needs a collection-time pass for π_old (several updates per batch, or T-DUR)."""
+        return self.updates_per_batch > 1 or self.tdur
 
-        Raises:
-            ValueError: a negative or non-finite coefficient, or hybrid settings without ``ClippedSurrogate``.
-        """
-        for name in ("kappa", "rho"):
-            value = float(getattr(self, name))
-            if not (value >= 0 and value != float("inf")):
-                raise ValueError(f"model.{name}={value} must be a finite number >= 0")
-        if not self.hybrid and (self.kappa != 1 or self.rho != 0 or self.tdur):
-            raise ValueError(f"model.kappa={self.kappa}, model.rho={self.rho}, model.tdur={self.tdur}: the hybrid "
-                             f"objective needs loss lightning_opd.losses.ClippedSurrogate, got {type(self.loss_fn).__name__} "
-                             "(which needs kappa=1, rho=0, tdur=false)")
+    @property
+    def needs_learner_logprobs(self) -> bool:
+        return self.needs_old_logprobs or super().needs_learner_logprobs
 
     def setup(self, stage: str) -> None:
         """At ``fit`` setup (after the DataModule's and the callbacks' setup, so every schedule's horizon is
         known): refuse a knob combination that makes a loss term identically zero (F22, :meth:`_check_signal`)."""
         super().setup(stage)
-        if stage == "fit" and self.hybrid:
+        if stage == "fit":
             self._check_signal(self.trainer)
 
     def _coefficient_plan(self, trainer) -> dict[str, tuple[list[float], str]]:
@@ -169,11 +296,6 @@ class HybridObjective:
                 "grpo_term": (float(self.rho) * adv.float())[:, None].expand(shape),
                 "old_logprobs": batch.old_logprobs[:, 1:] if batch.old_logprobs is not None else None}
 
-    @property
-    def needs_old_logprobs(self) -> bool:
-        """The hybrid loss needs a collection-time pass for π_old (several updates per batch, or T-DUR)."""
-        return self.hybrid and (self.updates_per_batch > 1 or self.tdur)
-
     def prepare_hybrid(self, batch: RolloutBatch, student_logprobs: torch.Tensor | None = None) -> RolloutBatch:
         """Stage I-II of ATOD (§3.4) for the whole batch, before its first update: rewards (checked, F13),
         group advantages (over every episode of the group in the batch: staleness filters drop groups
@@ -210,17 +332,33 @@ class HybridObjective:
         """The batch's ``ppo_mini_batches`` contiguous row ranges (the batch itself when 1), always that many,
         empty ones included: every rank takes part in every update, whatever its rows (F19; the update's
         micro-batches are agreed in ``backward_step``)."""
-        if self.ppo_mini_batches == 1:
+        if self.ppo.mini_batches == 1:
             return [batch]
         idx = torch.arange(batch.size, device=batch.input_ids.device)
-        return [batch.select(part) for part in torch.tensor_split(idx, self.ppo_mini_batches)]
+        return [batch.select(part) for part in torch.tensor_split(idx, self.ppo.mini_batches)]
 
-    def _surrogate_stats(self, mb: RolloutBatch, out: TokenLoss, keep: torch.Tensor) -> None:
-        """Accumulate the clip fraction and ratio statistics of one micro-batch (hybrid loss)."""
-        inputs = self.advantage_inputs(mb)
-        old = inputs["old_logprobs"] if inputs["old_logprobs"] is not None else out.student_logprobs
-        adv = hybrid_advantage(out.teacher_logprobs, old, inputs["opd_weight"], inputs["grpo_term"])
-        _, ratio, clipped = clipped_surrogate(out.student_logprobs, old, adv, self.loss_fn.clip_eps)
+    # ------------------------------------------------------------------------------ OPDModule's hooks
+    def training_step(self, dataloader_iter):
+        self._step_stats = {}
+        return super().training_step(dataloader_iter)
+
+    def prepare_batch(self, batch: RolloutBatch, student_logprobs: torch.Tensor | None) -> RolloutBatch:
+        """:meth:`prepare_hybrid`: advantages, old log-probs and T-DUR, fixed for all updates of the batch."""
+        return self.prepare_hybrid(batch, student_logprobs)
+
+    def loss_inputs(self, batch: RolloutBatch) -> dict[str, torch.Tensor | None]:
+        """:meth:`advantage_inputs` (the keyword inputs of ``ClippedSurrogate.token_terms``)."""
+        return self.advantage_inputs(batch)
+
+    def updates(self, batch: RolloutBatch) -> list[tuple[int, RolloutBatch]]:
+        """``ppo_epochs`` passes over :meth:`mini_batches`."""
+        return [(epoch, part) for epoch in range(self.ppo.epochs) for part in self.mini_batches(batch)]
+
+    def after_micro_batch(self, micro_batch: RolloutBatch, out: TokenLoss, keep: torch.Tensor) -> None:
+        """Accumulate the clip fraction and ratio statistics of one micro-batch (the ratios the loss saw,
+        :meth:`~lightning_opd.losses.grpo.ClippedSurrogate.ratio_stats`)."""
+        inputs = self.advantage_inputs(micro_batch)
+        ratio, clipped = self.loss_fn.ratio_stats(out, **inputs)
         ratio, st = ratio[keep].double(), self._step_stats
         if ratio.numel():
             st["_tokens"] = st.get("_tokens", 0.0) + ratio.numel()
@@ -229,9 +367,8 @@ class HybridObjective:
             st["ppo/ratio_min"] = min(st.get("ppo/ratio_min", float("inf")), float(ratio.min()))
             st["ppo/ratio_max"] = max(st.get("ppo/ratio_max", float("-inf")), float(ratio.max()))
 
-
-    def _log_hybrid(self, n: int) -> None:
-        """``train/kappa``, ``train/rho``, ``grpo/*``, ``ppo/*`` and ``tdur/*`` of the step (this rank)."""
+    def step_extras(self) -> dict[str, float]:
+        """``grpo/*``, ``tdur/*`` and ``ppo/*`` of the step (this rank), ``train/kappa``, ``train/rho``."""
         st = self._step_stats
         values = {k: v for k, v in st.items() if not k.startswith("_")}
         values.update({"train/kappa": float(self.kappa), "train/rho": float(self.rho),
@@ -239,5 +376,4 @@ class HybridObjective:
         if st.get("_tokens"):
             values["ppo/clip_frac"] = st["_clipped"] / st["_tokens"]
             values["ppo/ratio_mean"] = st["_ratio_sum"] / st["_tokens"]
-        for key, value in values.items():
-            self.log(key, float(value), batch_size=n)
+        return values

@@ -20,7 +20,7 @@ from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.divergences import log_probs
 from lightning_opd.models.loading import save_adapter_atomic, save_hf_atomic
-from lightning_opd.policy import PolicyModule
+from lightning_opd.learner.policy import PolicyModule
 
 
 def _default_optimizer(params):

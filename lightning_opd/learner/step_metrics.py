@@ -1,0 +1,169 @@
+"""``StepMetrics``: what :class:`~lightning_opd.learner.opd.OPDModule` logs every training step, with its
+metric glossary. A component the module creates in ``__init__`` (its state: the per-turn KL metric and how
+many per-turn keys the fit has logged so far).
+
+Metric glossary (logged every step):
+
+| key | unit | reduction |
+|---|---|---|
+| ``train/loss`` | nats | step loss (§0.5) |
+| ``train/kl`` | nats/token | mean exact reverse KL over supervised tokens (whatever the loss) |
+| ``kl/turn_NN`` | nats/token | mean over supervised tokens of turn NN (zero-based), token-weighted across ranks; NaN at a step where no episode reached turn NN (after some step did) |
+| ``train/entropy`` | nats/token | mean student entropy over supervised tokens |
+| ``train/grad_norm`` | - | global L2 norm before clipping |
+| ``train/lr`` | - | learning rate |
+| ``train/supervised_tokens`` | tokens | per step, all ranks |
+| ``rollout/*`` | see ``lightning_opd.rollout.batch.rollout_stats`` | per batch |
+| ``rollout/lag`` | policy versions | max over the batch of learner version - behaviour version |
+| ``timing/rollout_s``, ``timing/update_s`` | seconds | per step |
+| ``turn/survivors_NN`` | episodes | episodes of the step (all ranks) still running at turn NN (TurnOPD §4); 0 once none reach it |
+| ``turn/token_share_NN``, ``turn/loss_share_NN`` | fraction | turn NN's share of supervised tokens / of ``sum m w l`` |
+| ``train/kappa``, ``train/rho`` | - | ATODModule only: the coefficients the step trained with |
+| ``grpo/reward_mean`` | reward units | mean episode reward of the batch (this rank) |
+| ``grpo/groups``, ``grpo/equal_reward_groups`` | groups | groups in the batch / of them with all rewards equal (advantage 0) |
+| ``grpo/invalid_rewards``, ``grpo/invalid_groups`` | episodes, groups | non-finite rewards and their groups (advantage 0, F13 fallback) |
+| ``ppo/clip_frac`` | fraction | supervised tokens in the clipped region, over all updates of the step |
+| ``ppo/ratio_mean``, ``ppo/ratio_min``, ``ppo/ratio_max`` | - | importance ratio pi_theta/pi_old over the same tokens |
+| ``ppo/updates`` | optimizer updates | per rollout batch (``ppo_epochs * ppo_mini_batches``) |
+| ``tdur/mean_weight`` | - | mean T-DUR turn weight over the batch's (episode, turn) pairs (with ``tdur``) |
+
+With several updates per batch, ``train/loss`` and ``train/grad_norm`` are means over the updates and
+``train/kl``, ``train/entropy`` means over all updates' supervised tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_opd.metrics.per_turn import PerTurnMean
+from lightning_opd.metrics.turn_stats import TurnStats
+from lightning_opd.rollout.batch import RolloutBatch, rollout_stats
+
+
+@dataclass
+class StepRecord:
+    """What one training step measured, handed to :meth:`StepMetrics.log_step`.
+
+    Attributes:
+        batch: the (planned) rollout batch of the step.
+        sums: detached sums on this rank: ``loss`` (nats), ``kl`` and ``entropy`` (summed over supervised tokens).
+        step_tokens: supervised tokens of the step on all ranks (tokens).
+        grad_norm: global gradient L2 norm before clipping (mean over the step's updates).
+        max_lag: largest lag of the batch (policy versions).
+        rollout_s, update_s: seconds spent waiting for the batch and training on it.
+        turn_stats: the step's per-sample, per-turn sums on this rank (first epoch's updates).
+        extra: further scalars of the step (e.g. ATOD's ``grpo/*``, ``ppo/*``), logged as they are.
+    """
+
+    batch: RolloutBatch
+    sums: dict[str, torch.Tensor]
+    step_tokens: torch.Tensor
+    grad_norm: torch.Tensor
+    max_lag: int
+    rollout_s: float
+    update_s: float
+    turn_stats: TurnStats
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class StepMetrics(torch.nn.Module):
+    """Logs the scalars of one training step (the glossary above), the per-turn KL (:attr:`turn_kl`, fed by
+    the module's backward pass), TurnOPD's per-turn shares and, every ``log_text_every_n_steps``, one sample
+    episode as TensorBoard text.
+
+    Args:
+        max_logged_turns: number of ``kl/turn_NN`` keys tracked (turns).
+        log_text_every_n_steps: write one sample episode to TensorBoard text every N steps (0: never).
+
+    Raises:
+        ValueError: ``max_logged_turns < 1``.
+    """
+
+    def __init__(self, max_logged_turns: int = 16, log_text_every_n_steps: int = 10) -> None:
+        super().__init__()
+        if max_logged_turns < 1:
+            raise ValueError(f"model.max_logged_turns={max_logged_turns} must be >= 1")
+        self.turn_kl = PerTurnMean(max_logged_turns)
+        self.log_text_every_n_steps = log_text_every_n_steps
+        self.turn_keys_logged = 0  # 1 + the deepest turn logged in this fit so far
+
+    @property
+    def num_turns(self) -> int:
+        """Turns tracked per sample (``max_logged_turns``)."""
+        return self.turn_kl.num_turns
+
+    def log_step(self, module: L.LightningModule, record: StepRecord) -> None:
+        """Log ``record`` through ``module.log`` (every rank: the per-turn metric and the turn shares are
+        reduced over ranks, collectives every rank reaches)."""
+        batch = record.batch
+        n = max(1, batch.size)
+        tokens = record.step_tokens.clamp(min=1)
+        scalars = {
+            "train/loss": module.reduce_sum(record.sums["loss"]),
+            "train/kl": module.reduce_sum(record.sums["kl"]) / tokens,
+            "train/entropy": module.reduce_sum(record.sums["entropy"]) / tokens,
+            "train/grad_norm": record.grad_norm.detach().float(),
+            "train/lr": torch.tensor(module.optimizers().param_groups[0]["lr"]),
+            "train/supervised_tokens": record.step_tokens.float(),
+            "train/policy_version": torch.tensor(float(module.policy_version)),
+            "rollout/lag": torch.tensor(float(record.max_lag)),
+            "timing/rollout_s": torch.tensor(record.rollout_s),
+            "timing/update_s": torch.tensor(record.update_s),
+        }
+        scalars.update({f"rollout/{k}": torch.tensor(v) for k, v in rollout_stats(batch.trajectories).items()})
+        for key, value in scalars.items():
+            module.log(key, value, batch_size=n, prog_bar=key in ("rollout/success", "train/kl"))
+        turn = self.turn_kl.compute()
+        reached = turn["weight"] > 0  # synced: the same on every rank
+        nan = torch.full((), float("nan"), device=turn["mean"].device)
+        for t in range(self._turn_keys(reached)):
+            module.log(f"kl/turn_{t:02d}", turn["mean"][t].float() if reached[t] else nan, batch_size=n)
+        self.turn_kl.reset()
+        self._log_turn_shares(module, record.turn_stats, n)
+        for key, value in record.extra.items():
+            module.log(key, float(value), batch_size=n)
+        every = self.log_text_every_n_steps
+        if every and (module.policy_version - 1) % every == 0 and module.trainer.is_global_zero:
+            self._log_episode_text(module, batch)
+
+    def _log_turn_shares(self, module: L.LightningModule, stats: TurnStats, n: int) -> None:
+        """TurnOPD §4 diagnostics, summed over ranks: ``turn/survivors_NN`` (episodes still running at
+        turn NN), ``turn/token_share_NN`` (share of the step's supervised tokens) and
+        ``turn/loss_share_NN`` (share of the step loss's numerator ``sum m w l``)."""
+        survivors = module.reduce_sum(stats.survivors().to(module.device))
+        tokens = module.reduce_sum(stats.tokens.sum(0))
+        loss = module.reduce_sum(stats.loss_sum.sum(0))
+        token_total, loss_total = tokens.sum(), loss.sum()
+        for t in range(self._turn_keys(survivors > 0)):  # reduced: the same key set on every rank
+            module.log(f"turn/survivors_{t:02d}", survivors[t].float(), batch_size=n)
+            module.log(f"turn/token_share_{t:02d}", (tokens[t] / token_total.clamp(min=1)).float(), batch_size=n)
+            share = loss[t] / loss_total if loss_total != 0 else torch.zeros((), dtype=loss.dtype, device=loss.device)
+            module.log(f"turn/loss_share_{t:02d}", share.float(), batch_size=n)
+
+    def _turn_keys(self, reached: torch.Tensor) -> int:
+        """How many per-turn keys to log this step: ``1 + `` the deepest turn reached in this fit so far.
+
+        ``reached`` is the step's ``(H,)`` bool "some episode reached turn t". Lightning keeps an on-step
+        value in its result collection until the epoch ends and hands it to the loggers at every later
+        step, so a per-turn key, once logged, is rewritten at every step: NaN KL (no tokens: the mean is
+        undefined) and 0 survivors and shares when no episode reached the turn, never last step's value.
+        """
+        deepest = int(reached.nonzero().max()) + 1 if bool(reached.any()) else 0
+        self.turn_keys_logged = max(self.turn_keys_logged, deepest)
+        return min(self.turn_keys_logged, reached.numel())
+
+    @staticmethod
+    def _log_episode_text(module: L.LightningModule, batch: RolloutBatch) -> None:
+        loggers = [lg for lg in module.loggers if isinstance(lg, TensorBoardLogger)]
+        if not loggers or not batch.trajectories:
+            return
+        t = batch.trajectories[0]
+        head = (f"task `{t.task_id}` | success {t.success} | reward {t.total_reward} | turns {t.num_turns} | "
+                f"invalid {t.invalid_actions} | versions {list(t.policy_versions)}")
+        body = "\n\n".join(f"**{m['role']}**: {m['content']}" for m in t.messages)
+        for lg in loggers:
+            lg.experiment.add_text("rollout/episode", head + "\n\n" + body, global_step=module.policy_version)
