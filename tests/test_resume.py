@@ -39,9 +39,9 @@ class Recorder(RecordingOPD):
         return super()._check_on_policy(batch)
 
     def training_step(self, dataloader_iter):
-        loss = super().training_step(dataloader_iter)
-        self.steps[-1] = (self.steps[-1], float(loss))
-        return loss
+        out = super().training_step(dataloader_iter)  # {"loss", "turn_stats"}
+        self.steps[-1] = (self.steps[-1], float(out["loss"]))
+        return out
 
 
 def _callbacks(mode):
