@@ -5,8 +5,9 @@ from lightning_opd.losses.chunked import chunked_sampled_logprobs, chunked_token
 from lightning_opd.losses.divergences import (ForwardKL, FullVocabReverseKL, GeneralizedJSD, SampledTokenReverseKL,
                                               TokenDivergence, TokenLoss, log_probs)
 from lightning_opd.losses.grpo import ClippedSurrogate, EpisodeReward
-from lightning_opd.losses.topk import StudentTopKRenormalizedReverseKL, TeacherTopKForwardKL
+from lightning_opd.losses.topk import (StudentTopKRenormalizedReverseKL, TeacherTopKForwardKL,
+                                       TeacherTopKRenormalizedReverseKL)
 
 __all__ = ["aggregate_token_loss", "chunked_token_terms", "chunked_sampled_logprobs", "TokenDivergence", "TokenLoss",
            "SampledTokenReverseKL", "FullVocabReverseKL", "ForwardKL", "GeneralizedJSD",
-           "StudentTopKRenormalizedReverseKL", "TeacherTopKForwardKL", "ClippedSurrogate", "EpisodeReward", "log_probs"]
+           "StudentTopKRenormalizedReverseKL", "TeacherTopKForwardKL", "TeacherTopKRenormalizedReverseKL", "ClippedSurrogate", "EpisodeReward", "log_probs"]

@@ -26,9 +26,20 @@ class _TopK(TokenDivergence):
         self.k = int(k)
 
 
+def _renormalized_reverse_kl(lp_s: torch.Tensor, lp_t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``sum_{v in S} p~_S(v) (log p~_S(v) - log p~_T(v))`` with both log-probs ``(..., V)`` renormalised on the
+    support ``idx`` ``(..., k)``; returns ``(...)`` nats, >= 0."""
+    ls = lp_s.gather(-1, idx)
+    ls = ls - ls.logsumexp(-1, keepdim=True)
+    lt = lp_t.gather(-1, idx)
+    lt = lt - lt.logsumexp(-1, keepdim=True)
+    return (ls.exp() * (ls - lt)).sum(-1)
+
+
 class StudentTopKRenormalizedReverseKL(_TopK):
     """Reverse KL on the student's top-k support, both distributions renormalised there
-    (docs/algorithms.md §0.3 "top-k (student support)"; Rethinking-OPD; TurnOPD's PROPOSED estimator, §2.6)::
+    (docs/algorithms.md §0.3 "top-k (student support)"; Rethinking-OPD). TurnOPD's paper uses the
+    teacher's support instead (:class:`TeacherTopKRenormalizedReverseKL`, §2.6)::
 
         S_k = top-k(p_S(.|s_t)),   p~(v) = p(v) / sum_{u in S_k} p(u)   for v in S_k
         loss_t = sum_{v in S_k} p~_S(v) (log p~_S(v) - log p~_T(v))
@@ -47,12 +58,33 @@ class StudentTopKRenormalizedReverseKL(_TopK):
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
         lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
         idx = lp_s.detach().topk(min(self.k, lp_s.shape[-1]), dim=-1).indices  # (..., k)
-        ls = lp_s.gather(-1, idx)
-        ls = ls - ls.logsumexp(-1, keepdim=True)
-        lt = lp_t.gather(-1, idx)
-        lt = lt - lt.logsumexp(-1, keepdim=True)
-        loss = (ls.exp() * (ls - lt)).sum(-1)
-        return self._full(loss, lp_s, lp_t, targets)
+        return self._full(_renormalized_reverse_kl(lp_s, lp_t, idx), lp_s, lp_t, targets)
+
+
+class TeacherTopKRenormalizedReverseKL(_TopK):
+    """Reverse KL on the **teacher's** top-k support, both distributions renormalised there: TurnOPD's
+    ``loss_mode = topk_reverse_kl`` with ``distill_topk = 50`` (arXiv 2607.05804, Table 7; docs/algorithms.md
+    §2.6; the renormalisation is PROPOSED, as in §0.3's top-k row)::
+
+        S_k = top-k(p_T(.|s_t)),   p~(v) = p(v) / sum_{u in S_k} p(u)   for v in S_k
+        loss_t = sum_{v in S_k} p~_S(v) (log p~_S(v) - log p~_T(v))
+
+    Exact on its support, >= 0. The support follows the teacher (no gradient flows through its choice),
+    so tokens the student favours but the teacher does not rank in its top-k are outside the loss; the
+    gradient flows through the student's renormalised log-probs. ``k >= V`` gives exactly the full
+    reverse KL. Shapes: logits ``(N, V)`` per chunk, loss ``(N,)`` nats per token.
+
+    Args:
+        k: support size (tokens); default 50 (the paper's ``distill_topk``).
+
+    Raises:
+        ValueError: ``k < 1``.
+    """
+
+    def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
+        lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
+        idx = lp_t.detach().topk(min(self.k, lp_t.shape[-1]), dim=-1).indices  # (..., k)
+        return self._full(_renormalized_reverse_kl(lp_s, lp_t, idx), lp_s, lp_t, targets)
 
 
 class TeacherTopKForwardKL(_TopK):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lightning_opd.losses import (ForwardKL, FullVocabReverseKL, GeneralizedJSD, SampledTokenReverseKL,
-                                  StudentTopKRenormalizedReverseKL, TeacherTopKForwardKL)
+                                  StudentTopKRenormalizedReverseKL, TeacherTopKForwardKL,
+                                  TeacherTopKRenormalizedReverseKL)
 
 FAMILY = {
     "reverse": FullVocabReverseKL,
@@ -18,6 +19,7 @@ FAMILY = {
     "forward": ForwardKL,
     "jsd0.3": lambda **kw: GeneralizedJSD(beta=0.3, **kw),
     "student_topk8": lambda **kw: StudentTopKRenormalizedReverseKL(k=8, **kw),
+    "teacher_topk8_reverse": lambda **kw: TeacherTopKRenormalizedReverseKL(k=8, **kw),
     "teacher_topk8": lambda **kw: TeacherTopKForwardKL(k=8, **kw),
     "teacher_topk8_tail": lambda **kw: TeacherTopKForwardKL(k=8, tail_bucket=True, **kw),
 }
@@ -44,8 +46,8 @@ def reference(name: str, s: torch.Tensor, t: torch.Tensor, targets: torch.Tensor
         b = 0.3
         lm = (b * lt.exp() + (1 - b) * ls.exp()).log()
         return b * _kl(lt, lm) + (1 - b) * _kl(ls, lm)
-    if name == "student_topk8":
-        idx = ls.topk(8, -1).indices
+    if name in ("student_topk8", "teacher_topk8_reverse"):
+        idx = (ls if name == "student_topk8" else lt).topk(8, -1).indices
         a, c = ls.gather(-1, idx), lt.gather(-1, idx)
         return _kl(a - a.logsumexp(-1, keepdim=True), c - c.logsumexp(-1, keepdim=True))
     idx = lt.topk(8, -1).indices
@@ -90,6 +92,32 @@ def test_hand_values_top_k():
     tail = TeacherTopKForwardKL(k=1, tail_bucket=True).token_terms(s, t, A0).loss.item()
     assert tail == pytest.approx(0.2231436, abs=1e-6)
     assert tail <= ForwardKL().token_terms(s, t, A0).loss.item() == pytest.approx(0.2748872, abs=1e-6)
+
+
+def test_hand_values_teacher_top_k_reverse_kl():
+    """TurnOPD's loss (docs/algorithms.md §2.6): reverse KL on the TEACHER's top-k, both renormalised.
+    p_S = (.5, .3, .2), p_T = (.2, .3, .5). Teacher top-2 = {2, 1} (the student's would be {0, 1}):
+    renormalised p_S = (.2/.5, .3/.5) = (.4, .6) on (2, 1), p_T = (.5/.8, .3/.8) = (.625, .375):
+    .4 ln(.4/.625) + .6 ln(.6/.375) = -0.1785148 + 0.2820018 = 0.1034873.
+    Teacher top-1 = {2}: both renormalise to 1 there, loss 0 (the student's mass elsewhere is not seen)."""
+    s, t = _logs([0.5, 0.3, 0.2]), _logs([0.2, 0.3, 0.5])
+    two = TeacherTopKRenormalizedReverseKL(k=2).token_terms(s, t, A0)
+    assert two.loss.item() == pytest.approx(0.4 * math.log(0.4 / 0.625) + 0.6 * math.log(0.6 / 0.375), abs=1e-6)
+    assert two.loss.item() == pytest.approx(0.1034873, abs=1e-6)
+    assert two.loss.item() != pytest.approx(StudentTopKRenormalizedReverseKL(k=2).token_terms(s, t, A0).loss.item())
+    assert TeacherTopKRenormalizedReverseKL(k=1).token_terms(s, t, A0).loss.item() == pytest.approx(0.0, abs=1e-7)
+    assert two.kl.item() == pytest.approx(FullVocabReverseKL().token_terms(s, t, A0).loss.item())  # logged KL: full
+
+
+def test_teacher_top_k_reverse_kl_gradient_flows_through_the_student_only():
+    """Student logits (0, 0, 0), teacher p_T = (.2, .3, .5), k = 2 (support {2, 1}): the gradient of the
+    renormalised reverse KL w.r.t. the student's logits is p~_S (log p~_S/p~_T - KL) on the support and 0 off
+    it: p~_S = (.5, .5), log ratios ln(.5/.375), ln(.5/.625), KL = .5 (0.2876821 - 0.2231436) = 0.0322693,
+    so grad = .5 (0.2876821 - 0.0322693, -0.2231436 - 0.0322693) = (0.1277064, -0.1277064) at (1, 2), 0 at 0."""
+    s = torch.zeros(1, 3, requires_grad=True)
+    t = _logs([0.2, 0.3, 0.5])
+    TeacherTopKRenormalizedReverseKL(k=2).token_terms(s, t, A0).loss.sum().backward()
+    torch.testing.assert_close(s.grad, torch.tensor([[0.0, 0.1277064, -0.1277064]]), atol=1e-6, rtol=0)
 
 
 def test_saturated_wrong_student_reverse_kl_gradient_vanishes_forward_kl_does_not():
@@ -157,6 +185,7 @@ def test_jsd_endpoints_are_forward_and_reverse_kl():
 # -------------------------------------------------------------------------------------------- F14: k -> V
 @pytest.mark.parametrize(("topk", "full"), [
     (lambda k: StudentTopKRenormalizedReverseKL(k=k), FullVocabReverseKL()),
+    (lambda k: TeacherTopKRenormalizedReverseKL(k=k), FullVocabReverseKL()),
     (lambda k: TeacherTopKForwardKL(k=k), ForwardKL()),
     (lambda k: TeacherTopKForwardKL(k=k, tail_bucket=True), ForwardKL()),
 ])
@@ -218,6 +247,7 @@ def test_no_supervised_positions_gives_empty_fields():
 @pytest.mark.parametrize(("make", "match"), [
     (lambda: GeneralizedJSD(beta=1.5), "beta=1.5"),
     (lambda: StudentTopKRenormalizedReverseKL(k=0), "k=0"),
+    (lambda: TeacherTopKRenormalizedReverseKL(k=0), "k=0"),
     (lambda: TeacherTopKForwardKL(k=-2), "k=-2"),
     (lambda: FullVocabReverseKL(chunk_size=0), "chunk_size=0"),
 ])
