@@ -1,4 +1,4 @@
-"""``AnnealingSchedule``: anneal one named module attribute over training (ATOD Eq. 10-12; docs/algorithms.md §3.2).
+"""``AnnealingSchedule``: anneal one module coefficient over training (ATOD Eq. 10-12; docs/algorithms.md §3.2).
 
 ATOD moves the hybrid advantage from imitation to reward over the first ``T_anneal`` steps::
 
@@ -10,13 +10,14 @@ Both are ``start + (end − start) · p(s)`` (the ``max`` is inactive for κ_min
 per attribute does it: ``AnnealingSchedule("kappa", 1.0, 0.1, steps=80)`` and
 ``AnnealingSchedule("rho", 1.0, 2.0, steps=80)``. The value is a pure function of the step, set on the
 module in ``on_train_batch_start`` before every rollout batch (nothing to restore on resume but the
-horizon). The step ``s`` is ``pl_module.policy_version``: rollout iterations trained on, however many
+horizon), through the module's named setter ``set_<attribute>`` (``ATODModule.set_kappa`` /
+``set_rho``, which check the value when it is set). The step ``s`` is ``pl_module.policy_version``: rollout iterations trained on, however many
 optimizer updates each batch gets (§3.1 note), never ``trainer.global_step``.
 
 PROPOSED (not from the paper): the horizon may be given as a fraction of training (the paper's 80 of
 150 steps is longer than a CPU run), where training = ``trainer.max_steps // updates_per_batch`` rollout
 iterations (``max_steps`` counts optimizer updates); the ``"cosine"`` shape
-``start + (end − start)(1 − cos(π p)) / 2``; dotted attribute paths (``"loss_fn.clip_eps"``).
+``start + (end − start)(1 − cos(π p)) / 2``.
 
 Logged: ``schedule/<attribute>`` (the value the step just trained with).
 """
@@ -34,21 +35,13 @@ from lightning_opd.callbacks.step_schedule import StepSchedule
 SHAPES = ("linear", "cosine")
 
 
-def _resolve(root: Any, path: str) -> tuple[Any, str]:
-    """``(owner, name)`` of dotted ``path`` under ``root`` (``"loss_fn.clip_eps"`` -> ``(root.loss_fn, "clip_eps")``)."""
-    *parents, name = path.split(".")
-    owner = root
-    for part in parents:
-        owner = getattr(owner, part)
-    return owner, name
-
-
 class AnnealingSchedule(StepSchedule):
-    """Set ``pl_module.<attribute>`` to ``start + (end − start) · shape(min(s / horizon, 1))`` before each
-    rollout batch ``s`` (ATOD §3.2).
+    """Hand ``start + (end − start) · shape(min(s / horizon, 1))`` to ``pl_module.set_<attribute>(...)`` before
+    each rollout batch ``s`` (ATOD §3.2).
 
     Args:
-        attribute: the module attribute to anneal (dotted paths reach sub-objects), e.g. ``"kappa"``.
+        attribute: the coefficient to anneal, e.g. ``"kappa"`` or ``"rho"`` (``ATODModule``): the module must
+            have a setter ``set_<attribute>`` and a numeric attribute ``<attribute>``.
         start: value at step 0.
         end: value from the end of the horizon on.
         steps: horizon T_anneal in rollout iterations (>= 1).
@@ -58,14 +51,15 @@ class AnnealingSchedule(StepSchedule):
 
     Raises:
         ValueError: neither or both of ``steps``/``fraction``, a value out of range or an unknown shape
-            (named in the message); at setup, an attribute the module lacks or that is not a number, or
-            ``fraction`` with ``trainer.max_steps`` unset.
+            (named in the message); at setup, a module without ``set_<attribute>`` or whose ``<attribute>``
+            is not a number, or ``fraction`` with ``trainer.max_steps`` unset.
     """
 
     def __init__(self, attribute: str, start: float, end: float, steps: int | None = None,
                  fraction: float | None = None, shape: str = "linear") -> None:
-        if not attribute or any(not part.isidentifier() for part in attribute.split(".")):
-            raise ValueError(f"attribute={attribute!r} must be a (dotted) attribute name")
+        if not attribute.isidentifier():
+            raise ValueError(f"attribute={attribute!r} must be the name of a module coefficient with a setter "
+                             "set_<attribute>, e.g. 'kappa' or 'rho' (ATODModule)")
         if (steps is None) == (fraction is None):
             raise ValueError(f"give exactly one of steps={steps} and fraction={fraction} (the horizon)")
         if steps is not None and steps < 1:
@@ -81,6 +75,11 @@ class AnnealingSchedule(StepSchedule):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(attribute=self.attribute)
+
+    @property
+    def setter_name(self) -> str:
+        """The module's setter this schedule calls: ``set_<attribute>``."""
+        return f"set_{self.attribute}"
 
     @property
     def schedule_name(self) -> str:
@@ -115,8 +114,7 @@ class AnnealingSchedule(StepSchedule):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        owner, name = _resolve(pl_module, self.attribute)
-        setattr(owner, name, self.value_at(int(pl_module.policy_version)))
+        getattr(pl_module, self.setter_name)(self.value_at(int(pl_module.policy_version)))
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -125,12 +123,11 @@ class AnnealingSchedule(StepSchedule):
 
     # ------------------------------------------------------------------------------------- internals
     def _check_attribute(self, pl_module) -> None:
-        try:
-            owner, name = _resolve(pl_module, self.attribute)
-            current = getattr(owner, name)
-        except AttributeError as err:
-            raise ValueError(f"AnnealingSchedule: {type(pl_module).__name__} has no attribute "
-                             f"{self.attribute!r} to anneal") from err
+        module = type(pl_module).__name__
+        if not callable(getattr(pl_module, self.setter_name, None)):
+            raise ValueError(f"AnnealingSchedule: {module} has no setter {self.setter_name}() for {self.attribute!r} "
+                             "to anneal (ATODModule anneals 'kappa' and 'rho': model.class_path="
+                             "lightning_opd.learner.ATODModule)")
+        current = getattr(pl_module, self.attribute, None)
         if isinstance(current, bool) or not isinstance(current, (int, float)):
-            raise ValueError(f"AnnealingSchedule: {type(pl_module).__name__}.{self.attribute} is "
-                             f"{type(current).__name__}, not a number")
+            raise ValueError(f"AnnealingSchedule: {module}.{self.attribute} is {type(current).__name__}, not a number")

@@ -14,8 +14,19 @@ from lightning_opd.callbacks.annealing import AnnealingSchedule
 class FakeModule:
     def __init__(self, version=0, updates_per_batch=1):
         self.policy_version, self.updates_per_batch = version, updates_per_batch
-        self.kappa, self.rho, self.tdur, self.logged = 1.0, 0.0, False, {}
-        self.loss_fn = type("Loss", (), {"clip_eps": 0.2})()
+        self.kappa, self.rho, self.tdur, self.logged, self.calls = 1.0, 0.0, False, {}, []
+        self.clip_eps = 0.2  # a number without a setter
+
+    def set_kappa(self, value):
+        self.calls.append(("kappa", value))
+        self.kappa = value
+
+    def set_rho(self, value):
+        self.calls.append(("rho", value))
+        self.rho = value
+
+    def set_tdur(self, value):
+        self.tdur = value
 
     def log(self, key, value, batch_size):
         self.logged[key] = value
@@ -77,12 +88,14 @@ def test_sets_the_attribute_per_rollout_batch_and_logs_the_value_trained_with():
     assert seen == pytest.approx([1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
 
 
-def test_dotted_attribute():
-    cb = AnnealingSchedule("loss_fn.clip_eps", start=0.3, end=0.1, steps=2)
+def test_the_value_goes_through_the_named_setter_once_per_batch():
+    cb = AnnealingSchedule("rho", start=1.0, end=2.0, steps=2)
     module = _ready(cb)
     module.policy_version = 1
     cb.on_train_batch_start(None, module, None, 0)
-    assert module.loss_fn.clip_eps == pytest.approx(0.2)
+    assert module.calls == [("rho", 1.5)]  # set_rho(1.5): the module checks the value there, once
+    with pytest.raises(ValueError, match=r"has no setter set_clip_eps\(\) for 'clip_eps'"):
+        _ready(AnnealingSchedule("clip_eps", 0.3, 0.1, steps=2))
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -92,6 +105,7 @@ def test_dotted_attribute():
     ({"attribute": "kappa", "start": 1, "end": 0, "fraction": 1.5}, r"fraction=1.5 must be in \(0, 1\]"),
     ({"attribute": "kappa", "start": 1, "end": 0, "steps": 5, "shape": "step"}, "shape='step'"),
     ({"attribute": "ka-ppa", "start": 1, "end": 0, "steps": 5}, "attribute='ka-ppa'"),
+    ({"attribute": "loss_fn.clip_eps", "start": 1, "end": 0, "steps": 5}, "attribute='loss_fn.clip_eps'"),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -99,7 +113,7 @@ def test_bad_arguments_are_named(kwargs, message):
 
 
 def test_setup_checks_the_attribute_and_max_steps():
-    with pytest.raises(ValueError, match="FakeModule has no attribute 'kapa' to anneal"):
+    with pytest.raises(ValueError, match=r"FakeModule has no setter set_kapa\(\) for 'kapa'"):
         _ready(AnnealingSchedule("kapa", 1, 0, steps=3))
     with pytest.raises(ValueError, match=r"FakeModule.tdur is bool, not a number"):
         _ready(AnnealingSchedule("tdur", 1, 0, steps=3))
