@@ -175,6 +175,8 @@ class AgentLoop:
         """Record one reply and step the environment; returns True when the episode is over."""
         traj.append(out.token_ids, assistant=True, turn=turn, logprobs=out.logprobs)
         traj.turn_versions.append(out.policy_version)
+        traj.turn_prefill_tokens.append(int(out.prompt_tokens_computed))
+        traj.turn_cached_tokens.append(int(out.prompt_tokens_cached))
         if not out.finished:  # cut by max_new_tokens (no stop id): close the turn, not trained on
             traj.append([self.chat.end_of_turn_id], assistant=False, turn=turn)
             traj.cut_replies += 1

@@ -89,12 +89,18 @@ class GenerationOutput:
         finished: the reply ends with one of the generator's stop ids; ``False`` = cut by
             ``max_new_tokens``. Set by :meth:`Generator.generate` from ``token_ids``.
         policy_version: policy version of the weights that produced it.
+        prompt_tokens_computed: prompt tokens whose keys/values this call computed (prefilled), in
+            tokens; ``None`` from the backend = the whole prompt (set by :meth:`Generator.generate`).
+        prompt_tokens_cached: prompt tokens served from a cache instead (the HF backend's KV cache
+            kept between turns, vLLM's prefix cache); ``computed + cached == len(prompt_ids)``.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finished: bool
     policy_version: int = 0
+    prompt_tokens_computed: int | None = None
+    prompt_tokens_cached: int = 0
 
 
 class PolicySource(Protocol):
@@ -182,7 +188,9 @@ class Generator(ABC):
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
         """Sample one reply per request (same order). Each reply ends at its first stop id
-        (``finished``) or has no stop id (cut by ``max_new_tokens``).
+        (``finished``) or has no stop id (cut by ``max_new_tokens``), and says how many of its prompt
+        tokens were prefilled and how many came from a cache (a backend that does not say prefilled
+        them all).
 
         Raises:
             ValueError: an empty request list or an empty prompt.
@@ -192,7 +200,18 @@ class Generator(ABC):
         if any(not r.prompt_ids for r in requests):
             raise ValueError("every request needs a non-empty prompt_ids")
         with self._lock:
-            return [self._end_at_stop(out) for out in self._generate(requests, sampling)]
+            outs = self._generate(requests, sampling)
+            return [self._account_prompt(self._end_at_stop(out), len(r.prompt_ids)) for r, out in zip(requests, outs)]
+
+    @staticmethod
+    def _account_prompt(out: GenerationOutput, prompt_len: int) -> GenerationOutput:
+        """``out`` with ``prompt_tokens_computed`` set: what the backend reported, else the whole prompt."""
+        if out.prompt_tokens_computed is None:
+            return replace(out, prompt_tokens_computed=prompt_len - out.prompt_tokens_cached)
+        if out.prompt_tokens_computed + out.prompt_tokens_cached != prompt_len:
+            raise RuntimeError(f"{out.prompt_tokens_computed} computed + {out.prompt_tokens_cached} cached prompt "
+                               f"tokens != the prompt's {prompt_len} (a backend's accounting is wrong)")
+        return out
 
     def _end_at_stop(self, out: GenerationOutput) -> GenerationOutput:
         """``out`` cut after its first stop id, ``finished`` iff it has one (the one definition, F23)."""

@@ -6,7 +6,9 @@ call and, when the next call's requests extend the cached conversations token fo
 same policy version), feeds only the new tokens. Rows are aligned with padding in the middle of the
 sequence; positions come from the attention mask, so the result equals a fresh left-padded prefill
 (pinned by tests/rollout/test_chat_and_generators.py). A version change or any mismatch falls back to a
-fresh prefill, so weights pushed between calls can never be served from a stale cache (F09).
+fresh prefill, so weights pushed between calls can never be served from a stale cache (F09). Each
+reply reports its prompt tokens prefilled vs served from the cache (``prompt_tokens_computed`` /
+``prompt_tokens_cached``; counted against the model's forward in tests/rollout/test_prefix_reuse.py).
 
 Weights: by default the backend samples from the attached student itself (synchronous mode: always
 the current weights, no copy). The first :meth:`HFGenerator.push_weights` gives it a private copy
@@ -168,13 +170,15 @@ class HFGenerator(Generator):
             cache = st.cache
             cache.batch_select_indices(rows)
             prev_mask = st.mask.index_select(0, rows)
-            suffixes = [r.prompt_ids[len(st.cached_ids[st.rows[r.key]]):] for r in requests]
+            cached_lens = [len(st.cached_ids[st.rows[r.key]]) for r in requests]
+            suffixes = [r.prompt_ids[n_cached:] for r, n_cached in zip(requests, cached_lens)]
             seg_ids, seg_mask = _left_pad(suffixes, pad_id, device)
             filler = torch.full_like(prev_mask, pad_id)
             input_ids = torch.cat([filler, seg_ids], dim=1)  # (B, L_cache + S); cached part is not re-fed
             attention_mask = torch.cat([prev_mask, seg_mask], dim=1)
         else:
             cache = DynamicCache()
+            cached_lens = [0] * len(requests)
             input_ids, attention_mask = _left_pad([r.prompt_ids for r in requests], pad_id, device)
         self._state = None
 
@@ -204,7 +208,9 @@ class HFGenerator(Generator):
         new_list, lp_list = new.tolist(), logprobs.tolist()
         for i in range(len(requests)):
             outputs.append(GenerationOutput(token_ids=new_list[i][: kept[i]], logprobs=lp_list[i][: kept[i]],
-                                            finished=bool(has_eot[i]), policy_version=version))
+                                            finished=bool(has_eot[i]), policy_version=version,
+                                            prompt_tokens_computed=len(requests[i].prompt_ids) - cached_lens[i],
+                                            prompt_tokens_cached=cached_lens[i]))
 
         if self.reuse_kv_cache and out.past_key_values is not None:
             # the cache holds keys/values of the input and of new tokens 0..n-2 (the last one was not fed)

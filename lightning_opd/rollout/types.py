@@ -22,6 +22,9 @@ class Trajectory:
         behaviour_logprobs: log-prob of each sampled token under the sampling distribution that
             produced it (nats, F02); 0 where ``assistant_mask`` is 0.
         turn_versions: policy version that generated each turn (an episode can span several).
+        turn_prefill_tokens: per turn, the prompt tokens the generator prefilled (computed) for it.
+        turn_cached_tokens: per turn, the prompt tokens it served from a cache instead (KV cache kept
+            between turns, prefix cache); each turn's two add up to its whole prompt.
         rewards: environment reward per turn (points).
         success / failure: the environment reported a win / a loss.
         truncated: stopped by the turn limit (``"max_turns"``) or the context limit
@@ -42,6 +45,8 @@ class Trajectory:
     turn_index: list[int] = field(default_factory=list)
     behaviour_logprobs: list[float] = field(default_factory=list)
     turn_versions: list[int] = field(default_factory=list)
+    turn_prefill_tokens: list[int] = field(default_factory=list)
+    turn_cached_tokens: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     success: bool = False
     failure: bool = False
@@ -77,6 +82,25 @@ class Trajectory:
     @property
     def num_assistant_tokens(self) -> int:
         return sum(self.assistant_mask)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens prefilled over all turns (tokens computed, not served from a cache)."""
+        return sum(self.turn_prefill_tokens)
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens served from a cache over all turns."""
+        return sum(self.turn_cached_tokens)
+
+    def reply_lengths(self) -> list[int]:
+        """Sampled tokens per turn (the reply as sampled: an end-of-turn id appended to a cut reply is
+        not counted)."""
+        lengths = [0] * self.num_turns
+        for turn, m in zip(self.turn_index, self.assistant_mask):
+            if m and 0 <= turn < len(lengths):
+                lengths[turn] += 1
+        return lengths
 
     @property
     def total_reward(self) -> float:

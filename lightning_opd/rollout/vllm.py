@@ -68,7 +68,9 @@ class VLLMGenerator(Generator):
             CPU when other models share the process).
         max_model_len: longest sequence (prompt + reply, tokens) the engine accepts; the agent loop
             plays under the smaller of it and ``data.init_args.max_context_tokens`` (F24).
-        enable_prefix_caching: reuse KV of shared prefixes (earlier turns of the same episode).
+        enable_prefix_caching: reuse KV of shared prefixes (earlier turns of the same episode): a turn
+            prefills its prompt past the last whole cached block (:attr:`block_size`); each reply
+            reports its prefilled and cached prompt tokens. Emptied on every weight push.
         seed: engine seed; each request also carries its episode seed.
         engine_kwargs: extra keyword arguments for ``vllm.LLM`` (e.g. ``tensor_parallel_size`` on GPUs).
     """
@@ -123,6 +125,14 @@ class VLLMGenerator(Generator):
         return ContextLimit(int(self.max_model_len), "data.init_args.generator.init_args.max_model_len")
 
     @property
+    def block_size(self) -> int:
+        """Tokens per KV-cache block of the running engine: the prefix cache reuses whole blocks only
+        (vLLM's CPU default is 128; ``engine_kwargs={"block_size": 32}`` reuses more of each turn)."""
+        if self.llm is None:
+            raise RuntimeError("the vLLM engine is not started; call start() first")
+        return int(self.llm.llm_engine.vllm_config.cache_config.block_size)
+
+    @property
     def engine_version(self) -> int | None:
         """Policy version of the weights the engine serves (``None``: the checkpoint it started from)."""
         return self._engine_version
@@ -173,6 +183,9 @@ class VLLMGenerator(Generator):
             out = res.outputs[0]
             ids = list(out.token_ids)
             lps = [float(step[tok].logprob) for tok, step in zip(ids, out.logprobs)]
+            cached = int(res.num_cached_tokens or 0)  # prefix-cache hits (whole blocks of earlier turns)
             # finished (ends on a stop id) is set by Generator.generate, the same rule for every backend
-            outputs.append(GenerationOutput(token_ids=ids, logprobs=lps, finished=False, policy_version=version))
+            outputs.append(GenerationOutput(token_ids=ids, logprobs=lps, finished=False, policy_version=version,
+                                            prompt_tokens_computed=len(res.prompt_token_ids) - cached,
+                                            prompt_tokens_cached=cached))
         return outputs

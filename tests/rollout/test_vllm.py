@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -202,3 +203,37 @@ def test_f24_vllm_episode_over_max_model_len_ends_truncated(second_eos_policy, t
         dm.connect(policy)
     assert dm.loop.max_context_tokens == 1024
     assert_only_the_long_episode_truncated(dm.next_train_batch(), limit=1024)
+
+
+def test_vllm_turn_prefills_only_what_its_prefix_cache_lacks_and_a_push_empties_it(engine, vllm_models, tokenizer):
+    """Prefix caching across turns (issue 17), read from vLLM's ``num_cached_tokens``: turn 0 of a fresh
+    conversation prefills all of it; turn 1 is served every whole block of turn 0's prompt and reply from
+    the cache (the last sampled token was never fed, so its keys/values are not cached) and prefills the
+    rest; after a weight push turn 2 finds nothing cached (no stale keys/values, F09); turn 3 reuses again."""
+    gen, _ = engine
+    gen.follow_policy = False
+    gen.push_weights(vllm_models["a"][1].state_dict(), version=20)
+    bs = gen.block_size
+    rng = random.Random(17)
+    eot = ChatFormat(tokenizer).end_of_turn_id
+
+    def fresh(n):  # ids no other test sent: no cross-test cache hits
+        return [rng.randrange(5, 250) for _ in range(n)]
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    prompt, seen, outs = fresh(2 * bs + 37), [], []
+    for turn in range(4):
+        if turn == 2:
+            gen.push_weights(vllm_models["a"][1].state_dict(), version=21)
+        (out,) = gen.generate([GenerationRequest(key="e", prompt_ids=prompt, turn=turn, seed=3)], greedy)
+        seen.append(prompt)
+        outs.append(out)
+        prompt = prompt + out.token_ids + ([] if out.finished else [eot]) + fresh(bs // 2 + 3)
+    for p, o in zip(seen, outs):
+        assert o.prompt_tokens_computed + o.prompt_tokens_cached == len(p)
+    assert outs[0].prompt_tokens_cached == 0 and outs[2].prompt_tokens_cached == 0
+    assert outs[2].prompt_tokens_computed == len(seen[2])
+    for k in (1, 3):
+        fed_before = len(seen[k - 1]) + len(outs[k - 1].token_ids) - 1  # keys/values computed last turn
+        assert outs[k].prompt_tokens_cached == bs * (fed_before // bs) > 0
+        assert outs[k].prompt_tokens_computed < bs + len(seen[k]) - len(seen[k - 1])
