@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
+from lightning_opd.losses.freshness import FreshnessWeighting
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.rollout.batch import RolloutBatch, collate_trajectories
 from lightning_opd.losses import ClippedSurrogate, FullVocabReverseKL
@@ -41,7 +42,7 @@ def test_masked_rows_keep_the_batch_fields_and_train_nothing(tokenizer):
 # ---------------------------------------------------------------------- backward_step with uneven ranks
 def _stale_batch(module: OPDModule, tokenizer) -> RolloutBatch:
     """The 4 scripted episodes as one stale async batch: lags 0..3, behaviour log-probs off the learner's by
-    per-sample drifts, one group per episode. With ``max_lag=2`` the filter drops episode 3 (lag 3)."""
+    per-sample drifts, one group per episode. With lag bound 2 the filter drops episode 3 (lag 3)."""
     batch = make_batch(tokenizer)
     module.policy_version = 3
     lp = module.student_logprobs(batch)  # unsharded here: no collective
@@ -52,8 +53,8 @@ def _stale_batch(module: OPDModule, tokenizer) -> RolloutBatch:
                    group_id=torch.arange(4))
 
 
-def _monitor() -> StalenessMonitor:
-    return StalenessMonitor(filtering=True, weighting=True, truncated_ratio=True, max_lag=2, adaptive_lag=False)
+def _monitor() -> FreshnessWeighting:
+    return FreshnessWeighting(filtering=True, weighting=True, truncated_ratio=True, lag_bound=2)
 
 
 def _uneven_worker(rank, port, model_dirs, rows, out_dir):
@@ -65,7 +66,7 @@ def _uneven_worker(rank, port, model_dirs, rows, out_dir):
     module = make_module(model_dirs, FullVocabReverseKL, 1)
     batch = _stale_batch(module, make_tokenizer())
     monitor = _monitor()
-    module.set_weighting("freshness", monitor)
+    module.configure_freshness(monitor)
     shard_causal_lm(module.student, init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",)))
     local = batch.select(torch.tensor(rows[rank], dtype=torch.long))
     turn_stats = []
@@ -75,7 +76,7 @@ def _uneven_worker(rank, port, model_dirs, rows, out_dir):
     dist.all_reduce(loss)
     logprobs = module.student_logprobs(local)
     torch.save({"loss": loss, "grads": grads, "logprobs": logprobs, "rows": turn_stats[0].kl_sum.shape[0],
-                "staleness": dict(monitor._last)}, Path(out_dir) / f"rank{rank}.pt")
+                "staleness": monitor.report().stats}, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -90,10 +91,10 @@ def test_uneven_ranks_give_the_single_process_gradient(model_dirs, tokenizer, tm
     module = make_module(model_dirs, FullVocabReverseKL, 4)
     batch = _stale_batch(module, tokenizer)
     monitor = _monitor()
-    module.set_weighting("freshness", monitor)
+    module.configure_freshness(monitor)
     sums, grads = step_grads(module, batch)
-    assert monitor._last["dropped_samples"] == 1.0  # the filter dropped episode 3 (lag 3 > max_lag 2)
-    f_bar = monitor._last["freshness_mean"]  # f̄ over all ranks: the same everywhere (drives the bound)
+    assert monitor.report().stats["dropped_samples"] == 1.0  # the filter dropped episode 3 (lag 3 > bound 2)
+    f_bar = monitor.report().stats["freshness_mean"]  # f̄ over all ranks: the same everywhere (drives the bound)
     assert [r["staleness"]["freshness_mean"] for r in ranks] == pytest.approx([f_bar, f_bar], rel=1e-6)
     if not rows[0]:  # a rank without samples: its own statistics are undefined
         assert torch.isnan(torch.tensor(ranks[0]["staleness"]["lag_mean"]))
@@ -153,7 +154,7 @@ def _fit_worker(rank, port, model_dirs, case, out_dir):
         env, max_steps, error_rate = FailingTaskFactory(fail=("apple",)), 2, 0.5
     else:  # every site of the step: staleness filter, hybrid preparation (T-DUR), 2 PPO mini-batches
         env, max_steps, error_rate = FailingTaskFactory(fail_rank=0), 4, 1.0
-        callbacks = [StalenessMonitor(filtering=True, max_lag=2)]
+        callbacks = [StalenessMonitor(filtering=True, initial_lag_bound=2)]
         kwargs, cls = dict(loss=ClippedSurrogate(), tdur=True, ppo_mini_batches=2), ATODRecorder
     model = cls(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=4,
                      grad_clip_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), **kwargs)

@@ -50,16 +50,16 @@ def make_module(model_dirs, loss_cls=FullVocabReverseKL, micro_batch_size=1, tea
 
 
 def with_turn_blend(module, batch):
-    """Register TurnOPD's TurnLossBlend at alpha = 0.5 (step 2 of 4): per-token weights != 1."""
-    from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
+    """Install TurnOPD's turn-blend weighting at alpha = 0.5 (step 2 of 4): per-token weights != 1."""
+    from lightning_opd.losses.turn_blend import TurnBlendWeighting
 
-    module.set_weighting("turn_blend", TurnLossBlend(total_steps=4))
+    module.configure_turn_blend(TurnBlendWeighting(alpha=0.5))
     module.policy_version = 2
     return batch
 
 
 def with_scheme(module, batch, scheme: str):
-    """The batch with weighting scheme ``scheme`` ("none", "freshness", "turn_blend") registered."""
+    """The batch with weighting ``scheme`` ("none", "freshness", "turn_blend") installed on the module."""
     return {"none": lambda m, b: b, "freshness": with_freshness, "turn_blend": with_turn_blend}[scheme](module, batch)
 
 
@@ -67,11 +67,11 @@ SCHEMES = ["none", "freshness", "turn_blend"]
 
 
 def with_freshness(module, batch):
-    """Register a StalenessMonitor (M1 weights + M3 ratios) and make the batch stale enough for
+    """Install f-OPD's freshness weighting (M1 weights + M3 ratios) and make the batch stale enough for
     non-trivial weights: lags 0..3 and behaviour log-probs off the learner's by per-sample drifts."""
-    from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
+    from lightning_opd.losses.freshness import FreshnessWeighting
 
-    module.set_weighting("freshness", StalenessMonitor(filtering=False, truncated_ratio=True, max_lag=4))
+    module.configure_freshness(FreshnessWeighting(filtering=False, truncated_ratio=True, lag_bound=4, measure=True))
     module.policy_version = 3
     lp = module.student_logprobs(batch)
     drift = torch.tensor([0.0, 0.02, 0.05, 0.1])[: batch.size, None]

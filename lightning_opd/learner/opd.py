@@ -17,10 +17,15 @@ Deliberate simplification (this version): the teacher runs in the trainer proces
 
 The metrics it logs every step are listed in :mod:`lightning_opd.learner.step_metrics` (metric glossary).
 
-``training_step`` returns ``{"loss": ..., "turn_stats": TurnStats}``: Lightning hands that dict to every
-callback's ``on_train_batch_end`` as ``outputs``; ``turn_stats``
+Token weightings (f-OPD freshness, TurnOPD's turn blend) are loss-side components the module holds in a
+fixed order (:mod:`lightning_opd.losses.weighting`), installed by their callbacks through
+:meth:`OPDModule.configure_freshness` and :meth:`OPDModule.configure_turn_blend`.
+
+``training_step`` returns ``{"loss": ..., "turn_stats": TurnStats, "freshness": FreshnessReport | None}``:
+Lightning hands that dict to every callback's ``on_train_batch_end`` as ``outputs``; ``turn_stats``
 (:class:`~lightning_opd.metrics.turn_stats.TurnStats`) holds the step's per-sample, per-turn sums on this
-rank (what the rollout-depth controller reads).
+rank (what the rollout-depth controller reads), ``freshness`` what the freshness weighting measured (what
+the staleness monitor reads).
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.chunked import chunked_sampled_logprobs
 from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss
 from lightning_opd.losses.grpo import ClippedSurrogate
-from lightning_opd.losses.weighting import Weighting
+from lightning_opd.losses.freshness import FreshnessWeighting
+from lightning_opd.losses.turn_blend import TurnBlendWeighting
 from lightning_opd.metrics.turn_stats import TurnStats, per_turn_sums
 from lightning_opd.models.fsdp import with_root_params
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer
@@ -110,7 +116,9 @@ class OPDModule(PolicyModule):
         self.grad_clip_norm = grad_clip_norm
         self.strict_on_policy = strict_on_policy
         self.step_metrics = StepMetrics(max_logged_turns, log_text_every_n_steps)
-        self._weightings: dict[str, Weighting] = {}
+        #: loss-side token weightings, applied in this order (:mod:`lightning_opd.losses.weighting`)
+        self.freshness: FreshnessWeighting | None = None
+        self.turn_blend: TurnBlendWeighting | None = None
         self._teacher: list = []  # kept out of the module tree: frozen, never checkpointed
         # F01: compare tokenizers before any rollout
         self.vocab_size = check_tokenizers_compatible(self.tokenizer, load_tokenizer(teacher, trust_remote_code),
@@ -141,8 +149,8 @@ class OPDModule(PolicyModule):
     @property
     def needs_learner_logprobs(self) -> bool:
         """The step needs the learner's ``(B, T-1)`` log-probs of the sampled tokens before its first update
-        (one shared no-grad pass): some weighting scheme asks for them."""
-        return any(w.needs_student_logprobs for w in self._weightings.values())
+        (one shared no-grad pass): the freshness weighting asks for them."""
+        return self.freshness is not None and self.freshness.needs_learner_logprobs
 
     def prepare_batch(self, batch: RolloutBatch, student_logprobs: torch.Tensor | None) -> RolloutBatch:
         """Per-batch inputs of the loss fixed before the first update (after :meth:`plan_batch`). OPD: none."""
@@ -247,18 +255,27 @@ class OPDModule(PolicyModule):
         return out, batch.loss_mask[:, 1:], batch.turn_index[:, 1:]
 
     # -------------------------------------------------------------------------------------- weighting
-    def set_weighting(self, name: str, scheme: Weighting | None) -> None:
-        """Register (or, with ``None``, remove) a weighting scheme under ``name`` (§0.5: weights multiply).
+    def configure_freshness(self, weighting: FreshnessWeighting | None) -> None:
+        """Install (``None``: remove) f-OPD's freshness weighting, applied first (docs/algorithms.md §1.4; the
+        ``StalenessMonitor`` callback calls this at setup).
 
         Raises:
-            TypeError: ``scheme`` does not implement :class:`~lightning_opd.losses.weighting.Weighting`.
+            TypeError: ``weighting`` is not a :class:`~lightning_opd.losses.freshness.FreshnessWeighting`.
         """
-        if scheme is None:
-            self._weightings.pop(name, None)
-            return
-        if not isinstance(scheme, Weighting):
-            raise TypeError(f"weighting {name!r}: {type(scheme).__name__} lacks prepare/token_weights/needs_student_logprobs")
-        self._weightings[name] = scheme
+        if weighting is not None and not isinstance(weighting, FreshnessWeighting):
+            raise TypeError(f"configure_freshness: expected a FreshnessWeighting, got {type(weighting).__name__}")
+        self.freshness = weighting
+
+    def configure_turn_blend(self, weighting: TurnBlendWeighting | None) -> None:
+        """Install (``None``: remove) TurnOPD's turn-blend weighting, applied after freshness (§2.4; the
+        ``TurnLossBlend`` callback calls this at setup and sets its α before every rollout batch).
+
+        Raises:
+            TypeError: ``weighting`` is not a :class:`~lightning_opd.losses.turn_blend.TurnBlendWeighting`.
+        """
+        if weighting is not None and not isinstance(weighting, TurnBlendWeighting):
+            raise TypeError(f"configure_turn_blend: expected a TurnBlendWeighting, got {type(weighting).__name__}")
+        self.turn_blend = weighting
 
     def student_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """``(B, T-1)`` log-probs of the sampled tokens under the current student, at the batch's sampling
@@ -292,32 +309,40 @@ class OPDModule(PolicyModule):
         return torch.cat(parts) if parts else batch.behaviour_logprobs[:, 1:].clone()
 
     def plan_batch(self, batch: RolloutBatch, student_logprobs: torch.Tensor | None = None) -> RolloutBatch:
-        """Apply every scheme's :class:`BatchPlan`: dropped samples get an all-zero loss mask, kept ones
-        the product of the per-sample weights (in ``batch.sample_weight``). ``student_logprobs``: the
-        ``(B, T-1)`` learner log-probs if already computed this step (else computed when a scheme needs them)."""
-        if not self._weightings:
+        """Apply the freshness weighting's :class:`~lightning_opd.losses.weighting.BatchPlan` (one all-reduce on
+        every rank): dropped samples get an all-zero loss mask, kept ones its per-sample weights (in
+        ``batch.sample_weight``). ``student_logprobs``: the ``(B, T-1)`` learner log-probs if already computed
+        this step (else computed when the weighting needs them). Without it, ``batch`` unchanged."""
+        if self.freshness is None:
             return batch
         lp = student_logprobs
-        if lp is None and any(w.needs_student_logprobs for w in self._weightings.values()):
+        if lp is None and self.freshness.needs_learner_logprobs:
             lp = self.student_logprobs(batch)
+        lag = (self.policy_version - batch.behaviour_version).clamp(min=0)
+        plan = self.freshness.plan(lag, lp, batch.behaviour_logprobs[:, 1:], batch.loss_mask[:, 1:],
+                                   batch.turn_index[:, 1:], batch.group_id, self.reduce_sum)
         keep = torch.ones(batch.size, dtype=torch.bool, device=batch.input_ids.device)
         weight = batch.sample_weight.clone()
-        for scheme in self._weightings.values():
-            plan = scheme.prepare(self, replace(batch, loss_mask=batch.loss_mask * keep[:, None]), lp)
-            if plan.keep is not None:
-                keep &= plan.keep.to(keep.device)
-            if plan.sample_weight is not None:
-                weight = weight * plan.sample_weight.to(weight)
+        if plan.keep is not None:
+            keep &= plan.keep.to(keep.device)
+        if plan.sample_weight is not None:
+            weight = weight * plan.sample_weight.to(weight)
         return replace(batch, loss_mask=batch.loss_mask * keep[:, None].to(batch.loss_mask), sample_weight=weight)
 
     def token_weights(self, batch: RolloutBatch, token_loss: TokenLoss) -> torch.Tensor | None:
-        """``(b, T-1)`` weights of one micro-batch: its per-sample weights times every scheme's per-token
-        weights; ``None`` when all are 1."""
+        """``(b, T-1)`` weights of one micro-batch: its per-sample weights times the freshness weighting's
+        (M3) and then the turn blend's per-token weights (the fixed order of
+        :mod:`lightning_opd.losses.weighting`); ``None`` when all are 1."""
         weights = None
         if not torch.all(batch.sample_weight == 1):
             weights = batch.sample_weight[:, None].expand(-1, batch.input_ids.shape[1] - 1)
-        for scheme in self._weightings.values():
-            w = scheme.token_weights(self, batch, token_loss)
+        mask = batch.loss_mask[:, 1:]
+        parts = []
+        if self.freshness is not None:
+            parts.append(self.freshness.token_weights(token_loss.student_logprobs, batch.behaviour_logprobs[:, 1:], mask))
+        if self.turn_blend is not None:
+            parts.append(self.turn_blend.token_weights(mask, batch.turn_index[:, 1:], token_loss.loss.dtype))
+        for w in parts:
             if w is not None:
                 weights = w if weights is None else weights * w
         return weights
@@ -433,8 +458,9 @@ class OPDModule(PolicyModule):
         :meth:`updates` optimizer updates; ``policy_version += 1``.
 
         Returns:
-            ``{"loss": the step loss (detached by Lightning), "turn_stats": the step's TurnStats on this rank}``,
-            what callbacks get as ``outputs`` in ``on_train_batch_end``.
+            ``{"loss": the step loss (detached by Lightning), "turn_stats": the step's TurnStats on this rank,
+            "freshness": the freshness weighting's FreshnessReport of the step (``None`` without it)}``, what
+            callbacks get as ``outputs`` in ``on_train_batch_end``.
         """
         t0 = time.perf_counter()
         batch, _, _ = next(dataloader_iter)  # generated now, with the current weights
@@ -444,7 +470,7 @@ class OPDModule(PolicyModule):
 
         opt = self.optimizers()
         lp = self.student_logprobs(batch) if self.needs_learner_logprobs else None  # one pass, shared
-        batch = self.plan_batch(batch, lp)  # weighting schemes: drop / weight samples for the whole step
+        batch = self.plan_batch(batch, lp)  # freshness weighting: drop / weight samples for the whole step
         batch = self.prepare_batch(batch, lp)  # ATOD: advantages, old log-probs, T-DUR, fixed for all updates
         sched = self.lr_schedulers()
         clip = self.grad_clip_norm if self.grad_clip_norm is not None else float("inf")
@@ -473,4 +499,5 @@ class OPDModule(PolicyModule):
         t2 = time.perf_counter()
         self.step_metrics.log_step(self, StepRecord(batch, sums, step_tokens, grad_norm, max_lag, t1 - t0, t2 - t1,
                                                     stats, self.step_extras()))
-        return {"loss": sums["loss"], "turn_stats": stats}
+        return {"loss": sums["loss"], "turn_stats": stats,
+                "freshness": self.freshness.report() if self.freshness is not None else None}

@@ -2,15 +2,19 @@
 importance ratio. PROPOSED in docs/algorithms.md §1.4, not from the paper (its text was not
 available); the decomposition into rollout drift and supervision drift follows the f-OPD abstract.
 
-All functions are pure and batched: ``B`` samples (episodes), ``T`` token positions. Log-probs are in
-nats, lags in policy versions (rollout iterations, §3.1 note).
+The functions are pure and batched: ``B`` samples (episodes), ``T`` token positions. Log-probs are in
+nats, lags in policy versions (rollout iterations, §3.1 note). :class:`FreshnessWeighting` is the loss-side
+component ``OPDModule`` applies (first of its weightings, :mod:`lightning_opd.losses.weighting`); the
+``StalenessMonitor`` callback builds and installs it and decides its lag bound.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from lightning_opd.losses.weighting import BatchPlan, Reducer
 
 
 @dataclass
@@ -93,3 +97,151 @@ def truncated_importance_ratio(student_logprobs: torch.Tensor, behaviour_logprob
     """``sg(min(π_θ/π_b, C))`` per token, ``(B, T)`` (TIS-style, §1.4 M3, PROPOSED): reweights the
     per-token loss, carries no gradient."""
     return torch.exp(student_logprobs.detach() - behaviour_logprobs.detach()).clamp(max=cap)
+
+
+@dataclass
+class FreshnessReport:
+    """What :class:`FreshnessWeighting` measured on one rollout batch (returned by ``training_step`` as
+    ``outputs["freshness"]``).
+
+    Attributes:
+        stats: ``lag_mean``, ``lag_max`` (versions), ``delta``, ``rho``, ``chi`` (nats), ``score``,
+            ``freshness_mean`` (f̄, the same on every rank), ``freshness_min``, ``dropped_samples``,
+            ``dropped_groups`` (this rank's statistics are NaN without samples), and with M3 ``ratio_mean``,
+            ``ratio_clip_frac`` over the step's supervised tokens; empty when no diagnostic was computed.
+        freshness: ``(B,)`` f_i of this rank's samples (``None``: not computed).
+        keep: ``(B,)`` bool, the M2 decision (all ``True`` without filtering; ``None``: not computed).
+    """
+
+    stats: dict[str, float] = field(default_factory=dict)
+    freshness: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+
+
+class FreshnessWeighting:
+    """f-OPD's token weighting (PROPOSED, docs/algorithms.md §1.4): M1 sample weights ``f_i / f̄``, M2 group
+    filter, M3 truncated importance ratio.
+
+    Args:
+        lag_cap: Δ_cap, fixed ceiling of the lag scale (versions).
+        tau_rho, tau_chi: rollout- and supervision-drift tolerances (nats).
+        alpha, beta: steepness and midpoint of the freshness transform (score units).
+        weighting: M1 on/off. filtering: M2 on/off. truncated_ratio: M3 ratio on/off.
+        min_freshness: M2 threshold f_min.
+        lag_bound: Δ_max, the largest lag M2 keeps (versions, in ``[1, lag_cap]``; ``None``: ``lag_cap``);
+            a controller moves it with :meth:`set_lag_bound`.
+        ratio_cap: M3's C.
+        measure: compute the diagnostics even when neither M1 nor M2 uses them (a controller reads them).
+
+    Raises:
+        ValueError: a bound out of range (named in the message).
+    """
+
+    def __init__(self, lag_cap: int = 8, tau_rho: float = 0.1, tau_chi: float = 0.1, alpha: float = 4.0,
+                 beta: float = 1.0, weighting: bool = True, filtering: bool = True, min_freshness: float = 0.05,
+                 lag_bound: int | None = None, truncated_ratio: bool = False, ratio_cap: float = 2.0,
+                 measure: bool = False) -> None:
+        if lag_cap < 1:
+            raise ValueError(f"lag_cap={lag_cap} must be >= 1")
+        if tau_rho <= 0 or tau_chi <= 0:
+            raise ValueError(f"tau_rho={tau_rho} and tau_chi={tau_chi} must be > 0 (nats)")
+        if not 0 <= min_freshness < 1:
+            raise ValueError(f"min_freshness={min_freshness} must be in [0, 1)")
+        if ratio_cap <= 0:
+            raise ValueError(f"ratio_cap={ratio_cap} must be > 0")
+        self.lag_cap, self.tau_rho, self.tau_chi, self.alpha, self.beta = lag_cap, tau_rho, tau_chi, alpha, beta
+        self.weighting, self.filtering, self.truncated_ratio = weighting, filtering, truncated_ratio
+        self.min_freshness, self.ratio_cap = min_freshness, ratio_cap
+        self.needs_learner_logprobs = weighting or filtering or measure
+        self.lag_bound: int | None = None
+        self.set_lag_bound(lag_bound)
+        self._report = FreshnessReport()
+        self._ratio = [0.0, 0.0, 0.0]  # this step: sum of ratios, clipped tokens, tokens
+
+    def set_lag_bound(self, bound: int | None) -> None:
+        """Δ_max for the next rollout batches (versions; ``None``: ``lag_cap``).
+
+        Raises:
+            ValueError: ``bound`` outside ``[1, lag_cap]``.
+        """
+        if bound is not None and not 1 <= int(bound) <= self.lag_cap:
+            raise ValueError(f"lag bound {bound} must be in [1, lag_cap={self.lag_cap}]")
+        self.lag_bound = None if bound is None else int(bound)
+
+    def plan(self, lag: torch.Tensor, learner_logprobs: torch.Tensor | None, behaviour_logprobs: torch.Tensor,
+             mask: torch.Tensor, turns: torch.Tensor, group_id: torch.Tensor, reduce_sum: Reducer) -> BatchPlan:
+        """Diagnostics, freshness and the M1/M2 decisions for one rollout batch (the whole step); starts the
+        step's report (:meth:`report`).
+
+        Args:
+            lag: ``(B,)`` learner version − behaviour version per sample (versions, >= 0).
+            learner_logprobs: ``(B, T-1)`` learner log-probs of the sampled tokens (nats); ``None`` when
+                :attr:`needs_learner_logprobs` is false (then nothing is decided).
+            behaviour_logprobs, mask, turns: ``(B, T-1)`` behaviour log-probs, loss mask, turn index of the
+                target positions.
+            group_id: ``(B,)`` GRPO group of each sample (M2 drops groups whole).
+            reduce_sum: sums over data-parallel ranks; called exactly once (also with ``B = 0``, F19), so
+                ``freshness_mean`` (f̄) is the same on every rank.
+        """
+        self._ratio = [0.0, 0.0, 0.0]
+        self._report = FreshnessReport()
+        if learner_logprobs is None:  # on every rank alike: configuration
+            return BatchPlan()
+        diag = staleness_diagnostics(lag, learner_logprobs, behaviour_logprobs, mask, turns, self.lag_cap)
+        score, fresh = freshness_score(diag, self.tau_rho, self.tau_chi, self.alpha, self.beta)
+        keep = torch.ones_like(fresh, dtype=torch.bool)
+        if self.filtering:
+            ok = (fresh >= self.min_freshness) & (lag <= int(self.lag_bound or self.lag_cap))
+            bad_groups = torch.unique(group_id[~ok])
+            keep = ~torch.isin(group_id, bad_groups)
+        tokens = mask.sum(dim=1).double() * keep
+        # all ranks: kept tokens, their freshness mass, samples, freshness sum (float64)
+        total, mass, samples, f_sum = reduce_sum(torch.stack([
+            tokens.sum(), (fresh * tokens).sum(), fresh.new_tensor(float(fresh.numel())), fresh.sum()]))
+        f_bar = mass / total.clamp(min=1.0)
+        weight = (fresh / f_bar.clamp(min=1e-12)).float() if self.weighting else None
+        n_groups = len(torch.unique(group_id))
+        if total > 0:
+            f_mean = float(f_bar)
+        else:  # every sample dropped: the plain mean over all ranks' samples (NaN: no sample anywhere)
+            f_mean = float(f_sum / samples) if samples > 0 else float("nan")
+
+        def local(x: torch.Tensor, fn=torch.mean) -> float:  # this rank's statistic; NaN without samples
+            return float(fn(x.double())) if x.numel() else float("nan")
+
+        stats = {
+            "lag_mean": local(lag), "lag_max": local(lag, torch.max), "delta": local(diag.delta),
+            "rho": local(diag.rho), "chi": local(diag.chi), "score": local(score), "freshness_mean": f_mean,
+            "freshness_min": local(fresh, torch.min), "dropped_samples": float((~keep).sum()),
+            "dropped_groups": float(n_groups - len(torch.unique(group_id[keep]))),
+        }
+        self._report = FreshnessReport(stats=stats, freshness=fresh.detach().clone(), keep=keep.detach().clone())
+        return BatchPlan(keep=keep if self.filtering else None, sample_weight=weight, stats=stats)
+
+    def token_weights(self, learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor | None:
+        """M3: ``(b, T-1)`` truncated importance ratios ``sg(min(π_θ/π_b, C))`` of one micro-batch (``None``
+        when off); their mean and clipped share over the ``mask`` tokens enter the step's report.
+
+        Args:
+            learner_logprobs: ``(b, T-1)`` log π_θ of the sampled tokens, from the loss's forward (nats).
+            behaviour_logprobs: ``(b, T-1)`` log π_b recorded at rollout time (nats).
+            mask: ``(b, T-1)`` loss mask of the target positions.
+        """
+        if not self.truncated_ratio:
+            return None
+        ratio = truncated_importance_ratio(learner_logprobs, behaviour_logprobs, self.ratio_cap)
+        m = mask > 0
+        self._ratio[0] += float(ratio[m].sum())
+        self._ratio[1] += float((ratio[m] >= self.ratio_cap).sum())
+        self._ratio[2] += float(m.sum())
+        return ratio
+
+    def report(self) -> FreshnessReport:
+        """What this step measured: :meth:`plan`'s diagnostics and, with M3 and supervised tokens, the ratio
+        statistics of every :meth:`token_weights` call since."""
+        stats = dict(self._report.stats)
+        total, clipped, n = self._ratio
+        if self.truncated_ratio and n:
+            stats["ratio_mean"], stats["ratio_clip_frac"] = total / n, clipped / n
+        return FreshnessReport(stats=stats, freshness=self._report.freshness, keep=self._report.keep)

@@ -1,85 +1,17 @@
-"""StalenessMonitor (f-OPD, PROPOSED §1.4): M1 weights, M2 group filter, M3 ratio and adaptive bound,
-state, and the lag-0 invariant on a real synchronous fit."""
+"""StalenessMonitor (f-OPD, PROPOSED §1.4): the adaptive lag bound, what it installs and hands over,
+state, and the lag-0 invariant on a real synchronous fit (read from ``training_step``'s outputs). The
+weighting itself (M1, M2, M3) is tested in tests/losses/test_freshness.py."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
-
 import lightning as L
 import pytest
-import torch
 
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
-from lightning_opd.rollout.batch import RolloutBatch
-from lightning_opd.losses.divergences import TokenLoss
 from lightning_opd.learner import OPDModule
-from lightning_opd.rollout.generator import SamplingParams
+from lightning_opd.losses.freshness import FreshnessReport
 from tests.helpers import KeywordEnvFactory
-
-
-class FakeModule:
-    def __init__(self, version):
-        self.policy_version = version
-
-    def reduce_sum(self, x):
-        return x
-
-
-def _batch(lags, groups, drift, version=10, tokens=4):
-    """One turn of ``tokens`` sampled tokens per sample; behaviour log-prob = -1, learner = -1 + drift."""
-    b = len(lags)
-    t = tokens + 2
-    mask = torch.zeros(b, t)
-    mask[:, 2:] = 1
-    turns = torch.where(mask > 0, torch.zeros(b, t, dtype=torch.long), torch.full((b, t), -1))
-    batch = RolloutBatch(input_ids=torch.zeros(b, t, dtype=torch.long), attention_mask=torch.ones(b, t, dtype=torch.long),
-                         loss_mask=mask, turn_index=turns, behaviour_logprobs=-mask,
-                         behaviour_version=torch.tensor([version - lag for lag in lags]),
-                         rewards=torch.zeros(b), success=torch.zeros(b), num_turns=torch.ones(b, dtype=torch.long),
-                         group_id=torch.tensor(groups), is_probe=torch.zeros(b, dtype=torch.bool),
-                         rollout_cap=torch.full((b,), 8), sampling=SamplingParams())
-    student = (-1.0 + torch.tensor(drift, dtype=torch.float32)[:, None]).expand(b, t - 1).clone()
-    return batch, student
-
-
-def _fresh(lag, rho, cap=8, tau=0.1, alpha=4.0, beta=1.0):
-    s = (min(lag / cap, 1.0) + rho / tau) / 3
-    return 1 / (1 + math.exp(alpha * (s - beta)))
-
-
-def test_m1_weights_are_freshness_over_step_mean():
-    mon = StalenessMonitor(filtering=False, max_lag=4)
-    batch, student = _batch(lags=[0, 2, 8], groups=[0, 1, 2], drift=[0.0, 0.05, 0.2])
-    plan = mon.prepare(FakeModule(10), batch, student)
-    f = torch.tensor([_fresh(0, 0.0), _fresh(2, 0.05), _fresh(8, 0.2)], dtype=torch.float64)
-    expect = f / f.mean()  # equal token counts: token-weighted mean = plain mean
-    torch.testing.assert_close(plan.sample_weight.double(), expect, atol=1e-6, rtol=0)
-    assert plan.keep is None
-    assert mon._last["lag_max"] == 8.0 and mon._last["freshness_min"] == pytest.approx(float(f.min()))
-
-
-def test_m2_drops_whole_groups_on_lag_or_freshness():
-    mon = StalenessMonitor(weighting=False, max_lag=4, min_freshness=0.05)
-    # group 0: fine; group 1: one member lag 5 > 4; group 2: one member with drift 1.0 (s = 10/3, f ~ 9e-5)
-    batch, student = _batch(lags=[0, 1, 1, 5, 0, 0], groups=[0, 0, 1, 1, 2, 2], drift=[0, 0, 0, 0, 0, 1.0])
-    plan = mon.prepare(FakeModule(10), batch, student)
-    assert plan.keep.tolist() == [True, True, False, False, False, False]
-    assert mon._last["dropped_samples"] == 4.0 and mon._last["dropped_groups"] == 2.0
-    assert plan.sample_weight is None
-
-
-def test_m3_truncated_ratio_per_token():
-    mon = StalenessMonitor(weighting=False, filtering=False, truncated_ratio=True)
-    batch, _ = _batch(lags=[0, 0], groups=[0, 1], drift=[0, 0])
-    lp = torch.full((2, 5), -1.0)
-    lp[0, 2] = -1.0 + math.log(3.0)  # ratio 3 -> capped at 2
-    lp[1, 3] = -1.0 + math.log(0.5)
-    out = TokenLoss(loss=lp, kl=lp, student_logprobs=lp, teacher_logprobs=lp, entropy=lp)
-    w = mon.token_weights(None, batch, out)
-    assert w[0, 2].item() == pytest.approx(2.0) and w[1, 3].item() == pytest.approx(0.5) and w[0, 4].item() == 1.0
-    assert mon._ratio_stats[1] == 1.0 and mon._ratio_stats[2] == 8.0
 
 
 @pytest.mark.parametrize(("freshness", "bounds"), [
@@ -89,27 +21,80 @@ def test_m3_truncated_ratio_per_token():
     ([0.4] * 12, [4, 4, 3, 3, 3, 2, 2, 2, 1, 1, 1, 1]),  # down to 1
 ])
 def test_adaptive_lag_bound_table(freshness, bounds):
-    mon = StalenessMonitor(max_lag=4, lag_cap=8)
+    mon = StalenessMonitor(initial_lag_bound=4, lag_cap=8)
     seen = []
     for f in freshness:
-        mon._last = {"freshness_mean": f}
-        mon._update_bound()
-        seen.append(mon.max_lag_bound)
-    assert seen == bounds
+        mon.on_train_batch_end(None, Logs(), {"freshness": FreshnessReport(stats={"freshness_mean": f})}, None, 0)
+        seen.append((mon.max_lag_bound, mon.freshness.lag_bound))
+    assert seen == [(b, b) for b in bounds]  # decided, then handed to the weighting
+
+
+def test_no_freshness_measured_leaves_the_bound():
+    mon = StalenessMonitor(initial_lag_bound=4)
+    for outputs in ({"freshness": FreshnessReport(stats={"freshness_mean": float("nan")})}, {"freshness": None}, None):
+        mon.on_train_batch_end(None, Logs(), outputs, None, 0)
+    assert mon.max_lag_bound == 4 and mon.low_streak == 0
+
+
+class Logs:
+    def __init__(self):
+        self.logged = {}
+
+    def log(self, key, value, batch_size):
+        self.logged[key] = value
+
+
+def test_logs_the_reported_diagnostics():
+    mon, module = StalenessMonitor(initial_lag_bound=4, adaptive_lag=False), Logs()
+    stats = {"lag_mean": 1.0, "freshness_mean": 0.7, "ratio_mean": 1.1}
+    mon.on_train_batch_end(None, module, {"freshness": FreshnessReport(stats=stats)}, None, 0)
+    assert module.logged == {"staleness/lag_mean": 1.0, "staleness/freshness_mean": 0.7,
+                             "staleness/max_lag_bound": 4.0, "staleness/ratio_mean": 1.1}
+
+
+class Installs:
+    def __init__(self):
+        self.freshness = None
+
+    def configure_freshness(self, weighting):
+        self.freshness = weighting
+
+
+class Trainer:
+    def __init__(self, datamodule):
+        self.datamodule = datamodule
+
+
+class DM:
+    max_allowed_lag = 2
+
+
+def test_setup_installs_the_weighting_with_the_default_bound():
+    mon, module = StalenessMonitor(truncated_ratio=True, adaptive_lag=False, weighting=False, filtering=False), Installs()
+    mon.setup(Trainer(DM()), module, "fit")
+    w = module.freshness
+    assert w is mon.freshness and w.truncated_ratio and not w.needs_learner_logprobs
+    assert mon.max_lag_bound == w.lag_bound == 4  # min(lag_cap 8, max(4, max_allowed_lag 2))
+    with pytest.raises(TypeError, match="configure_freshness"):
+        StalenessMonitor().setup(Trainer(DM()), object(), "fit")
 
 
 def test_state_roundtrip_and_key():
-    mon = StalenessMonitor(max_lag=4)
+    mon = StalenessMonitor(initial_lag_bound=4)
     mon.max_lag_bound, mon.low_streak = 2, 1
-    other = StalenessMonitor(max_lag=4)
+    other = StalenessMonitor(initial_lag_bound=4)
     other.load_state_dict(mon.state_dict())
-    assert (other.max_lag_bound, other.low_streak) == (2, 1)
+    assert (other.max_lag_bound, other.low_streak, other.freshness.lag_bound) == (2, 1, 2)
     assert mon.state_key == "StalenessMonitor{'lag_cap': 8, 'tau_rho': 0.1, 'tau_chi': 0.1, 'alpha': 4.0, 'beta': 1.0}"
 
 
 def test_bad_arguments_name_the_value():
-    with pytest.raises(ValueError, match="max_lag=9"):
-        StalenessMonitor(max_lag=9, lag_cap=8)
+    with pytest.raises(ValueError, match="initial_lag_bound=9"):
+        StalenessMonitor(initial_lag_bound=9, lag_cap=8)
+    with pytest.raises(ValueError, match="init_args.max_lag=3: renamed init_args.initial_lag_bound"):
+        StalenessMonitor(max_lag=3)
+    with pytest.raises(ValueError, match="patience=0"):
+        StalenessMonitor(patience=0)
     with pytest.raises(ValueError, match="tau_rho=0"):
         StalenessMonitor(tau_rho=0)
 
@@ -119,10 +104,10 @@ class Spy(StalenessMonitor):
         super().__init__(*a, **k)
         self.history = []
 
-    def prepare(self, module, batch, student_logprobs):
-        plan = super().prepare(module, batch, student_logprobs)
-        self.history.append((self.last_freshness.clone(), self.last_keep.clone()))
-        return plan
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        report = outputs["freshness"]
+        self.history.append((report.freshness.clone(), report.keep.clone()))
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
 @pytest.mark.timeout(300)

@@ -1,14 +1,15 @@
-"""TurnLossBlend (TurnOPD §5.2, docs/algorithms.md §2.4): weights on a hand-built micro-batch at α = 0, 0.5,
-1, the α schedule, registration, the max_steps check and state."""
+"""TurnLossBlend (TurnOPD §5.2, docs/algorithms.md §2.4): the α schedule, the weighting it installs and the α it
+hands over before each batch (weights on a hand-built micro-batch at α = 0, 0.5, 1), the max_steps check and
+state. ``blend_weights`` and ``TurnBlendWeighting`` live in lightning_opd.losses.turn_blend."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend, blend_weights
+from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
+from lightning_opd.losses.turn_blend import TurnBlendWeighting, blend_weights
 from lightning_opd.rollout.batch import RolloutBatch
-from lightning_opd.losses.weighting import Weighting
 
 # positions 0..9 of four samples: P prompt, O observation, _ padding, digits = turn of a supervised token
 LAYOUT = [
@@ -47,10 +48,10 @@ RATIOS = [{0: 2 / 3, 1: 2.0, 2: 1.0}, {0: 1.0}, {0: 2.0, 2: 2 / 3}, {}]
 
 class FakeModule:
     def __init__(self, version=0):
-        self.policy_version, self.registered, self.logged = version, {}, {}
+        self.policy_version, self.turn_blend, self.logged = version, None, {}
 
-    def set_weighting(self, name, scheme):
-        self.registered[name] = scheme
+    def configure_turn_blend(self, weighting):
+        self.turn_blend = weighting
 
     def log(self, key, value, batch_size):
         self.logged[key] = value
@@ -61,14 +62,15 @@ class FakeTrainer:
         self.max_steps = max_steps
 
 
-class Loss:
-    loss = torch.zeros(1)
-
-
 def _blend(k, total=10, **kw):
-    cb = TurnLossBlend(total_steps=total, **kw)
-    cb.setup(FakeTrainer(-1), FakeModule(), "fit")
-    return cb.token_weights(FakeModule(k), _micro_batch(), Loss())
+    """The weights the module gets at rollout batch ``k``: the callback installs its weighting at setup and sets
+    α before the batch; the module passes the micro-batch's target positions."""
+    cb, module = TurnLossBlend(total_steps=total, **kw), FakeModule()
+    cb.setup(FakeTrainer(-1), module, "fit")
+    module.policy_version = k
+    cb.on_train_batch_start(None, module, None, k)
+    mb = _micro_batch()
+    return module.turn_blend.token_weights(mb.loss_mask[:, 1:], mb.turn_index[:, 1:], torch.float32)
 
 
 def test_alpha_zero_is_exactly_all_ones():
@@ -94,14 +96,14 @@ def test_alpha_schedule_window(k, alpha):
     assert cb.alpha_at(k) == pytest.approx(alpha)
 
 
-def test_setup_registers_and_needs_max_steps():
+def test_setup_installs_the_weighting_and_needs_max_steps():
     cb, module = TurnLossBlend(), FakeModule()
     cb.setup(FakeTrainer(8), module, "fit")
-    assert module.registered == {"turn_blend": cb} and isinstance(cb, Weighting) and not cb.needs_student_logprobs
+    assert module.turn_blend is cb.weighting and isinstance(cb.weighting, TurnBlendWeighting)
     assert cb.alpha_at(2) == 0.25 and cb.alpha_at(8) == 1.0
     with pytest.raises(ValueError, match="trainer.max_steps=-1 is unset"):
         TurnLossBlend().setup(FakeTrainer(-1), FakeModule(), "fit")
-    with pytest.raises(TypeError, match="set_weighting"):
+    with pytest.raises(TypeError, match="configure_turn_blend"):
         TurnLossBlend().setup(FakeTrainer(8), object(), "fit")
     for kw, bad in (({"start": 0.5, "end": 0.5}, "start=0.5, end=0.5"), ({"total_steps": 0}, "total_steps=0")):
         with pytest.raises(ValueError, match=bad):
@@ -127,3 +129,10 @@ def test_k_counts_rollout_iterations_with_several_updates_per_batch():
     cb = TurnLossBlend()
     cb.setup(FakeTrainer(8), module, "fit")
     assert cb.horizon == 4 and cb.alpha_at(2) == 0.5
+
+
+def test_weighting_refuses_alpha_outside_unit_interval():
+    w = TurnBlendWeighting()
+    assert w.alpha == 0.0
+    with pytest.raises(ValueError, match=r"alpha=1.5 must be in \[0, 1\]"):
+        w.set_alpha(1.5)

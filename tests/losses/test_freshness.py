@@ -7,7 +7,11 @@ import math
 import pytest
 import torch
 
-from lightning_opd.losses.freshness import freshness_score, staleness_diagnostics, truncated_importance_ratio
+from lightning_opd.losses.freshness import (FreshnessWeighting, freshness_score, staleness_diagnostics,
+                                            truncated_importance_ratio)
+from lightning_opd.losses.weighting import BatchPlan
+from lightning_opd.rollout.batch import RolloutBatch
+from lightning_opd.rollout.generator import SamplingParams
 
 
 def _sample():
@@ -59,3 +63,83 @@ def test_truncated_ratio_is_capped_and_detached():
     r = truncated_importance_ratio(s, torch.zeros(1, 3), cap=2.0)
     torch.testing.assert_close(r, torch.tensor([[1.0, 2.0, 0.5]]))
     assert not r.requires_grad
+
+
+# ------------------------------------------------------------------ FreshnessWeighting (M1, M2, M3)
+def _batch(lags, groups, drift, version=10, tokens=4):
+    """One turn of ``tokens`` sampled tokens per sample; behaviour log-prob = -1, learner = -1 + drift."""
+    b = len(lags)
+    t = tokens + 2
+    mask = torch.zeros(b, t)
+    mask[:, 2:] = 1
+    turns = torch.where(mask > 0, torch.zeros(b, t, dtype=torch.long), torch.full((b, t), -1))
+    batch = RolloutBatch(input_ids=torch.zeros(b, t, dtype=torch.long), attention_mask=torch.ones(b, t, dtype=torch.long),
+                         loss_mask=mask, turn_index=turns, behaviour_logprobs=-mask,
+                         behaviour_version=torch.tensor([version - lag for lag in lags]),
+                         rewards=torch.zeros(b), success=torch.zeros(b), num_turns=torch.ones(b, dtype=torch.long),
+                         group_id=torch.tensor(groups), is_probe=torch.zeros(b, dtype=torch.bool),
+                         rollout_cap=torch.full((b,), 8), sampling=SamplingParams())
+    student = (-1.0 + torch.tensor(drift, dtype=torch.float32)[:, None]).expand(b, t - 1).clone()
+    return batch, student
+
+
+def _fresh(lag, rho, cap=8, tau=0.1, alpha=4.0, beta=1.0):
+    s = (min(lag / cap, 1.0) + rho / tau) / 3
+    return 1 / (1 + math.exp(alpha * (s - beta)))
+
+
+def _plan(weighting, batch, student, version=10):
+    """What ``OPDModule.plan_batch`` hands the weighting (target positions), with a one-process reducer."""
+    lag = (version - batch.behaviour_version).clamp(min=0)
+    calls = []
+
+    def reduce_sum(x):
+        calls.append(x.shape)
+        return x
+
+    plan = weighting.plan(lag, student, batch.behaviour_logprobs[:, 1:], batch.loss_mask[:, 1:], batch.turn_index[:, 1:],
+                          batch.group_id, reduce_sum)
+    # exactly one all-reduce per batch when measuring (F19: the same on every rank); none otherwise (configuration)
+    assert calls == ([(4,)] if student is not None else [])
+    return plan
+
+
+def test_m1_weights_are_freshness_over_step_mean():
+    mon = FreshnessWeighting(filtering=False, lag_bound=4)
+    batch, student = _batch(lags=[0, 2, 8], groups=[0, 1, 2], drift=[0.0, 0.05, 0.2])
+    plan = _plan(mon, batch, student)
+    f = torch.tensor([_fresh(0, 0.0), _fresh(2, 0.05), _fresh(8, 0.2)], dtype=torch.float64)
+    expect = f / f.mean()  # equal token counts: token-weighted mean = plain mean
+    torch.testing.assert_close(plan.sample_weight.double(), expect, atol=1e-6, rtol=0)
+    assert plan.keep is None
+    assert plan.stats["lag_max"] == 8.0 and plan.stats["freshness_min"] == pytest.approx(float(f.min()))
+    assert mon.report().stats == plan.stats and torch.equal(mon.report().keep, torch.ones(3, dtype=torch.bool))
+
+
+def test_m2_drops_whole_groups_on_lag_or_freshness():
+    mon = FreshnessWeighting(weighting=False, lag_bound=4, min_freshness=0.05)
+    # group 0: fine; group 1: one member lag 5 > 4; group 2: one member with drift 1.0 (s = 10/3, f ~ 9e-5)
+    batch, student = _batch(lags=[0, 1, 1, 5, 0, 0], groups=[0, 0, 1, 1, 2, 2], drift=[0, 0, 0, 0, 0, 1.0])
+    plan = _plan(mon, batch, student)
+    assert plan.keep.tolist() == [True, True, False, False, False, False]
+    assert plan.stats["dropped_samples"] == 4.0 and plan.stats["dropped_groups"] == 2.0
+    assert plan.sample_weight is None
+    mon.set_lag_bound(5)  # a controller raised the bound: group 1 stays
+    assert _plan(mon, batch, student).keep.tolist() == [True, True, True, True, False, False]
+    with pytest.raises(ValueError, match=r"lag bound 9 must be in \[1, lag_cap=8\]"):
+        mon.set_lag_bound(9)
+
+
+def test_m3_truncated_ratio_per_token():
+    mon = FreshnessWeighting(weighting=False, filtering=False, truncated_ratio=True)
+    batch, _ = _batch(lags=[0, 0], groups=[0, 1], drift=[0, 0])
+    assert _plan(mon, batch, None) == BatchPlan() and not mon.needs_learner_logprobs  # nothing to decide
+    lp = torch.full((2, 5), -1.0)
+    lp[0, 2] = -1.0 + math.log(3.0)  # ratio 3 -> capped at 2
+    lp[1, 3] = -1.0 + math.log(0.5)
+    w = mon.token_weights(lp, batch.behaviour_logprobs[:, 1:], batch.loss_mask[:, 1:])
+    assert w[0, 2].item() == pytest.approx(2.0) and w[1, 3].item() == pytest.approx(0.5) and w[0, 4].item() == 1.0
+    # 8 supervised tokens: ratios 2, 0.5 and six 1s -> mean 8.5 / 8, one clipped
+    assert mon.report().stats == {"ratio_mean": 8.5 / 8, "ratio_clip_frac": 1 / 8}
+    _plan(mon, batch, None)  # the next step starts a new report
+    assert mon.report().stats == {}
