@@ -37,7 +37,7 @@ from pathlib import Path
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 HELPERS = {  # name -> one-line description (the dispatcher's table is at the end of the file)
@@ -154,6 +154,71 @@ def _model_class(config) -> type | None:
         return None
 
 
+# ------------------------------------------------------------------------------- linked arguments
+# Values the module takes from the DataModule: set once, under ``data``, and copied by LightningCLI's
+# ``link_arguments`` when the classes are built (the DataModule first, so its own checks name the data key).
+# target key in the module -> the DataModule attribute (and key under data.init_args) it is taken from
+LINKS = {"max_logged_turns": "max_turns"}
+
+
+def _linked(target: str) -> Callable[[LightningDataModule], int]:
+    attribute = LINKS[target]
+
+    def compute(datamodule: LightningDataModule) -> int:
+        if not hasattr(datamodule, attribute):
+            raise ValueError(f"model.init_args.{target} is taken from the DataModule's `{attribute}` (data.init_args."
+                             f"{attribute}), which {type(datamodule).__name__} does not have; give the DataModule a "
+                             f"`{attribute}` attribute")
+        return getattr(datamodule, attribute)
+    compute.__name__ = f"{attribute}_of_datamodule"
+    return compute
+
+
+_UNION = ("Does not validate against any of the Union subtypes", "Problem with given class_path")
+_SECTION_KEY = re.compile(r"\b(model|data)\.(?!init_args\b|class_path\b)(?=\w)")
+_CLASS_PATH = re.compile(r"class_path='([\w.]+)'")
+
+
+def instantiation_error(err: BaseException) -> str | None:
+    """The message to show for an error raised while jsonargparse builds the module or the DataModule: the
+    innermost cause first, keys as the user types them (``data.max_turns=-1`` -> ``data.init_args.max_turns=-1``)
+    and the class being built. ``None`` when ``err`` is not jsonargparse's wrapper (then it is re-raised)."""
+    if not any(str(err).startswith(u) for u in _UNION):
+        return None
+    classes, cause = _CLASS_PATH.findall(str(err))[:1], err
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    text = str(cause) if cause is not err else str(err).splitlines()[0]
+    where = f" (building {classes[0]})" if classes else ""
+    return (f"{_SECTION_KEY.sub(lambda m: m.group(1) + '.init_args.', text)}{where}\n"
+            "(set JSONARGPARSE_DEBUG=1 for the full traceback)")
+
+
+class HparamsSaveConfigCallback(SaveConfigCallback):
+    """LightningCLI's config saver that also logs the parsed run config as the run's hyper-parameters, so
+    TensorBoard's HPARAMS tab and ``hparams.yaml`` show every key (``model/init_args/optimizer/init_args/lr``).
+
+    Runs on rank 0 at ``setup``, before the Trainer's own hyper-parameter logging, which it then turns off
+    (``trainer.enable_autolog_hparams``) so an empty module ``hparams`` does not log a second, empty set;
+    hyper-parameters the module or DataModule saved themselves (``save_hyperparameters``) are logged with
+    the config under their own names."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        import yaml
+
+        params = yaml.safe_load(self.parser.dump(self.config, skip_none=False)) or {}
+        params.pop("config", None)  # the --config file paths: the values themselves are logged
+        datamodule = getattr(trainer, "datamodule", None)
+        params.update(pl_module.hparams_initial)
+        if datamodule is not None:
+            params.update(datamodule.hparams_initial)
+        params.pop("_class_path", None)
+        for logger in trainer.loggers:
+            logger.log_hyperparams(params)
+            logger.save()
+        trainer.enable_autolog_hparams = False
+
+
 class OPDCLI(LightningCLI):
     """LightningCLI with subclass mode for the module and DataModule and ``omegaconf+`` parsing.
 
@@ -161,10 +226,14 @@ class OPDCLI(LightningCLI):
     named; ``trainer.gradient_clip_val`` is refused for modules that clip themselves (manual
     optimization, ``model.init_args.grad_clip_norm``); a plain per-step line printer replaces the
     progress bar when stdout is not a terminal, and the held-out bar counts episodes; ``validate`` and
-    ``test`` print their metrics rounded; ``fit`` says where the student was exported."""
+    ``test`` print their metrics rounded; ``fit`` says where the student was exported; values the module
+    takes from the DataModule are linked (``LINKS``); the parsed config is logged as the run's
+    hyper-parameters (:class:`HparamsSaveConfigCallback`); a module or DataModule constructor error is shown
+    cause first, with the key as typed."""
 
     def __init__(self, args=None, run: bool = True, **kwargs) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("save_config_callback", HparamsSaveConfigCallback)
         kwargs.setdefault("parser_class", OPDArgumentParser)
         super().__init__(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
                          parser_kwargs={"parser_mode": "omegaconf+", "epilog": _EPILOG, "formatter_class": _Formatter,
@@ -178,6 +247,12 @@ class OPDCLI(LightningCLI):
         commands.pop("predict", None)
         return commands
 
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Link ``model.init_args.<target>`` to the DataModule for every entry of ``LINKS`` (applied when the
+        classes are built, DataModule first; modules without the parameter are left alone)."""
+        for target in LINKS:
+            parser.link_arguments("data", f"model.init_args.{target}", compute_fn=_linked(target), apply_on="instantiate")
+
     def parse_arguments(self, parser, args) -> None:
         check_config_files(list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else [])
         super().parse_arguments(parser, args)
@@ -190,6 +265,31 @@ class OPDCLI(LightningCLI):
             self._parser(self.subcommand).error(
                 f"trainer.gradient_clip_val={clip}: {cls.__name__} optimizes manually and clips the gradient norm "
                 f"itself; set model.init_args.grad_clip_norm={clip} instead (and drop trainer.gradient_clip_val)")
+        self._check_links(config, cls)
+
+    def _check_links(self, config, cls: type | None) -> None:
+        """A linked value set by hand (other than the class default or the value it is linked to) is an error:
+        LightningCLI would replace it silently."""
+        if cls is None:
+            return
+        params, init = inspect.signature(cls).parameters, config.get("model", {}).get("init_args") or {}
+        data = config.get("data", {}).get("init_args") or {}
+        for target, source in LINKS.items():
+            value = init.get(target) if hasattr(init, "get") else None
+            if target not in params or value is None or value in (params[target].default, data.get(source)):
+                continue
+            self._parser(self.subcommand).error(
+                f"model.init_args.{target}={value}: it is taken from data.init_args.{source} (linked, "
+                f"{data.get(source)} here); set --data.init_args.{source} instead and drop model.init_args.{target}")
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            message = instantiation_error(err)
+            if message is None or os.environ.get("JSONARGPARSE_DEBUG"):
+                raise
+            self._parser(self.subcommand).error(message)
 
     def instantiate_trainer(self, **kwargs):
         from lightning_opd.callbacks.progress import EpisodeProgressBar, StepLinePrinter

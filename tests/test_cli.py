@@ -6,6 +6,7 @@ output, and a non-terminal stdout gets the plain step printer."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -166,6 +167,58 @@ def test_gradient_clip_val_points_to_grad_clip_norm(capsys, tmp_path):
     assert code == 2
     assert ("trainer.gradient_clip_val=0.5: OPDModule optimizes manually and clips the gradient norm itself; set "
             "model.init_args.grad_clip_norm=0.5 instead") in out
+
+
+# --------------------------------------------------------------------------- linked arguments
+def test_bad_max_turns_names_the_data_key_not_the_linked_copy(capsys, games_dir, tmp_path):
+    """``model.init_args.max_logged_turns`` is linked to ``data.init_args.max_turns`` (cli.LINKS), applied when
+    the classes are built, DataModule first: the DataModule's own check reports the key the user typed."""
+    code, out = _exit(capsys, ["fit", "--config", str(BASE), "--data.init_args.max_turns=-1",
+                               f"--data.init_args.env.init_args.games_dir={games_dir}", "--trainer.logger=false",
+                               f"--model.init_args.student={tmp_path / 'none'}"])
+    assert code == 2
+    assert out.startswith("error: data.init_args.max_turns=-1 must be >= 1 (building lightning_opd.data.RolloutDataModule)")
+    assert "max_logged_turns" not in out and "Traceback" not in out
+
+
+def test_print_config_has_no_frozen_copy_of_a_linked_value(capsys):
+    for files in ([BASE], [CONF / "textworld" / "turnopd.yaml"], [CONF / "search_qa" / "opd.yaml"]):
+        code, out = _exit(capsys, ["fit", *[a for f in files for a in ("--config", str(f))],
+                                   "--data.init_args.max_turns=5", "--print_config"])
+        assert code in (0, None)
+        cfg = yaml.safe_load(out)
+        assert cfg["data"]["init_args"]["max_turns"] == 5
+        assert "max_logged_turns" not in cfg["model"]["init_args"], files
+    for path in [*CONF.rglob("*.yaml"), *(CONF.parent / "tutorials").rglob("*.yaml")]:
+        assert not re.search(r"^\s*max_logged_turns\s*:", path.read_text(), re.M), f"{path}: the link sets it"
+
+
+def test_linked_value_follows_the_data(model_dirs, games_dir, search_qa_dir, tmp_path):
+    data = {"games_dir": games_dir, "data_dir": search_qa_dir}
+    cli, _, _ = build([BASE], model_dirs, data, tmp_path, extra=["--data.init_args.max_turns=5"])
+    assert cli.datamodule.max_turns == cli.model.step_metrics.num_turns == 5
+
+
+# ---------------------------------------------------------------------------------- hyper-parameters
+def test_run_config_is_logged_as_hyperparameters(capsys, model_dirs, games_dir, tmp_path):
+    """``hparams.yaml`` and TensorBoard's HPARAMS hold the parsed run config (not ``{}``), from
+    :class:`~lightning_opd.cli.HparamsSaveConfigCallback` at setup; the Trainer logs no second, empty set."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    main(["validate", "--config", str(BASE), f"--model.init_args.student={model_dirs['student']}",
+          f"--model.init_args.teacher={model_dirs['teacher']}", f"--data.init_args.env.init_args.games_dir={games_dir}",
+          f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}", "--trainer.limit_val_batches=0",
+          "--model.init_args.optimizer.init_args.lr=3e-5"])
+    run = tmp_path / "logs" / "opd" / "version_0"
+    hparams = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert hparams["model"]["init_args"]["optimizer"]["init_args"]["lr"] == pytest.approx(3e-5)
+    assert hparams["data"]["init_args"]["max_turns"] == 8 and hparams["trainer"]["max_steps"] == 20
+    assert hparams["model"]["class_path"] == "lightning_opd.learner.OPDModule" and "config" not in hparams
+    events = EventAccumulator(str(run), size_guidance={"tensors": 0}).Reload()
+    starts = [e for e in events.summary_metadata if e == "_hparams_/session_start_info"]
+    assert len(starts) == 1
+    plugin = events.SummaryMetadata("_hparams_/session_start_info").plugin_data.content
+    assert b"model/init_args/optimizer/init_args/lr" in plugin
 
 
 # --------------------------------------------------------------------------------- debug overlay

@@ -320,7 +320,7 @@ def check_search_qa_opd(cli, tmp):
     env = cli.datamodule.env
     assert isinstance(env, SearchQAEnvFactory) and env.top_k == 2
     assert (len(env.train_tasks()), len(env.eval_tasks())) == (20, 5)  # the fixture's data, not the default path
-    assert cli.datamodule.max_turns == 4 and cli.config["model.init_args.max_logged_turns"] == 4  # interpolated
+    assert cli.datamodule.max_turns == 4 and cli.model.step_metrics.num_turns == 4  # linked (cli.LINKS)
     assert cli.trainer.max_steps == 50
 
 
@@ -412,9 +412,17 @@ def test_interpolation_follows_overlay_file(build_cli, tmp_path):
     assert cli.datamodule.max_turns == cli.model.step_metrics.num_turns == 5
 
 
-def test_interpolated_value_can_be_set_explicitly(build_cli):
-    cli, _, _ = build_cli(BASE, extra=["--model.init_args.max_logged_turns=4"])
-    assert cli.model.step_metrics.num_turns == 4 and cli.datamodule.max_turns == 8
+def test_linked_value_set_by_hand_is_refused_naming_the_data_key(build_cli, capsys):
+    """``model.init_args.max_logged_turns`` is linked to ``data.init_args.max_turns`` (cli.LINKS): a different
+    value would be replaced silently, so it is an error; the linked value itself (an old config's
+    interpolation) is accepted."""
+    with pytest.raises(SystemExit) as exc:
+        build_cli(BASE, extra=["--model.init_args.max_logged_turns=4"])
+    assert exc.value.code == 2
+    assert "model.init_args.max_logged_turns=4: it is taken from data.init_args.max_turns (linked, 8 here)" in (
+        capsys.readouterr().err)
+    cli, _, _ = build_cli(BASE, extra=["--model.init_args.max_logged_turns=8"])
+    assert cli.model.step_metrics.num_turns == cli.datamodule.max_turns == 8
 
 
 def test_command_line_overrides_win_over_files(build_cli):

@@ -222,7 +222,7 @@ def test_04_print_config_resolves_the_gpu_yaml(tmp_path):
     assert trainer["accelerator"] == "gpu" and trainer["devices"] == 8 and trainer["num_nodes"] == 1
     assert trainer["strategy"]["class_path"] == "lightning_opd.models.fsdp.FSDP2Strategy"
     assert model["fsdp_mixed_precision"] == "bfloat16" and model["teacher_dtype"] == "bfloat16"
-    assert model["max_logged_turns"] == data["max_turns"] == 12  # ${...data.init_args.max_turns}, resolved
+    assert data["max_turns"] == 12 and "max_logged_turns" not in model  # linked at build time, no frozen copy
     assert data["generator"]["class_path"] == "lightning_opd.rollout.vllm.VLLMGenerator"
     assert data["generator"]["init_args"]["dtype"] == "bfloat16"
 
