@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAINER_COMMANDS = ("fit", "validate", "test")
 pytestmark = pytest.mark.filterwarnings("ignore:No seed found")
 
-_LABEL = re.compile(r"^(?:Use|Run|Watch|Base)::?\s*")
+_LABEL = re.compile(r"^(?:Use|Run|Watch|Base|Resume)::?\s*")
 _OPTIONAL = re.compile(r"\[(--[\w-]+)\]")  # `[--tiny]`: an optional flag, tested as given
 _STARTS = re.compile(r"^(?:\S*lightning-opd\s|\S*python\S*\s+(?:-m\s+lightning_opd\s|tutorials/)|srun\s|torchrun\s)")
 
