@@ -462,7 +462,12 @@ def _report(argv: list[str]) -> None:
     p.add_argument("--baseline", action="append", default=[], metavar="LABEL=VALUE|RUN_DIR",
                    help="a success level drawn as a horizontal line on the success panel: a number in [0, 1] or a "
                         "run directory (its last val/success), e.g. 'student before=0.0' 'teacher=runs/x/teacher'")
+    p.add_argument("--force", action="store_true", help="replace an existing report.png / report.html")
     a = p.parse_args(argv)
+    for name in ("report.png", "report.html"):
+        path = Path(a.out or a.run_dir) / name
+        if path.exists() and not a.force:
+            p.error(f"{path} exists; pass --force to replace it (or choose another --out)")
     baselines = {}
     for item in a.baseline:
         label, sep, value = item.partition("=")

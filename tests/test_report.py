@@ -128,3 +128,14 @@ def test_report_command_exits_non_zero_on_a_missing_run(tmp_path, capsys):
         main(["report", str(tmp_path / "nope")])
     assert exc.value.code == 1
     assert "no TensorBoard event files under" in capsys.readouterr().err
+
+
+def test_report_never_replaces_its_files_without_force(tmp_path, capsys):
+    (tmp_path / "report.html").write_text("kept")
+    with pytest.raises(SystemExit) as exc:
+        main(["report", str(RECORDED), "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert f"{tmp_path / 'report.html'} exists; pass --force to replace it" in capsys.readouterr().err
+    assert (tmp_path / "report.html").read_text() == "kept" and not (tmp_path / "report.png").exists()
+    main(["report", str(RECORDED), "--out", str(tmp_path), "--force"])
+    assert (tmp_path / "report.html").read_text() != "kept" and (tmp_path / "report.png").is_file()

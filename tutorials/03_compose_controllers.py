@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {tag:<30} {values[-1]:>10.4g}  (step {steps[-1]})")
     png, page = render_report(run_dir)  # == lightning-opd report RUN_DIR
     print(f"\nreport: {png}\n        {page}")
-    print(f"same from the shell: lightning-opd report {run_dir}")
+    print(f"redraw from the shell: lightning-opd report {run_dir} --force")  # --force: it replaces these two
     print(f"tensorboard --logdir {out}")
 
 

@@ -352,7 +352,10 @@ def main(argv: list[str] | None = None) -> Comparison:
                    help="resample tasks with all their seeds (default) or episodes independently")
     p.add_argument("--intersect", action="store_true", help="compare on the (task, seed) episodes all arms share")
     p.add_argument("--json", default=None, help="also write the comparison to this JSON file")
+    p.add_argument("--force", action="store_true", help="replace an existing --json file")
     a = p.parse_args(argv)
+    if a.json and Path(a.json).exists() and not a.force:
+        p.error(f"--json {a.json} exists; pass --force to replace it (or choose another --json)")
     metric = a.metric or ("kl" if a.table == "teacher_traj_kl" else "success")
     tables = load_arms(a.arms, a.table, metric)
     result = paired_bootstrap(tables, resamples=a.resamples, level=a.level, seed=a.seed, cluster=a.cluster,

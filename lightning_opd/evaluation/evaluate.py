@@ -484,7 +484,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--vllm-kv-cache-bytes", type=int, default=1 << 30)
     p.add_argument("--out", required=True, help="output JSON")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     a = p.parse_args(argv)
+    if Path(a.out).exists() and not a.force:
+        p.error(f"--out {a.out} exists; pass --force to replace it (or choose another --out)")
     try:
         env_args = json.loads(a.env_args)
     except ValueError as err:

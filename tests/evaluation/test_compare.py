@@ -165,3 +165,17 @@ def test_sampled_table_averages_the_k_samples(tmp_path):
     records = [{"task_id": "t0", "seed": 0, "sample": j, "success": float(j == 0)} for j in range(4)]
     path.write_text(json.dumps({"students": [{"name": "s", "greedy": [], "sampled": records}]}))
     assert load_arms([str(path)], table="sampled") == {"s": {("t0", 0): 0.25}}
+
+
+def test_compare_json_is_never_replaced_without_force(tmp_path, capsys):
+    keys = {(f"t{i}", 0): 0.0 for i in range(4)}
+    write_eval(tmp_path / "a.json", "a", keys)
+    (tmp_path / "cmp.json").write_text("kept")
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["compare", str(tmp_path / "a.json"), "--json", str(tmp_path / "cmp.json")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--json {tmp_path / 'cmp.json'} exists; pass --force to replace it" in err and "| a |" not in err
+    assert (tmp_path / "cmp.json").read_text() == "kept"
+    cli_main(["compare", str(tmp_path / "a.json"), "--json", str(tmp_path / "cmp.json"), "--force"])
+    assert json.loads((tmp_path / "cmp.json").read_text())["arms"][0]["label"] == "a"

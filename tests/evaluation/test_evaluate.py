@@ -22,9 +22,9 @@ TRAIN_TASKS = ["apple", "cherry", "door", "key"]
 
 
 def run(tmp_path, *argv):
-    out = tmp_path / "results.json"
+    out = tmp_path / "results.json"  # --force: a test's later runs replace its earlier output
     main(["evaluate", *ENV, "--backend", "hf", "--device", "cpu", "--max-turns", "3", "--max-new-tokens", "4",
-          "--max-context-tokens", "512", "--cache-dir", str(tmp_path / "cache"), "--out", str(out), *argv])
+          "--max-context-tokens", "512", "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--force", *argv])
     return json.loads(out.read_text())
 
 
@@ -145,3 +145,21 @@ def test_hf_and_vllm_give_the_same_greedy_episodes(vllm_student, tmp_path):
     assert results["hf"] == results["vllm"]
     replies = [[r["replies"] for r in greedy] for greedy in results["hf"]]
     assert replies[0] != replies[1]  # the checkpoint's weights reached the engine
+
+
+def test_evaluate_never_replaces_out_without_force(tmp_path, capsys, monkeypatch):
+    """Refused while parsing the arguments, before any model loads (``evaluate`` is never reached)."""
+    import lightning_opd.evaluation.evaluate as ev
+
+    out = tmp_path / "results.json"
+    out.write_text("kept")
+    monkeypatch.setattr(ev, "evaluate", lambda *a, **k: pytest.fail("evaluate ran despite the existing --out"))
+    with pytest.raises(SystemExit) as exc:
+        main(["evaluate", *ENV, "--students", str(tmp_path / "no-model"), "--out", str(out)])
+    assert exc.value.code == 2
+    assert f"--out {out} exists; pass --force to replace it" in capsys.readouterr().err
+    assert out.read_text() == "kept"
+    monkeypatch.setattr(ev, "evaluate", lambda *a, **k: {"tasks": [], "config": {"backend": "hf"}, "students": []})
+    monkeypatch.setattr(ev, "format_summary", lambda result: "summary")
+    main(["evaluate", *ENV, "--students", str(tmp_path / "no-model"), "--out", str(out), "--force"])
+    assert "summary" in capsys.readouterr().out
