@@ -1,12 +1,10 @@
-"""Shared helpers for the benchmark scripts: resumable result files and the memory-bandwidth probe."""
+"""Shared helpers for the benchmark scripts: resumable result files, artifact arguments, markdown tables
+(the roofline probes live in :mod:`benchmarks.roofline`)."""
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
-
-import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -30,19 +28,6 @@ class ResultFile:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
         tmp.replace(self.path)  # atomic: a crash leaves the previous file
-
-
-def memory_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Read bandwidth in GB/s (10^9 bytes), measured as the best of ``repeats`` sums over an fp32 tensor
-    of ``nbytes`` bytes (a sum reads every byte once and writes almost nothing)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
 
 
 def add_artifact_args(parser, games: str = "artifacts/games/quest3") -> None:

@@ -1,10 +1,12 @@
-"""Generation throughput on the TextWorld rollout workload: VLLMGenerator vs the HF backend.
+"""Generation throughput on the TextWorld rollout workload: VLLMGenerator vs the HF backend, with its roofline.
 
 For batch sizes 1, 8 and 32, plays that many SmolLM2-135M episodes at once (temperature 1, up to
 ``--turns`` turns, 16 new tokens per turn) with each backend and reports sampled tokens per second of
-generation time, beside the decode bound ``batch x memory bandwidth / weight bytes`` (tokens/s), with
-the bandwidth measured in the same run. Results go to benchmarks/results/generation_throughput.json;
-a rerun skips what is there (resumable).
+generation time, the prompt tokens actually prefilled vs served from a cache (the HF backend's KV cache
+kept between turns, vLLM's prefix cache), and the achieved fraction of the roofline
+(:mod:`benchmarks.roofline`: prefill and decode passes at the matmul FLOP/s and memory bandwidth
+measured in the same run). Results go to benchmarks/results/generation_throughput.json; a rerun skips
+what is there (resumable; entries written before the roofline existed are rerun).
 
 Run: .venv/bin/python -m benchmarks.generation_throughput   (needs `make prepare install-vllm`)
 """
@@ -19,7 +21,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
 
-from benchmarks.common import ResultFile, markdown_table, memory_bandwidth_gbs  # noqa: E402
+from benchmarks.common import ResultFile, markdown_table  # noqa: E402
+from benchmarks.roofline import GenerationLog, Machine, ModelShape, fraction, measure_machine, rollout_roofline  # noqa: E402
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory  # noqa: E402
 from lightning_opd.models import load_causal_lm, load_tokenizer  # noqa: E402
 from lightning_opd.rollout import (AgentLoop, EpisodeSpec, HFGenerator, SamplingParams, policy_configs,  # noqa: E402
@@ -34,48 +37,42 @@ class Policy:
         self.policy_version = 0
 
 
-class Timed:
-    """Wraps a generator and accumulates the seconds spent in ``generate`` and the tokens it sampled."""
-
-    def __init__(self, inner):
-        self.inner, self.seconds, self.tokens, self.prompt_tokens = inner, 0.0, 0, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def generate(self, requests, sampling):
-        t0 = time.perf_counter()
-        outs = self.inner.generate(requests, sampling)
-        self.seconds += time.perf_counter() - t0
-        self.tokens += sum(len(o.token_ids) for o in outs)
-        self.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
-        return outs
-
-    def release(self):
-        self.inner.release()
-
-
-def run(backend: str, batch: int, policy: Policy, envs: TextWorldEnvFactory, turns: int) -> dict:
+def make_generator(backend: str, policy: Policy, vllm_block_size: int | None = None):
+    """An attached generator of ``backend`` (``"hf"``: KV cache kept between turns; ``"vllm"``: a started
+    engine with prefix caching, warmed up on one untimed episode by the caller)."""
     if backend == "hf":
         gen = HFGenerator()
     else:
         from lightning_opd.rollout.vllm import VLLMGenerator
 
-        gen = VLLMGenerator(kv_cache_memory_bytes=1 << 30, max_model_len=4096)
+        extra = {} if vllm_block_size is None else {"block_size": vllm_block_size}
+        gen = VLLMGenerator(kv_cache_memory_bytes=1 << 30, max_model_len=4096, engine_kwargs=extra)
     gen.attach(policy, stop_token_ids(policy.tokenizer, policy_configs(policy)[1]))
     if backend == "vllm":
         gen.start()
+    return gen
+
+
+def run(backend: str, batch: int, policy: Policy, envs: TextWorldEnvFactory, turns: int, machine: Machine,
+        vllm_block_size: int | None = None) -> dict:
+    gen = make_generator(backend, policy, vllm_block_size)
+    if backend == "vllm":
         warm = AgentLoop(envs, gen, policy.tokenizer, max_turns=1)
         warm.run([EpisodeSpec(envs.train_tasks()[0])], SamplingParams())  # engine warm-up, not timed
-    timed = Timed(gen)
-    loop = AgentLoop(envs, timed, policy.tokenizer, max_turns=turns)
+    log = GenerationLog(gen)
+    loop = AgentLoop(envs, gen, policy.tokenizer, max_turns=turns)
     tasks = envs.train_tasks()
     specs = [EpisodeSpec(tasks[i % len(tasks)], seed=i) for i in range(batch)]
     loop.run(specs, SamplingParams(temperature=1.0, max_new_tokens=16))
+    extra = {"block_size": gen.block_size} if backend == "vllm" else {}
     if backend == "vllm":
         gen.shutdown()
-    return {"tokens": timed.tokens, "prompt_tokens": timed.prompt_tokens, "seconds": timed.seconds,
-            "tokens_per_s": timed.tokens / timed.seconds}
+    roof = rollout_roofline(ModelShape.of(policy.policy_model), machine, log.calls)
+    return {"tokens": roof["sampled_tokens"], "prefill_tokens": roof["prefill_tokens"],
+            "cached_prompt_tokens": roof["cached_tokens"], "passes": roof["passes"], "flops": roof["flops"],
+            "bytes": roof["bytes"], "roofline_s": roof["roofline_s"], "seconds": log.seconds,
+            "tokens_per_s": roof["sampled_tokens"] / log.seconds, "roofline_fraction": fraction(roof["roofline_s"], log.seconds),
+            **extra}
 
 
 def push_timing(policy: Policy, repeats: int = 3) -> dict:
@@ -97,44 +94,46 @@ def push_timing(policy: Policy, repeats: int = 3) -> dict:
     return {"push_s": min(pushes), "copy_s": min(copies)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="artifacts/models/smollm2-135m")
     p.add_argument("--games", default="artifacts/games/quest3")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--backends", nargs="+", default=["hf", "vllm"])
-    a = p.parse_args()
+    p.add_argument("--vllm-block-size", type=int, default=None,
+                   help="KV block size of the vLLM engine (the prefix cache reuses whole blocks; CPU default 128)")
+    p.add_argument("--results", default="generation_throughput", help="result file name under benchmarks/results")
+    a = p.parse_args(argv)
     torch.manual_seed(0)
-    results = ResultFile("generation_throughput")
-    if "bandwidth_gbs" not in results:
-        results.put("bandwidth_gbs", memory_bandwidth_gbs())
+    results = ResultFile(a.results)
     policy = Policy(a.model)
+    if "machine" not in results:
+        results.put("machine", measure_machine(policy.policy_model))
+    machine = Machine(results["machine"]["matmul_flops"], results["machine"]["bandwidth"])
     envs = TextWorldEnvFactory(a.games)
-    # parameters read per decoded token; tied embeddings share one storage and are counted once
-    weight_bytes = sum(p.numel() * p.element_size() for p in policy.policy_model.parameters())
+    bs = "" if a.vllm_block_size is None else f"/bs{a.vllm_block_size}"
     for batch in a.batches:
         for backend in a.backends:
-            key = f"{backend}/b{batch}/t{a.turns}"
-            if key not in results:
+            key = f"{backend}/b{batch}/t{a.turns}" + (bs if backend == "vllm" else "")
+            if key not in results or "roofline_s" not in results[key]:
                 print(f"running {key} ...", flush=True)
-                results.put(key, run(backend, batch, policy, envs, a.turns))
+                results.put(key, run(backend, batch, policy, envs, a.turns, machine, a.vllm_block_size))
     if "vllm" in a.backends and "push" not in results:
         results.put("push", push_timing(policy))
-    bw = results["bandwidth_gbs"]
     rows = []
     for batch in a.batches:
-        bound = batch * bw * 1e9 / weight_bytes
-        row = [batch]
-        for backend in ("hf", "vllm"):
-            r = results.data.get(f"{backend}/b{batch}/t{a.turns}")
-            row.append("-" if r is None else f"{r['tokens_per_s']:.0f}")
-        hf, vl = (results.data.get(f"{b}/b{batch}/t{a.turns}") for b in ("hf", "vllm"))
-        row.append("-" if not (hf and vl) else f"{vl['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
-        row.append(f"{bound:.0f}")
-        rows.append(row)
-    print(f"\nmemory bandwidth {bw:.1f} GB/s, weights {weight_bytes / 1e6:.0f} MB (fp32), {a.turns} turns, 16 new tokens/turn")
-    print(markdown_table(["batch", "HF tokens/s", "vLLM tokens/s", "vLLM / HF", "decode bound tokens/s"], rows))
+        for backend in a.backends:
+            r = results[f"{backend}/b{batch}/t{a.turns}" + (bs if backend == "vllm" else "")]
+            prompt = r["prefill_tokens"] + r["cached_prompt_tokens"]
+            rows.append([batch, backend, f"{r['tokens_per_s']:.0f}", f"{r['seconds']:.1f}", r["prefill_tokens"],
+                         f"{r['cached_prompt_tokens'] / prompt:.0%}", r["passes"], f"{r['roofline_s']:.1f}",
+                         f"{r['roofline_fraction']:.0%}"])
+    m = results["machine"]
+    print(f"\nfp32 matmul peak {m['matmul_flops'] / 1e9:.0f} GFLOP/s (best of the model's shapes), memory bandwidth "
+          f"{m['bandwidth'] / 1e9:.1f} GB/s, {m['threads']} threads; {a.turns} turns, 16 new tokens/turn")
+    print(markdown_table(["batch", "backend", "sampled tokens/s", "generate s", "prefilled tokens", "prompt cached",
+                          "forward passes", "roofline s", "of roofline"], rows))
     if "push" in results:
         push = results["push"]
         print(f"\nweight push into vLLM: {push['push_s']:.2f} s vs plain copy of the same weights {push['copy_s']:.2f} s "
