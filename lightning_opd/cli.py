@@ -392,8 +392,11 @@ def _make_games(argv: list[str]) -> None:
         p.error("--train and --eval are both 0: nothing to generate")
     _refuse_existing(p, a.out, a.force)
     spec = GameSpec(quest_length=a.quest_length, world_size=a.world_size, nb_objects=a.nb_objects)
-    print(make_games(a.out, a.train, a.eval, spec, seed=a.seed, workers=a.workers, max_attempts=a.max_attempts,
-                     eval_fraction=a.eval_fraction))
+    try:
+        print(make_games(a.out, a.train, a.eval, spec, seed=a.seed, workers=a.workers, max_attempts=a.max_attempts,
+                         eval_fraction=a.eval_fraction))
+    except RuntimeError as err:  # the attempt budget ran out: what ran out and where the games made are
+        p.exit(1, f"lightning-opd make-games: error: {err}\n")
 
 
 def _make_search_qa(argv: list[str]) -> None:

@@ -66,6 +66,31 @@ def seed_budget(num_train: int, num_eval: int, eval_fraction: float = 0.2) -> in
     return 4 * math.ceil(max(num_train / (1.0 - eval_fraction), num_eval / eval_fraction)) + 20
 
 
+INCOMPLETE_SUFFIX = ".incomplete"  # where make_games keeps the games of an attempt that ran out
+
+
+def _finish(stage: Path, splits: dict[str, list[dict]], header: dict, out: Path) -> None:
+    """Move the generated games of ``splits`` into ``stage/{train,eval}/``, write ``stage/manifest.json``
+    (``header`` plus the games) and rename ``stage`` to ``out``, replacing an existing ``out``."""
+    games = []
+    for split, items in splits.items():
+        (stage / split).mkdir(parents=True, exist_ok=True)
+        for res in items:
+            task_id = f"{split}-s{res['seed']:05d}"
+            # the .json next to the .z8 carries the game's logic (admissible commands need it)
+            shutil.move(res["path"], stage / split / f"{task_id}.z8")
+            shutil.move(str(Path(res["path"]).with_suffix(".json")), stage / split / f"{task_id}.json")
+            games.append({"task_id": task_id, "split": split, "file": f"{split}/{task_id}.z8", "seed": res["seed"],
+                          "hash": res["hash"], "walkthrough": res["walkthrough"], "objective": res["objective"]})
+    for leftover in stage.glob("seed*"):
+        leftover.unlink()
+    (stage / "manifest.json").write_text(json.dumps({**header, "games": games}, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage.rename(out)
+
+
 def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: GameSpec = GameSpec(),
                seed: int = 0, workers: int = 2, max_attempts: int | None = None, eval_fraction: float = 0.2) -> Path:
     """Generate ``num_train`` training and ``num_eval`` held-out games into ``out``.
@@ -88,7 +113,8 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
         ValueError: a negative count, no game asked for, or ``eval_fraction`` outside (0, 1).
         RuntimeError: not enough games within ``max_attempts`` seeds; the message says whether the seed
             budget ran out (raise ``max_attempts``) or most seeds repeated earlier games (the game space is
-            too small: raise quest length, world size or number of objects).
+            too small: raise quest length, world size or number of objects), and where the games made were
+            kept: ``<out>.incomplete`` (its manifest has ``"complete": false``); ``out`` is left as it was.
     """
     out = Path(out)
     if num_train < 0 or num_eval < 0 or num_train + num_eval < 1:
@@ -96,6 +122,8 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction={eval_fraction} must be in (0, 1)")
     max_attempts = max_attempts or seed_budget(num_train, num_eval, eval_fraction)
+    header = {"spec": asdict(spec), "seed": seed, "num_train": num_train, "num_eval": num_eval,
+              "eval_fraction": eval_fraction}
     share = {"train": 1.0 - eval_fraction, "eval": eval_fraction}
     seen: set[str] = set()
     splits: dict[str, list[dict]] = {"train": [], "eval": []}
@@ -105,7 +133,6 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
     with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
         while any(len(splits[s]) < want[s] for s in splits):
             if next_seed - seed >= max_attempts:
-                shutil.rmtree(stage, ignore_errors=True)
                 tried = next_seed - seed
                 repeats = tried - len(seen)
                 if repeats > tried // 2:
@@ -113,11 +140,21 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
                              "increase quest_length, world_size or nb_objects")
                 else:
                     cause = (f"the seed budget ran out ({repeats} repeated games; a game falls in the held-out "
-                             f"split with probability {eval_fraction}): raise max_attempts (--max-attempts); "
-                             "increase quest_length, world_size or nb_objects only if most seeds repeat")
+                             f"split with probability {eval_fraction}): raise max_attempts (--max-attempts, "
+                             f"{max_attempts} here); increase quest_length, world_size or nb_objects only if most "
+                             "seeds repeat")
+                made = sum(map(len, splits.values()))
+                kept = "no game was made"
+                if made:
+                    partial = out.with_name(out.name + INCOMPLETE_SUFFIX)
+                    _finish(stage, splits, {**header, "complete": False, "seeds_tried": tried, "cause": cause}, partial)
+                    kept = (f"the {made} games made are kept in {partial} (manifest.json marked \"complete\": false; "
+                            f"{out} is untouched)")
+                else:
+                    shutil.rmtree(stage, ignore_errors=True)
                 raise RuntimeError(
                     f"only {len(splits['train'])}/{num_train} train and {len(splits['eval'])}/{num_eval} held-out "
-                    f"games after {tried} seeds with {spec}: {cause}"
+                    f"games after {tried} seeds (seeds {seed}-{next_seed - 1}) with {spec}: {cause}. {kept}"
                 )
             # seeds expected to fill what is missing, each split filling at its own rate
             n = max(workers, math.ceil(max((want[s] - len(splits[s])) / share[s] for s in splits)))
@@ -131,23 +168,5 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
                 split = "eval" if in_eval_split(res["hash"], eval_fraction) else "train"
                 if len(splits[split]) < want[split]:
                     splits[split].append(res)
-    games = []
-    for split, items in splits.items():
-        (stage / split).mkdir(parents=True, exist_ok=True)
-        for res in items:
-            task_id = f"{split}-s{res['seed']:05d}"
-            # the .json next to the .z8 carries the game's logic (admissible commands need it)
-            shutil.move(res["path"], stage / split / f"{task_id}.z8")
-            shutil.move(str(Path(res["path"]).with_suffix(".json")), stage / split / f"{task_id}.json")
-            games.append({"task_id": task_id, "split": split, "file": f"{split}/{task_id}.z8", "seed": res["seed"],
-                          "hash": res["hash"], "walkthrough": res["walkthrough"], "objective": res["objective"]})
-    for leftover in stage.glob("seed*"):
-        leftover.unlink()
-    manifest = {"spec": asdict(spec), "seed": seed, "num_train": num_train, "num_eval": num_eval,
-                "eval_fraction": eval_fraction, "games": games}
-    (stage / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage.rename(out)
+    _finish(stage, splits, {**header, "complete": True}, out)
     return out

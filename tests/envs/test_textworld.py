@@ -21,6 +21,7 @@ from lightning_opd.envs.textworld_env import (
     parse_action,
     visible_commands,
 )
+from lightning_opd.cli import main as cli_main
 from lightning_opd.envs import textworld_games
 from lightning_opd.envs.textworld_games import GameSpec, _game_hash, in_eval_split, make_games, seed_budget
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
@@ -205,7 +206,11 @@ def test_make_games_gives_up_with_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match=r"after 1 seeds .*increase quest_length"):
         make_games(out, num_train=1, num_eval=1, spec=SPEC, seed=SEED, workers=1, max_attempts=1)
     assert not out.exists()
-    assert list(tmp_path.iterdir()) == []  # the staging folder is removed too
+    # the one game made is kept next to it, the staging folder is gone
+    assert [p.name for p in tmp_path.iterdir()] == ["few.incomplete"]
+    manifest = json.loads((tmp_path / "few.incomplete" / "manifest.json").read_text())
+    assert manifest["complete"] is False and len(manifest["games"]) == 1
+    assert (tmp_path / "few.incomplete" / manifest["games"][0]["file"]).is_file()
 
 
 # -------------------------------------------------------------------------------------- the environment
@@ -424,4 +429,31 @@ def test_make_games_says_what_ran_out(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"after 30 seeds .*: the game space ran out: 27 of the 30 seeds repeated "
                                            r"an earlier game; increase quest_length"):
         make_games(tmp_path / "b", num_train=3, num_eval=3, workers=1, max_attempts=30)
-    assert list(tmp_path.iterdir()) == []  # nothing left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.incomplete", "b.incomplete"]  # no staging folder
+
+
+def test_make_games_keeps_the_games_it_made_when_the_budget_runs_out(tmp_path, monkeypatch, capsys):
+    """Seeds 0-29 are 30 distinct games; the held-out split takes those whose hash falls in the first fifth:
+    they are kept in ``<out>.incomplete`` with a manifest marked incomplete, and an existing ``out`` stays."""
+    monkeypatch.setattr(textworld_games, "_generate_one", _fake_generate)
+    monkeypatch.setenv("FAKE_GAME_REPEAT", "1")
+    held_out = [s for s in range(30) if in_eval_split(hashlib.sha256(str(s).encode()).hexdigest(), 0.2)]
+    assert 0 < len(held_out) < 20
+    out = tmp_path / "games"
+    out.mkdir()
+    (out / "mine.txt").write_text("kept")
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["make-games", "--out", str(out), "--train", "0", "--eval", "20", "--workers", "1",
+                  "--max-attempts", "30", "--force"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert (f"only 0/0 train and {len(held_out)}/20 held-out games after 30 seeds (seeds 0-29) with" in err
+            and "the seed budget ran out (0 repeated games;" in err and "--max-attempts, 30 here" in err)
+    partial = tmp_path / "games.incomplete"
+    assert f"the {len(held_out)} games made are kept in {partial}" in err and "Traceback" not in err
+    manifest = json.loads((partial / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["seeds_tried"] == 30 and manifest["num_eval"] == 20
+    assert [g["seed"] for g in manifest["games"]] == held_out
+    assert all((partial / g["file"]).is_file() and g["split"] == "eval" for g in manifest["games"])
+    assert (out / "mine.txt").read_text() == "kept"  # --force replaces out only with a complete set
+    assert TextWorldEnvFactory(str(partial)).eval_tasks() == [f"eval-s{s:05d}" for s in held_out]
