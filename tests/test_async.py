@@ -57,7 +57,7 @@ def test_forced_lag_uses_the_weights_of_version_v_minus_k(model_dirs):
     # versions 0 (lag 0) match the learner; lagged batches were really sampled by older weights
     assert model.drift[0] < 1e-4
     assert min(model.drift[1:]) > 1e-3
-    assert dm.max_allowed_lag == 2 and sorted(dm._snapshots) == [4, 5, 6]
+    assert dm.max_allowed_lag == 2 and sorted(map(int, dm.weight_sync.snapshots())) == [4, 5, 6]
 
 
 def test_sync_hf_run_has_lag_zero_and_no_weight_copy(model_dirs):
@@ -110,7 +110,7 @@ def test_group_ids_are_shared_within_a_group_and_unique_across(model_dirs):
     specs = dm.next_episodes(4) + dm.next_episodes(4)
     assert [s.group_id for s in specs] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert specs[0].task_id == specs[1].task_id and specs[0].seed != specs[1].seed
-    with pytest.raises(ValueError, match="multiple of group_size"):
+    with pytest.raises(ValueError, match="multiple of data.init_args.group_size=2"):
         _dm(episodes_per_step=3, group_size=2)
     with pytest.raises(ValueError, match="forced_lag"):
         _dm(mode="async", forced_lag=2)

@@ -262,7 +262,8 @@ def _monitors(cli):
 
 def check_staleness_monitor(cli, tmp):
     (mon,) = _monitors(cli)  # appended to opd.yaml, which has no callbacks of its own
-    assert mon.truncated_ratio and mon.filtering and mon.weighting and mon.lag_cap == 8
+    w = mon.freshness  # the loss-side weighting the monitor installs
+    assert w.truncated_ratio and w.filtering and w.weighting and mon.lag_cap == w.lag_cap == 8
 
 
 def check_fopd_async(cli, tmp):

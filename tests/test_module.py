@@ -292,3 +292,23 @@ def test_f07_two_ranks_equal_single_process(model_dirs, tokenizer, loss_name, sc
     torch.testing.assert_close(loss2, sums1["loss"])
     for name, g in grads1.items():
         torch.testing.assert_close(grads2[name], g, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(dtype="bf17"), r"model.init_args.dtype='bf17' is not a dtype: .*use one of \['bf16', 'bfloat16'"),
+    (dict(teacher_dtype="fp8"), r"model.init_args.teacher_dtype='fp8' is not a dtype"),
+    (dict(optimizer=lambda p: torch.optim.AdamW(p, lr=0.0)), r"model.init_args.optimizer.init_args.lr=0.0 must be > 0"),
+    (dict(optimizer=lambda p: torch.optim.SGD(p, lr=-1e-3)), r"model.init_args.optimizer: Invalid learning rate"),
+])
+def test_bad_module_arguments_fail_at_construction(model_dirs, monkeypatch, kwargs, message):
+    """Refused in __init__, before any weights load (load_causal_lm is never reached)."""
+    import lightning_opd.learner.opd as opd_mod
+    import lightning_opd.learner.policy as policy_mod
+
+    def no_load(*a, **k):
+        raise AssertionError("weights loaded before the argument check")
+
+    monkeypatch.setattr(policy_mod, "load_causal_lm", no_load)
+    monkeypatch.setattr(opd_mod, "load_causal_lm", no_load)
+    with pytest.raises(ValueError, match=message):
+        OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], **kwargs)

@@ -9,15 +9,19 @@ Modes (:class:`~lightning_opd.rollout.producer.RolloutProducer`):
 
 * ``sync``: the batch is generated when the learner asks, by exactly the weights being trained
   (lag 0, checked per step by the module);
-* ``async``: a background producer runs up to ``max_lag`` versions ahead of the pushed weights; the
+* ``async``: a background producer runs up to ``max_lag`` versions ahead of the pushed weights (the
+  *producer lead*, :class:`~lightning_opd.rollout.weight_sync.SyncConfig`); the
   learner's weights are pushed to the generator at every multiple of ``weight_sync_interval`` and
   whenever the producer (re)starts (train start, resume), so batch ``k`` is sampled with weights no
   older than the last push at or before version ``k - max_lag`` (lag at most ``max_lag +
-  weight_sync_interval - 1``; every pair of the two knobs finishes, F18);
+  weight_sync_interval - 1`` = ``max_allowed_lag``; every pair of the two knobs finishes, F18);
 * ``forced_lag=k`` (with ``sync``): the generator samples with the weights of version ``max(0, v-k)``
   while the learner is at ``v`` (deterministic staleness studies; keeps ``k+1`` CPU copies).
 
-The module reports every new policy version through :meth:`RolloutDataModule.on_policy_update`.
+Binding: the module calls :meth:`RolloutDataModule.connect` once (in its ``setup``) with itself as the
+policy; ``connect`` returns the DataModule's :class:`~lightning_opd.rollout.weight_sync.WeightSync`, the one
+component that moves weights to the generator (forced-lag copies, async pushes), to which the learner
+reports every new policy version. The DataModule never reaches the module through the trainer.
 
 Validation/test: the held-out tasks, played by the same agent loop with ``eval_temperature``
 (greedy by default), in chunks of ``eval_batch_size`` episodes.
@@ -41,13 +45,13 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_opd.rollout.batch import RolloutBatch, collate_trajectories
 from lightning_opd.distributed import gather_per_rank
 from lightning_opd.envs.base import EnvFactory
-from lightning_opd.models.fsdp import full_state_dict
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
 from lightning_opd.rollout.chat import stop_token_ids
 from lightning_opd.rollout.generator import Generator, SamplingParams, policy_configs
 from lightning_opd.rollout.hf import HFGenerator
 from lightning_opd.rollout.producer import RolloutProducer
 from lightning_opd.rollout.types import Trajectory
+from lightning_opd.rollout.weight_sync import SyncConfig, WeightSync
 
 
 class _Stream(IterableDataset):
@@ -81,13 +85,14 @@ class RolloutDataModule(L.LightningDataModule):
         top_p: nucleus mass for training rollouts (1 = off).
         top_k: top-k for training rollouts (0 = off).
         eval_temperature: sampling temperature for held-out evaluation (0 = greedy).
-        eval_max_turns: turn limit for evaluation (default: ``max_turns``).
+        eval_max_turns: turn limit for evaluation (default: ``max_turns``; >= 1).
         eval_batch_size: held-out episodes played together.
         max_env_error_rate: fraction of episodes per batch that may hit an environment error before
-            the run stops (F11).
+            the run stops (F11), in [0, 1].
         mode: ``"sync"`` (lag 0) or ``"async"`` (background producer, up to ``max_lag`` versions ahead).
-        max_lag: async: versions the producer may run ahead of the pushed weights: batch ``k`` waits for
-            the last push at or before learner version ``k - max_lag``.
+        max_lag: async: the producer lead, versions the producer may run ahead of the pushed weights: batch
+            ``k`` waits for the last push at or before learner version ``k - max_lag`` (>= 1 async; >= 0 and
+            unused sync). Not the largest lag of a batch (``max_allowed_lag``) nor the f-OPD lag bound.
         forced_lag: sync: sample with the weights of version ``max(0, v - forced_lag)`` (0 = off).
         weight_sync_interval: async: push the learner's weights to the generator at every multiple of N
             versions (and at train start / resume); any N works with any ``max_lag``, the largest lag a
@@ -96,7 +101,9 @@ class RolloutDataModule(L.LightningDataModule):
         seed: seeds the task order and every episode's sampling seed.
 
     Raises:
-        ValueError: a count or limit is not positive, an unknown mode, or ``forced_lag`` with async.
+        ValueError: a count or limit is not positive, ``max_env_error_rate`` outside [0, 1], an unknown mode, a
+            negative ``max_lag`` (or below 1 async), or ``forced_lag`` with async
+            (:class:`~lightning_opd.rollout.weight_sync.SyncConfig` checks the last three); each names its key.
     """
 
     def __init__(self, env: EnvFactory, generator: Generator | None = None, episodes_per_step: int = 4,
@@ -110,15 +117,18 @@ class RolloutDataModule(L.LightningDataModule):
                             ("eval_batch_size", eval_batch_size), ("max_context_tokens", max_context_tokens),
                             ("weight_sync_interval", weight_sync_interval), ("group_size", group_size)):
             if value < 1:
-                raise ValueError(f"data.{name}={value} must be >= 1")
-        if mode not in ("sync", "async"):
-            raise ValueError(f"data.mode={mode!r}: use 'sync' or 'async'")
-        if forced_lag < 0 or (forced_lag and mode != "sync"):
-            raise ValueError(f"data.forced_lag={forced_lag} needs mode='sync' and must be >= 0")
-        if mode == "async" and max_lag < 1:
-            raise ValueError(f"data.max_lag={max_lag} must be >= 1 in async mode")
+                raise ValueError(f"data.init_args.{name}={value} must be >= 1")
+        if eval_max_turns is not None and eval_max_turns < 1:
+            raise ValueError(f"data.init_args.eval_max_turns={eval_max_turns} must be >= 1 (turns; omit it to use "
+                             "data.init_args.max_turns)")
+        if not 0 <= max_env_error_rate <= 1:
+            raise ValueError(f"data.init_args.max_env_error_rate={max_env_error_rate} must be in [0, 1] (a fraction "
+                             "of the episodes of a batch)")
+        self.sync = SyncConfig(mode=mode, producer_lead=max_lag, weight_sync_interval=weight_sync_interval,
+                               forced_lag=forced_lag)
         if episodes_per_step % group_size:
-            raise ValueError(f"data.episodes_per_step={episodes_per_step} must be a multiple of group_size={group_size}")
+            raise ValueError(f"data.init_args.episodes_per_step={episodes_per_step} must be a multiple of "
+                             f"data.init_args.group_size={group_size}")
         self.env = env
         self.generator = generator if generator is not None else HFGenerator()
         self.episodes_per_step = episodes_per_step
@@ -130,18 +140,13 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_max_turns = eval_max_turns or max_turns
         self.eval_batch_size = eval_batch_size
         self.max_env_error_rate = max_env_error_rate
-        self.mode = mode
-        self.max_lag = max_lag if mode == "async" else 0
-        self.forced_lag = forced_lag
-        self.weight_sync_interval = weight_sync_interval
+        self.weight_sync = WeightSync(self.sync)
         self.group_size = group_size
         self.seed = seed
         self.loop: AgentLoop | None = None
         self.producer: RolloutProducer | None = None
         self.pad_id = 0
         self._policy = None
-        self._snapshots: dict[int, dict] = {}  # forced_lag: CPU copies of recent versions
-        self._pushed_version: int | None = None  # last version pushed since connect/restore (None: none yet)
         # sampler state (plain numbers: resumable)
         self._epoch = 0
         self._cursor = 0
@@ -154,13 +159,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ----------------------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
-        if self.loop is not None:
-            return
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        if module is None or not hasattr(module, "tokenizer"):
-            raise RuntimeError("RolloutDataModule needs a LightningModule with a `tokenizer` (e.g. OPDModule)")
-        self.set_rank(self.trainer.global_rank, self.trainer.world_size)
-        self.connect(module)
+        """Take this process's data-parallel position from the trainer. The policy is bound separately, once,
+        by :meth:`connect` (``OPDModule.setup`` calls it)."""
+        if self.trainer is not None:
+            self.set_rank(self.trainer.global_rank, self.trainer.world_size)
 
     def set_rank(self, rank: int, world_size: int) -> None:
         """Play this data-parallel rank's share: of every global batch of ``world_size * episodes_per_step``
@@ -174,23 +176,29 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         self.rank, self.world_size = int(rank), int(world_size)
 
-    def connect(self, policy) -> None:
-        """Bind to ``policy`` (a module with ``tokenizer``, ``policy_model`` and ``policy_version``).
+    def connect(self, policy) -> WeightSync:
+        """Bind to ``policy`` (a module with ``tokenizer``, ``policy_model``, ``policy_version`` and, when weights
+        are pushed (async, ``forced_lag``), ``policy_state_dict()``). Once: a second call with the same policy
+        changes nothing.
 
         The generator stops on every EOS of the tokenizer and the policy's generation config (F23);
         the agent loop plays under the smaller of ``data.init_args.max_context_tokens`` and the
         generator's own limit, with a warning naming both when they disagree (F24).
+
+        Returns:
+            the :class:`~lightning_opd.rollout.weight_sync.WeightSync` the learner reports new versions to.
         """
+        if policy is self._policy and self.loop is not None:
+            return self.weight_sync
         tok = policy.tokenizer
         self._policy = policy
         self.generator.attach(policy, stop_token_ids(tok, policy_configs(policy)[1]))
-        if self.manages_weights and hasattr(self.generator, "follow_policy"):
-            self.generator.follow_policy = False
         self.loop = AgentLoop(self.env, self.generator, tok, max_turns=self.max_turns,
                               max_context_tokens=self.max_context_tokens, max_env_error_rate=self.max_env_error_rate)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        self.producer = RolloutProducer(self._play_batch, lambda: int(self.generator.policy_version), mode=self.mode,
-                                        max_lag=max(1, self.max_lag), weight_sync_interval=self.weight_sync_interval)
+        self.producer = RolloutProducer(self._play_batch, lambda: int(self.generator.policy_version), self.sync)
+        self.weight_sync.attach(self.generator, on_version=self.producer.notify_version)
+        return self.weight_sync
 
     def teardown(self, stage: str) -> None:
         if self.producer is not None:
@@ -203,37 +211,36 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------------------ policy versions
     @property
+    def mode(self) -> str:
+        """``"sync"`` or ``"async"`` (``data.init_args.mode``)."""
+        return self.sync.mode
+
+    @property
+    def max_lag(self) -> int:
+        """The producer lead in use (``data.init_args.max_lag`` async, 0 sync; versions)."""
+        return self.sync.lead
+
+    @property
+    def forced_lag(self) -> int:
+        """``data.init_args.forced_lag`` (versions; 0 = off)."""
+        return self.sync.forced_lag
+
+    @property
+    def weight_sync_interval(self) -> int:
+        """``data.init_args.weight_sync_interval`` (versions)."""
+        return self.sync.weight_sync_interval
+
+    @property
     def manages_weights(self) -> bool:
         """The DataModule pushes weights to the generator (async, forced_lag) instead of the generator
         following the live student."""
-        return self.mode == "async" or self.forced_lag > 0
+        return self.sync.manages_weights
 
     @property
     def max_allowed_lag(self) -> int:
-        """Largest lag (versions) a correct run of this configuration can produce; the module checks it."""
-        if self.mode == "async":
-            return self.max_lag + self.weight_sync_interval - 1
-        return self.forced_lag
-
-    def on_policy_update(self, policy) -> None:
-        """The learner reached ``policy.policy_version`` (called at train start and after every update).
-
-        Async: pushes at multiples of ``weight_sync_interval`` and at the first update after
-        ``connect``/``load_state_dict`` (train start), so a run resumed between two pushes samples with
-        exactly the restored weights (F18)."""
-        version = int(policy.policy_version)
-        if self.forced_lag:
-            self._snapshots[version] = _policy_state(policy)
-            for old in [v for v in self._snapshots if v < version - self.forced_lag]:
-                del self._snapshots[old]
-        elif self.mode == "async" and (version % self.weight_sync_interval == 0 or self._pushed_version is None):
-            self._push(_policy_state(policy), version)
-        if self.producer is not None:
-            self.producer.notify_version()
-
-    def _push(self, state: dict, version: int) -> None:
-        self.generator.push_weights(state, version)
-        self._pushed_version = int(version)
+        """Largest lag (versions) a correct run of this configuration can produce; the module checks it
+        (known from the configuration, before :meth:`connect`)."""
+        return self.sync.max_allowed_lag
 
     @property
     def generator_version(self) -> int | None:
@@ -319,13 +326,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _play_batch(self) -> list[Trajectory]:
         """Play one rollout batch with the generator's weights (runs in the producer in async mode)."""
-        if self.forced_lag:
-            target = max(0, int(self._policy.policy_version) - self.forced_lag)
-            if self._pushed_version != target:  # not the generator's stamp: it may predate a restore
-                if target not in self._snapshots:
-                    raise RuntimeError(f"forced_lag: no copy of version {target} (have {sorted(self._snapshots)}); "
-                                       "on_policy_update must run for every version")
-                self._push(self._snapshots[target], target)
+        self.weight_sync.before_batch(int(self._policy.policy_version))  # forced_lag: the lagged copy
         k = self._batches_started
         self._batches_started += 1
         schedule, cap = self.probe_schedule, self.max_turns  # read once: fixed for the whole batch
@@ -344,8 +345,8 @@ class RolloutDataModule(L.LightningDataModule):
             raise RuntimeError("RolloutDataModule is not connected to a policy (trainer.fit calls setup)")
         if self.mode == "async" and not self.producer.running:  # after a resume: the lag gate counts from here
             version = int(self._policy.policy_version)
-            if self._pushed_version != version and self.generator_version != version:
-                self._push(_policy_state(self._policy), version)  # the producer starts on the learner's weights
+            self.weight_sync.before_producer_start(version, lambda: self._policy.policy_state_dict(),
+                                                  self.generator_version)
             self.producer.start(first_batch_index=self._batches_started, start_version=version)
         trajs = self._restored.pop(0) if self._restored else self.producer.next_batch()  # resumed ones first
         self._batches_taken += 1
@@ -387,8 +388,9 @@ class RolloutDataModule(L.LightningDataModule):
         Every rank's own state is gathered (a collective: Lightning calls this on every rank and writes
         rank 0's dict) into ``per_rank`` (a list indexed by rank; ``world_size`` says how many), so each
         rank resumes with its own buffered batches and counters (F21). A rank's state: ``epoch``,
-        ``cursor``, ``episodes_started`` (the task order), ``max_turns``, ``train_batches`` (batches the
-        learner took = its version) and ``batches_started``. In async mode the producer is quiesced first,
+        ``cursor``, ``episodes_started`` (the task order), ``train_batches`` (batches the learner took = its
+        version) and ``batches_started``. The turn cap is not saved here: it is configuration, or the decision of
+        a controller (``RolloutDepthController``), whose own state restores it through :meth:`set_max_turns`. In async mode the producer is quiesced first,
         and the finished batches the learner has not taken yet are included (``buffered_batches``,
         trajectories as plain dicts, policy versions and all), so a resumed run trains on them first and
         loses nothing. With ``forced_lag`` the CPU copies of the last ``forced_lag`` versions, the same on
@@ -404,7 +406,7 @@ class RolloutDataModule(L.LightningDataModule):
             buffered += producer.quiesce()
         try:  # counters read while the producer is parked: consistent with the buffered batches
             own = {"epoch": self._epoch, "cursor": self._cursor, "episodes_started": self._episodes_started,
-                   "max_turns": self.max_turns, "train_batches": self._batches_taken,
+                   "train_batches": self._batches_taken,
                    "batches_started": self._batches_taken + len(buffered)}
         finally:
             if producer is not None:
@@ -413,7 +415,7 @@ class RolloutDataModule(L.LightningDataModule):
             own["buffered_batches"] = [[asdict(t) for t in batch] for batch in buffered]
         state = {"world_size": self.world_size, "per_rank": gather_per_rank(own, self.world_size)}
         if self.forced_lag:
-            state["weight_snapshots"] = {str(v): w for v, w in self._snapshots.items()}
+            state["weight_snapshots"] = self.weight_sync.snapshots()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -438,25 +440,16 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(
                 f"this RolloutDataModule checkpoint was saved by {saved_world} ranks, each with its own buffered "
                 f"async batches; this run has {self.world_size}. Resume with {saved_world} ranks "
-                "(trainer.devices x trainer.num_nodes), or from a checkpoint of a run with data.mode=sync")
+                "(trainer.devices x trainer.num_nodes), or from a checkpoint of a run with data.init_args.mode=sync")
         else:
             own = per_rank[0]
         self._epoch = int(own.get("epoch", 0))
         self._cursor = int(own.get("cursor", 0))
         self._episodes_started = int(own.get("episodes_started", 0))
-        self.max_turns = int(own.get("max_turns", self.max_turns))
         self._batches_taken = int(own.get("train_batches", 0))
         self._batches_started = int(own.get("batches_started", self._batches_taken))
         self._restored = [[Trajectory(**t) for t in batch] for batch in own.get("buffered_batches", [])]
-        self._snapshots = {int(v): w for v, w in state.get("weight_snapshots", {}).items()}
-        self._pushed_version = None  # whatever the generator holds now, the restored weights are pushed again
-
-
-def _policy_state(policy) -> dict:
-    """Full CPU copy of the policy's weights (a full-state gather when the student is sharded)."""
-    if hasattr(policy, "policy_state_dict"):
-        return policy.policy_state_dict()
-    return full_state_dict(policy.policy_model)
+        self.weight_sync.restore(state.get("weight_snapshots", {}))  # restored weights are pushed again
 
 
 def _identity(x):

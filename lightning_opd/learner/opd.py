@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_opd.learner.policy import PolicyModule
+from lightning_opd.learner.policy import PolicyModule, check_dtype, check_optimizer
 from lightning_opd.learner.step_metrics import StepMetrics, StepRecord
 from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.chunked import chunked_sampled_logprobs
@@ -83,15 +83,16 @@ class OPDModule(PolicyModule):
         dtype: student dtype; ``teacher_dtype``: teacher dtype (default: same as the student).
         max_logged_turns: number of ``kl/turn_NN`` keys tracked.
         log_text_every_n_steps: write one sample episode to TensorBoard text every N steps (0: never).
-        strict_on_policy: raise :class:`OffPolicyBatchError` when a batch's lag exceeds the
-            DataModule's ``max_allowed_lag`` (0 in synchronous mode).
+        strict_on_policy: raise :class:`OffPolicyBatchError` when a batch's lag exceeds the connected
+            weight sync's ``max_allowed_lag`` (0 in synchronous mode).
         trust_remote_code, export_dir, gradient_checkpointing, fsdp_mixed_precision: see :class:`PolicyModule`.
 
     Raises:
         TokenizerMismatchError: at setup, when the teacher's tokenizer differs from the student's.
         UnsupportedArchitectureError: in ``configure_model``, a student or teacher whose log-probs the
             chunked head path cannot reproduce (F20, :mod:`lightning_opd.models.logits`).
-        ValueError: a non-positive ``micro_batch_size`` or ``max_logged_turns``; ``loss: ClippedSurrogate``
+        ValueError: a non-positive ``micro_batch_size``, ``max_logged_turns`` or learning rate; an unknown
+            ``dtype`` or ``teacher_dtype`` (at construction, before any weights load); ``loss: ClippedSurrogate``
             (ATOD's objective: use ``ATODModule``).
     """
 
@@ -105,12 +106,15 @@ class OPDModule(PolicyModule):
                          gradient_checkpointing=gradient_checkpointing, fsdp_mixed_precision=fsdp_mixed_precision)
         if micro_batch_size < 1:
             raise ValueError(f"model.micro_batch_size={micro_batch_size} must be >= 1")
+        if teacher_dtype is not None:
+            check_dtype(teacher_dtype, "model.init_args.teacher_dtype")
         self.automatic_optimization = False
         self.teacher_path = teacher
         self.teacher_dtype = teacher_dtype or dtype
         self.loss_fn = loss if loss is not None else self.default_loss()
         self.check_loss(self.loss_fn)
         self.optimizer_factory = optimizer if optimizer is not None else _default_optimizer
+        check_optimizer(self.optimizer_factory)
         self.lr_scheduler_factory = lr_scheduler
         self.micro_batch_size = micro_batch_size
         self.grad_clip_norm = grad_clip_norm
@@ -381,8 +385,8 @@ class OPDModule(PolicyModule):
         return parts + [batch.masked_rows(1) for _ in range(n - len(parts))], len(parts)
 
     def _allowed_lag(self) -> int:
-        dm = self.trainer.datamodule if self._trainer is not None else None
-        return int(getattr(dm, "max_allowed_lag", 0))
+        """The largest lag a batch may have: the connected weight sync's ``max_allowed_lag`` (0 unconnected)."""
+        return self.weight_sync.max_allowed_lag if self.weight_sync is not None else 0
 
     def _check_on_policy(self, batch: RolloutBatch) -> int:
         """Lag of the batch (versions); raises if it exceeds what the data configuration can produce
@@ -401,9 +405,9 @@ class OPDModule(PolicyModule):
         return max_lag
 
     def _notify_policy_update(self) -> None:
-        dm = self.trainer.datamodule if self._trainer is not None else None
-        if dm is not None and hasattr(dm, "on_policy_update"):
-            dm.on_policy_update(self)
+        """Report the current ``policy_version`` to the connected weight sync (snapshots, pushes)."""
+        if self.weight_sync is not None:
+            self.weight_sync.on_policy_update(self.policy_version, self.policy_state_dict)
 
     def on_train_start(self) -> None:
         self._notify_policy_update()  # version 0 (or the restored version) reaches the generator

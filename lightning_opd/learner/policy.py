@@ -2,7 +2,10 @@
 
 It owns the student (loaded in ``configure_model``, the FSDP-ready hook), its tokenizer, the policy
 version counter, held-out evaluation in Lightning's validation/test loops and the export of the
-student as a Hugging Face directory at the end of ``fit``.
+student as a Hugging Face directory at the end of ``fit``. At ``setup`` it binds the DataModule once
+(``datamodule.connect(self)``, :class:`~lightning_opd.data.RolloutDataModule`) and keeps the
+:class:`~lightning_opd.rollout.weight_sync.WeightSync` that returns, to which the learner reports its
+new versions.
 
 Metric glossary (validation ``val/``, test ``test/``; means over held-out episodes):
 
@@ -28,7 +31,8 @@ from torchmetrics import MeanMetric, SumMetric
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.distributed import gather_per_rank
 from lightning_opd.models.fsdp import full_state_dict, is_sharded, mixed_precision_policy, shard_causal_lm, unsharded_copy
-from lightning_opd.models.loading import load_causal_lm, load_tokenizer, save_hf_atomic
+from lightning_opd.models.loading import load_causal_lm, load_tokenizer, resolve_dtype, save_hf_atomic
+from lightning_opd.rollout.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +58,16 @@ class PolicyModule(L.LightningModule):
 
     Raises:
         FileNotFoundError: ``student`` is not a model directory.
-        ValueError: at setup, a device mesh with tensor parallelism (only data-parallel FSDP is supported).
+        ValueError: an unknown ``dtype`` (at construction, before anything loads, naming
+            ``model.init_args.dtype`` and the accepted names); at setup, a device mesh with tensor parallelism
+            (only data-parallel FSDP is supported).
     """
 
     def __init__(self, student: str, dtype: str = "float32", trust_remote_code: bool = False,
                  export_dir: str | None = None, gradient_checkpointing: bool = False,
                  fsdp_mixed_precision: str | None = None) -> None:
         super().__init__()
+        check_dtype(dtype, "model.init_args.dtype")
         self.student_path = student
         self.dtype_name = dtype
         self.trust_remote_code = trust_remote_code
@@ -69,10 +76,19 @@ class PolicyModule(L.LightningModule):
         self.fsdp_mixed_precision = fsdp_mixed_precision
         self.tokenizer = load_tokenizer(student, trust_remote_code=trust_remote_code)
         self.student = None
+        #: the connected DataModule's weight sync (``None`` until :meth:`setup` binds one, or without one)
+        self.weight_sync: WeightSync | None = None
         #: rollout iterations trained on so far (docs/algorithms.md §3.1 note); stamped on every rollout
         self.policy_version = 0
         self.eval_metrics = torch.nn.ModuleDict({k: MeanMetric() for k in ("success", "turns", "invalid_actions", "reward")})
         self.eval_metrics["episodes"] = SumMetric()
+
+    def setup(self, stage: str) -> None:
+        """Bind the trainer's DataModule to this policy, once: ``datamodule.connect(self)`` (a DataModule with
+        ``connect``, e.g. ``RolloutDataModule``), keeping the weight sync it returns."""
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if dm is not None and hasattr(dm, "connect"):
+            self.weight_sync = dm.connect(self)
 
     # ------------------------------------------------------------------------------------------ model
     @property
@@ -174,6 +190,34 @@ class PolicyModule(L.LightningModule):
             set_rng_states(states[self.global_rank])
         elif states:
             log.warning("random states saved by %d ranks, this run has %d: not restored", len(states), world)
+
+
+def check_dtype(dtype: str, key: str) -> None:
+    """Refuse an unknown dtype name at construction.
+
+    Raises:
+        ValueError: naming ``key`` (as the user types it), the value and the accepted names.
+    """
+    try:
+        resolve_dtype(dtype)
+    except ValueError as err:
+        raise ValueError(f"{key}={dtype!r} is not a dtype: {err}") from None
+
+
+def check_optimizer(factory, key: str = "model.init_args.optimizer") -> None:
+    """Build the optimizer once on a dummy parameter (before any weights load) and refuse a learning rate <= 0.
+
+    Raises:
+        ValueError: naming ``<key>.init_args.lr`` and its value (also when the optimizer itself refuses it).
+    """
+    try:
+        groups = factory([torch.nn.Parameter(torch.zeros(1))]).param_groups
+    except ValueError as err:
+        raise ValueError(f"{key}: {err} (check {key}.init_args.lr and the other optimizer arguments)") from err
+    lrs = [float(torch.as_tensor(g["lr"])) for g in groups if "lr" in g]
+    bad = [lr for lr in lrs if not lr > 0]
+    if bad:
+        raise ValueError(f"{key}.init_args.lr={bad[0]} must be > 0 (the optimizer's learning rate)")
 
 
 def rng_states() -> dict:

@@ -20,7 +20,7 @@ from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.divergences import log_probs
 from lightning_opd.models.loading import save_adapter_atomic, save_hf_atomic
-from lightning_opd.learner.policy import PolicyModule
+from lightning_opd.learner.policy import PolicyModule, check_optimizer
 
 
 def _default_optimizer(params):
@@ -56,6 +56,7 @@ class SFTModule(PolicyModule):
         if adapter_dir and lora_rank is None:
             raise ValueError("model.adapter_dir needs model.lora_rank (there is no adapter in full fine-tuning)")
         self.optimizer_factory = optimizer if optimizer is not None else _default_optimizer
+        check_optimizer(self.optimizer_factory)
         self.lr_scheduler_factory = lr_scheduler
         self.lora_rank = lora_rank
         self.lora_alpha = lora_alpha if lora_alpha is not None else (2 * lora_rank if lora_rank else None)

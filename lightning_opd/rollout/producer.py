@@ -6,10 +6,11 @@ Modes:
   batch is generated then, by exactly the weights being trained (lag 0).
 * ``async``: a background thread generates batch ``i`` (the batch the learner will consume at
   version ``i``) as soon as the weights it samples with have reached :meth:`RolloutProducer.required_version`
-  ``(i)``: the version of the last weight push at or before learner version ``i - max_lag``. Pushes land
+  ``(i)``: the version of the last weight push at or before learner version ``i - lead`` (``lead`` =
+  :attr:`~lightning_opd.rollout.weight_sync.SyncConfig.producer_lead`, the key ``data.init_args.max_lag``). Pushes land
   at the start version (train start, resume) and at every multiple of ``weight_sync_interval``, so that is
-  ``max(start, (i - max_lag) // weight_sync_interval * weight_sync_interval)``. Every batch is then at most
-  ``max_lag + weight_sync_interval - 1`` versions behind the learner that trains on it (``max_lag`` when
+  ``max(start, (i - lead) // weight_sync_interval * weight_sync_interval)``. Every batch is then at most
+  ``lead + weight_sync_interval - 1`` versions behind the learner that trains on it (``lead`` when
   weights are pushed every version; measured on the weights actually used, not on the learner's counter,
   which moves before the push lands), and no pair of knobs deadlocks (F18): the learner waiting for batch
   ``v`` holds weights of version ``max(start, v // interval * interval)``, which is never below what
@@ -34,10 +35,9 @@ from typing import Callable
 
 from lightning_opd.rollout.buffer import RolloutBuffer
 from lightning_opd.rollout.types import Trajectory
+from lightning_opd.rollout.weight_sync import SyncConfig
 
 log = logging.getLogger(__name__)
-
-MODES = ("sync", "async")
 
 
 class ProducerError(RuntimeError):
@@ -50,33 +50,23 @@ class RolloutProducer:
     Args:
         make_batch: plays one rollout batch with the generator's current weights.
         weights_version: returns the policy version of the weights ``make_batch`` samples with.
-        mode: ``"sync"`` or ``"async"``.
-        max_lag: async only: how many versions the producer may run ahead of the pushed weights (>= 1).
-        weight_sync_interval: async only: the weights ``weights_version`` reports move at the start version
-            and at multiples of this (versions; >= 1); the lag gate waits for those pushes only.
-        capacity: buffered batches (async; default ``max_lag``).
+        config: mode, producer lead and push interval (:class:`~lightning_opd.rollout.weight_sync.SyncConfig`,
+            validated there): async, the producer runs up to ``config.producer_lead`` versions ahead of the
+            pushed weights, which move at the start version and at multiples of ``config.weight_sync_interval``.
+        capacity: buffered batches (async; default the producer lead).
         poll_seconds: how often a waiting side re-checks stop flags and liveness (seconds).
-
-    Raises:
-        ValueError: unknown mode, ``max_lag < 1`` in async mode or ``weight_sync_interval < 1``.
     """
 
     def __init__(self, make_batch: Callable[[], list[Trajectory]], weights_version: Callable[[], int],
-                 mode: str = "sync", max_lag: int = 1, capacity: int | None = None, poll_seconds: float = 0.2,
-                 weight_sync_interval: int = 1) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}: use one of {MODES}")
-        if mode == "async" and max_lag < 1:
-            raise ValueError(f"max_lag={max_lag} must be >= 1 in async mode (use mode='sync' for lag 0)")
-        if weight_sync_interval < 1:
-            raise ValueError(f"weight_sync_interval={weight_sync_interval} must be >= 1")
+                 config: SyncConfig | None = None, capacity: int | None = None, poll_seconds: float = 0.2) -> None:
+        config = config if config is not None else SyncConfig()
         self.make_batch = make_batch
         self.weights_version = weights_version
-        self.mode = mode
-        self.max_lag = max_lag if mode == "async" else 0
-        self.weight_sync_interval = weight_sync_interval
+        self.mode = config.mode
+        self.lead = config.lead
+        self.weight_sync_interval = config.weight_sync_interval
         self.start_version = 0  # the learner's version when the thread started (pushed then)
-        self.buffer = RolloutBuffer(capacity or max(1, self.max_lag))
+        self.buffer = RolloutBuffer(capacity or max(1, self.lead))
         self.poll_seconds = poll_seconds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -154,10 +144,10 @@ class RolloutProducer:
 
     def required_version(self, index: int) -> int:
         """Weights version batch ``index`` waits for: the last push at or before learner version
-        ``index - max_lag``, i.e. ``max(start_version, (index - max_lag) // weight_sync_interval *
+        ``index - lead``, i.e. ``max(start_version, (index - lead) // weight_sync_interval *
         weight_sync_interval)``."""
         interval = self.weight_sync_interval
-        return max(self.start_version, (index - self.max_lag) // interval * interval)
+        return max(self.start_version, (index - self.lead) // interval * interval)
 
     def notify_version(self) -> None:
         """Wake the producer: the weights' version moved."""
@@ -170,7 +160,7 @@ class RolloutProducer:
             while not self._stop.is_set():
                 self._park()
                 index = self._produced
-                with self._version_changed:  # at most max_lag + interval - 1 versions behind when consumed
+                with self._version_changed:  # at most lead + interval - 1 versions behind when consumed
                     while (not self._stop.is_set() and not self._paused.is_set()
                            and self.weights_version() < self.required_version(index)):
                         self._version_changed.wait(self.poll_seconds)

@@ -23,7 +23,7 @@ from tests.test_training import RecordingOPD
 
 pytestmark = pytest.mark.timeout(420)
 
-COUNTERS = ("epoch", "cursor", "episodes_started", "max_turns", "train_batches", "batches_started")
+COUNTERS = ("epoch", "cursor", "episodes_started", "train_batches", "batches_started")  # the turn cap: the controller's
 
 
 def _own(state: dict, rank: int) -> dict:
@@ -47,7 +47,7 @@ class RecordingDM(RolloutDataModule):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.loaded = {"epoch": self._epoch, "cursor": self._cursor, "episodes_started": self._episodes_started,
-                       "max_turns": self.max_turns, "train_batches": self._batches_taken,
+                       "train_batches": self._batches_taken,
                        "batches_started": self._batches_started,
                        "buffered": [[(t.task_id, t.seed) for t in batch] for batch in self._restored]}
 
@@ -125,7 +125,7 @@ def test_two_ranks_resume_with_their_own_buffers_counters_and_random_states(mode
 # ------------------------------------------------------------------------------------ single process
 def _state(buffered: bool) -> dict:
     """A checkpoint of 2 ranks: the same counters, rank 1 with or without a buffered batch."""
-    rank = {"epoch": 1, "cursor": 2, "episodes_started": 12, "max_turns": 2, "train_batches": 3, "batches_started": 3}
+    rank = {"epoch": 1, "cursor": 2, "episodes_started": 12, "train_batches": 3, "batches_started": 3}
     batch = [{"task_id": "door", "seed": 13, "turn_versions": [2]}]
     return {"world_size": 2, "per_rank": [{**rank, "buffered_batches": []},
                                           {**rank, "batches_started": 3 + buffered,
@@ -150,7 +150,14 @@ def test_a_flat_checkpoint_from_before_per_rank_states_loads():
     dm.load_state_dict({"epoch": 1, "cursor": 3, "episodes_started": 10, "train_batches": 5})
     assert (dm._epoch, dm._cursor, dm._episodes_started, dm._batches_taken, dm._batches_started) == (1, 3, 10, 5, 5)
     assert dm.state_dict() == {"world_size": 1, "per_rank": [
-        {"epoch": 1, "cursor": 3, "episodes_started": 10, "max_turns": 8, "train_batches": 5, "batches_started": 5}]}
+        {"epoch": 1, "cursor": 3, "episodes_started": 10, "train_batches": 5, "batches_started": 5}]}
+
+
+def test_the_turn_cap_is_not_the_datamodules_state():
+    """One owner: a checkpoint's (old) max_turns is ignored; the depth controller's state restores the cap."""
+    dm = RolloutDataModule(env=KeywordEnvFactory(), max_turns=8)
+    dm.load_state_dict({"world_size": 1, "per_rank": [{"epoch": 0, "max_turns": 3}]})
+    assert dm.max_turns == 8 and "max_turns" not in dm.state_dict()["per_rank"][0]
 
 
 def test_gathering_several_ranks_needs_a_process_group():

@@ -2,7 +2,7 @@
 weight_sync_interval)`` pair finishes with batch ``i`` sampled by the weights of the last push at or
 before learner version ``i - max_lag``; after a restore (at a version that need not be a multiple of the
 interval) and at train start the generator holds exactly the learner's version before the first rollout.
-The learner is simulated: one ``next_train_batch`` per version, ``on_policy_update`` after each."""
+The learner is simulated: one ``next_train_batch`` per version, ``WeightSync.on_policy_update`` after each."""
 
 from __future__ import annotations
 
@@ -70,12 +70,12 @@ def _learn(dm, policy, steps: int, timeout: float = 20.0, train_start: bool = Tr
     def loop():
         try:
             if train_start:
-                dm.on_policy_update(policy)  # what OPDModule.on_train_start does
+                dm.weight_sync.on_policy_update(policy.policy_version, policy.policy_state_dict)  # what OPDModule.on_train_start does
             for _ in range(steps):
                 batch = dm.next_train_batch()
                 seen.append((policy.policy_version, batch.behaviour_version.tolist()))
                 policy.policy_version += 1  # the optimizer step
-                dm.on_policy_update(policy)
+                dm.weight_sync.on_policy_update(policy.policy_version, policy.policy_state_dict)
         except BaseException as err:  # noqa: BLE001 - re-raised below unless the loop hung
             errors.append(err)
 

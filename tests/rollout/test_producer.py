@@ -9,6 +9,7 @@ import pytest
 
 from lightning_opd.rollout.producer import ProducerError, RolloutProducer
 from lightning_opd.rollout.types import Trajectory
+from lightning_opd.rollout.weight_sync import SyncConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +40,7 @@ def _wait(cond, timeout=5.0):
 @pytest.mark.parametrize("max_lag", [1, 2, 4])
 def test_async_runs_at_most_max_lag_versions_ahead(max_lag):
     tl = Timeline()
-    p = RolloutProducer(tl.make_batch, lambda: tl.version, mode="async", max_lag=max_lag, capacity=16, poll_seconds=0.01)
+    p = RolloutProducer(tl.make_batch, lambda: tl.version, SyncConfig("async", max_lag), capacity=16, poll_seconds=0.01)
     p.start()
     try:
         # learner at version 0: batches 0..max_lag may be made (batch i needs version >= i - max_lag)
@@ -64,7 +65,7 @@ def test_async_runs_at_most_max_lag_versions_ahead(max_lag):
 def test_lag_gate_waits_for_the_last_push_at_or_before_index_minus_max_lag():
     """max_lag 1, pushes every 3 versions: batch i needs the push at ``(i - 1) // 3 * 3``, and after a start
     (resume) at version 4 never less than 4 (F18)."""
-    p = RolloutProducer(lambda: [], lambda: 0, mode="async", max_lag=1, weight_sync_interval=3)
+    p = RolloutProducer(lambda: [], lambda: 0, SyncConfig("async", 1, 3))
     assert [p.required_version(i) for i in range(9)] == [0, 0, 0, 0, 3, 3, 3, 6, 6]
     p.start_version = 4
     assert [p.required_version(i) for i in range(4, 9)] == [4, 4, 4, 6, 6]
@@ -76,8 +77,8 @@ def test_pushes_rarer_than_the_lag_never_deadlock(interval):
     batch v, sampled by the push at ``(v - 1) // interval * interval`` or a later one."""
     tl = Timeline()
     weights = lambda: tl.version // interval * interval  # noqa: E731 - the last push
-    p = RolloutProducer(lambda: [Trajectory(task_id="t", turn_versions=[weights()])], weights, mode="async",
-                        max_lag=1, weight_sync_interval=interval, poll_seconds=0.01)
+    p = RolloutProducer(lambda: [Trajectory(task_id="t", turn_versions=[weights()])], weights,
+                        SyncConfig("async", 1, interval), poll_seconds=0.01)
     p.start()
     try:
         for v in range(2 * interval + 2):
@@ -91,7 +92,7 @@ def test_pushes_rarer_than_the_lag_never_deadlock(interval):
 
 def test_back_pressure_blocks_a_full_buffer():
     tl = Timeline()
-    p = RolloutProducer(tl.make_batch, lambda: 10**9, mode="async", max_lag=1, capacity=2, poll_seconds=0.01)
+    p = RolloutProducer(tl.make_batch, lambda: 10**9, SyncConfig("async", 1), capacity=2, poll_seconds=0.01)
     p.start()
     try:
         assert _wait(lambda: len(p.buffer) == 2)
@@ -105,7 +106,7 @@ def test_back_pressure_blocks_a_full_buffer():
 
 def test_sync_mode_generates_on_demand():
     tl = Timeline()
-    p = RolloutProducer(tl.make_batch, lambda: tl.version, mode="sync")
+    p = RolloutProducer(tl.make_batch, lambda: tl.version, SyncConfig())
     tl.version = 3
     assert p.next_batch()[0].turn_versions == [3] and not p.running
 
@@ -114,7 +115,7 @@ def test_producer_crash_reraises_in_the_learner_with_traceback_within_seconds():
     def boom():
         raise ValueError("engine exploded")
 
-    p = RolloutProducer(boom, lambda: 0, mode="async", max_lag=1, poll_seconds=0.05)
+    p = RolloutProducer(boom, lambda: 0, SyncConfig("async", 1), poll_seconds=0.05)
     t0 = time.time()
     with pytest.raises(ProducerError, match="ValueError: engine exploded") as err:
         p.next_batch(timeout=10)
@@ -126,19 +127,10 @@ def test_producer_crash_reraises_in_the_learner_with_traceback_within_seconds():
 
 def test_stop_does_not_hang_while_the_producer_waits():
     tl = Timeline()
-    p = RolloutProducer(tl.make_batch, lambda: 0, mode="async", max_lag=1, capacity=1, poll_seconds=0.05)
+    p = RolloutProducer(tl.make_batch, lambda: 0, SyncConfig("async", 1), capacity=1, poll_seconds=0.05)
     p.start()
     assert _wait(lambda: len(tl.made) == 2)  # buffer full, producer blocked on put
     t0 = time.time()
     p.stop(timeout=5)
     assert time.time() - t0 < 2 and not p.running
     assert threading.active_count() >= 1
-
-
-def test_arguments_are_checked():
-    with pytest.raises(ValueError, match="mode='fast'"):
-        RolloutProducer(lambda: [], lambda: 0, mode="fast")
-    with pytest.raises(ValueError, match="max_lag=0"):
-        RolloutProducer(lambda: [], lambda: 0, mode="async", max_lag=0)
-    with pytest.raises(ValueError, match="weight_sync_interval=0"):
-        RolloutProducer(lambda: [], lambda: 0, mode="async", weight_sync_interval=0)
