@@ -22,7 +22,7 @@ Statistics (what the tests pin by hand):
   resampled statistics at ``(1 - level) / 2`` and ``(1 + level) / 2``;
 * verdict of a difference: ``"better"`` or ``"worse"`` only when the interval excludes 0 (direction
   from ``higher_is_better``), otherwise ``"no difference detected at n = N"`` with ``N`` the paired
-  episodes. This is the rule for every claim in the README.
+  episodes. This is the rule for every claim in the README and docs/.
 
 Command line: ``lightning-opd compare [LABEL=]A.json [LABEL=]B.json ...`` on ``lightning-opd evaluate``
 outputs (see :func:`main`).
