@@ -65,12 +65,13 @@ class StepRecorder(L.Callback):
                            "episodes": episode_sizes(self.batches[-1])})
 
 
-def make_generator(backend: str):
+def make_generator(backend: str, vllm_block_size: int | None = None):
     if backend == "hf":
         return None  # the DataModule's default HFGenerator (KV cache kept between turns)
     from lightning_opd.rollout.vllm import VLLMGenerator
 
-    return VLLMGenerator(kv_cache_memory_bytes=1 << 30, max_model_len=4096)
+    extra = {} if vllm_block_size is None else {"block_size": vllm_block_size}
+    return VLLMGenerator(kv_cache_memory_bytes=1 << 30, max_model_len=4096, engine_kwargs=extra)
 
 
 def run(workload: str, args, machine: Machine) -> dict:
@@ -79,7 +80,7 @@ def run(workload: str, args, machine: Machine) -> dict:
     model_kw = {} if args.micro_batch_size is None else {"micro_batch_size": args.micro_batch_size}
     model = OPDModule(student=args.model, teacher=args.teacher, log_text_every_n_steps=0, **model_kw)
     turns = 1 if workload == "single" else args.turns
-    dm = RolloutDataModule(TextWorldEnvFactory(args.games), generator=make_generator(args.backend),
+    dm = RolloutDataModule(TextWorldEnvFactory(args.games), generator=make_generator(args.backend, args.vllm_block_size),
                            episodes_per_step=args.episodes, max_turns=turns, max_new_tokens=args.max_new_tokens,
                            seed=0)
     log, batches = GenerationLog(dm.generator), []
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=1, help="timed steps per workload")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--micro-batch-size", type=int, default=None, help="model.init_args.micro_batch_size (default: the module's)")
+    p.add_argument("--vllm-block-size", type=int, default=None,
+                   help="KV block size of the vLLM engine (the prefix cache reuses whole blocks; CPU default 128)")
     p.add_argument("--results", default="step_throughput", help="result file name under benchmarks/results")
     a = p.parse_args(argv)
     results = ResultFile(a.results)
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     m = results["machine"]
     machine = Machine(m["matmul_flops"], m["bandwidth"])
     mb = "" if a.micro_batch_size is None else f"/mb{a.micro_batch_size}"
+    mb += "" if a.vllm_block_size is None or a.backend != "vllm" else f"/bs{a.vllm_block_size}"
     keys = {w: f"{a.backend}/{w}/e{a.episodes}/n{a.max_new_tokens}/t{1 if w == 'single' else a.turns}/s{a.steps}{mb}"
             for w in a.workloads}
     for workload, key in keys.items():

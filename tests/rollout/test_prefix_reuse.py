@@ -162,3 +162,22 @@ def test_trajectory_reply_lengths_exclude_the_appended_end_of_turn():
     assert t.reply_lengths() == [2, 2]
     assert (t.prefill_tokens, t.cached_prompt_tokens) == (7, 5)
     assert torch.tensor(t.turn_prefill_tokens).sum() == 7
+
+
+@pytest.mark.timeout(120)
+def test_hf_reuse_keeps_the_seeded_samples(tokenizer, tiny_model):
+    """Sampling (temperature 1, top-p 0.9) with the same episode seeds: the same replies and behaviour
+    log-probs with and without the KV cache kept between turns (same distribution, same random stream)."""
+    envs, runs = KeywordEnvFactory(need=3), {}
+    for reuse in (True, False):
+        gen = HFGenerator(reuse_kv_cache=reuse)
+        gen.attach(StaticPolicy(tiny_model, tokenizer), stop_token_ids(tokenizer))
+        runs[reuse] = AgentLoop(envs, gen, tokenizer, max_turns=3).run(
+            [EpisodeSpec(t, seed=i) for i, t in enumerate(envs.train_tasks())],
+            SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=6))
+    assert sum(t.num_turns for t in runs[True]) > len(runs[True])  # later turns were played (and reused)
+    assert sum(t.cached_prompt_tokens for t in runs[True]) > 0
+    for a, b in zip(runs[True], runs[False]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.behaviour_logprobs), torch.tensor(b.behaviour_logprobs),
+                                   atol=1e-5, rtol=0)
