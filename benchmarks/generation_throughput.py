@@ -22,7 +22,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 from benchmarks.common import ResultFile, markdown_table  # noqa: E402
-from benchmarks.roofline import GenerationLog, Machine, ModelShape, fraction, measure_machine, rollout_roofline  # noqa: E402
+from benchmarks.roofline import (GenerationLog, Machine, ModelShape, fraction, measure_machine,  # noqa: E402
+                                 rollout_roofline)
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory  # noqa: E402
 from lightning_opd.models import load_causal_lm, load_tokenizer  # noqa: E402
 from lightning_opd.rollout import (AgentLoop, EpisodeSpec, HFGenerator, SamplingParams, policy_configs,  # noqa: E402
@@ -71,7 +72,8 @@ def run(backend: str, batch: int, policy: Policy, envs: TextWorldEnvFactory, tur
     return {"tokens": roof["sampled_tokens"], "prefill_tokens": roof["prefill_tokens"],
             "cached_prompt_tokens": roof["cached_tokens"], "passes": roof["passes"], "flops": roof["flops"],
             "bytes": roof["bytes"], "roofline_s": roof["roofline_s"], "seconds": log.seconds,
-            "tokens_per_s": roof["sampled_tokens"] / log.seconds, "roofline_fraction": fraction(roof["roofline_s"], log.seconds),
+            "tokens_per_s": roof["sampled_tokens"] / log.seconds,
+            "roofline_fraction": fraction(roof["roofline_s"], log.seconds),
             **extra}
 
 
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
                           "forward passes", "roofline s", "of roofline"], rows))
     if "push" in results:
         push = results["push"]
-        print(f"\nweight push into vLLM: {push['push_s']:.2f} s vs plain copy of the same weights {push['copy_s']:.2f} s "
+        print(f"\nweight push into vLLM: {push['push_s']:.2f} s vs plain copy of the same weights "
+              f"{push['copy_s']:.2f} s "
               f"({push['push_s'] / push['copy_s']:.1f}x)")
 
 

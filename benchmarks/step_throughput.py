@@ -80,7 +80,8 @@ def run(workload: str, args, machine: Machine) -> dict:
     model_kw = {} if args.micro_batch_size is None else {"micro_batch_size": args.micro_batch_size}
     model = OPDModule(student=args.model, teacher=args.teacher, log_text_every_n_steps=0, **model_kw)
     turns = 1 if workload == "single" else args.turns
-    dm = RolloutDataModule(TextWorldEnvFactory(args.games), generator=make_generator(args.backend, args.vllm_block_size),
+    generator = make_generator(args.backend, args.vllm_block_size)
+    dm = RolloutDataModule(TextWorldEnvFactory(args.games), generator=generator,
                            episodes_per_step=args.episodes, max_turns=turns, max_new_tokens=args.max_new_tokens,
                            seed=0)
     log, batches = GenerationLog(dm.generator), []
@@ -120,7 +121,8 @@ def run(workload: str, args, machine: Machine) -> dict:
             out[key] = out[key] / n  # per step
     out["rollout_fraction"] = fraction(out["rollout_roofline_s"], out["rollout_s"])
     out["update_fraction"] = fraction(out["update_roofline_s"], out["update_s"])
-    out["step_fraction"] = fraction(out["rollout_roofline_s"] + out["update_roofline_s"], out["rollout_s"] + out["update_s"])
+    out["step_fraction"] = fraction(out["rollout_roofline_s"] + out["update_roofline_s"],
+                                    out["rollout_s"] + out["update_s"])
     return out
 
 
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--turns", type=int, default=8, help="turn cap of the multi-turn workload")
     p.add_argument("--steps", type=int, default=1, help="timed steps per workload")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="model.init_args.micro_batch_size (default: the module's)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="model.init_args.micro_batch_size (default: the module's)")
     p.add_argument("--vllm-block-size", type=int, default=None,
                    help="KV block size of the vLLM engine (the prefix cache reuses whole blocks; CPU default 128)")
     p.add_argument("--results", default="step_throughput", help="result file name under benchmarks/results")

@@ -53,7 +53,8 @@ def _play(model, tokenizer, reuse: bool):
         gen.attach(StaticPolicy(model, tokenizer), stop_token_ids(tokenizer))
         envs = KeywordEnvFactory(need=3)
         trajs = AgentLoop(envs, gen, tokenizer, max_turns=3).run(
-            [EpisodeSpec("apple", seed=0), EpisodeSpec("cherry", seed=1)], SamplingParams(temperature=0.0, max_new_tokens=5))
+            [EpisodeSpec("apple", seed=0), EpisodeSpec("cherry", seed=1)],
+            SamplingParams(temperature=0.0, max_new_tokens=5))
     finally:
         counter.remove()
     return trajs, counter.prefills()
@@ -125,7 +126,8 @@ def test_hf_weight_push_empties_the_kv_cache(tokenizer, tiny_model):
         counter.remove()
     assert (out1.prompt_tokens_computed, out1.prompt_tokens_cached, out1.policy_version) == (len(p1), 0, 1)
     assert out2.prompt_tokens_cached == len(p1) + len(out1.token_ids) - 1
-    assert out2.prompt_tokens_computed == len(p2) - out2.prompt_tokens_cached == len(p2) - len(p1) - len(out1.token_ids) + 1
+    assert out2.prompt_tokens_computed == len(p2) - out2.prompt_tokens_cached
+    assert out2.prompt_tokens_computed == len(p2) - len(p1) - len(out1.token_ids) + 1
     assert counter.prefills() == [len(prompt), len(p1), out2.prompt_tokens_computed]
 
 
