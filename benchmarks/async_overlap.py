@@ -6,7 +6,7 @@ steps per hour, the speed-up over sync, and the fraction of step time the traine
 (time blocked in ``next(dataloader_iter)`` / step time). Results: benchmarks/results/async_overlap.json
 (resumable: finished configurations are skipped).
 
-The producer is a thread in the trainer process (see README, "Asynchronous rollouts", for why).
+The producer is a thread in the trainer process (see docs/methods.md, "Asynchronous rollouts, vLLM and f-OPD", for why).
 Run: .venv/bin/python -m benchmarks.async_overlap
 """
 

