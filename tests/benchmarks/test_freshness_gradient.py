@@ -1,0 +1,132 @@
+"""The freshness-vs-gradient mechanism check (issue 18): its rank statistics against hand-worked ranks, and a tiny
+end-to-end run on the random 2-layer models whose gradients are checked against known identities."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from benchmarks.freshness_gradient import (average_ranks, bootstrap_ci, collate, gradient_cosines, loss_gradient,
+                                           make_samples, make_versions, measure, measured_parameters, parser,
+                                           spearman)
+from tests.helpers import KeywordEnvFactory
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_average_ranks_share_ties():
+    assert average_ranks([1, 2, 2, 3]).tolist() == [1, 2.5, 2.5, 4]
+    assert average_ranks([5, 5, 5]).tolist() == [2, 2, 2]
+    assert average_ranks([3, 1, 2]).tolist() == [3, 1, 2]
+
+
+def test_spearman_hand_worked_with_ties():
+    """x ranks [1, 2.5, 2.5, 4], y ranks [1, 3, 2, 4]; deviations [-1.5, 0, 0, 1.5] and [-1.5, .5, -.5, 1.5]:
+    4.5 / sqrt(4.5 * 5) = 3 / sqrt(10)."""
+    assert spearman([1, 2, 2, 3], [10, 30, 20, 40]) == pytest.approx(3 / math.sqrt(10), abs=1e-12)
+    assert spearman([1, 2, 2, 3], [40, 20, 30, 10]) == pytest.approx(-3 / math.sqrt(10), abs=1e-12)
+    # ties on both sides: ranks [1.5, 1.5, 3.5, 3.5] and [1.5, 3.5, 1.5, 3.5], deviations orthogonal
+    assert spearman([1, 1, 2, 2], [1, 2, 1, 2]) == 0.0
+    assert spearman([1, 2, 3], [1, 10, 100]) == pytest.approx(1.0)  # monotone, not linear
+    assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+    assert math.isnan(spearman([1], [2]))
+    with pytest.raises(ValueError, match="3 x values but 2 y values"):
+        spearman([1, 2, 3], [1, 2])
+
+
+def test_bootstrap_ci_skips_constant_resamples():
+    """Two pairs: a resample is either both the same pair (constant: left out) or both pairs (ρ = ±1)."""
+    lo, hi, used = bootstrap_ci([1, 2], [1, 2], n_boot=400, seed=0)
+    assert (lo, hi) == (1.0, 1.0) and 100 < used < 300
+    lo, hi, _ = bootstrap_ci([1, 2, 3, 4], [8, 6, 4, 2], n_boot=200)
+    assert (lo, hi) == (-1.0, -1.0)
+    assert bootstrap_ci([1, 1], [1, 2], n_boot=10)[2] == 0
+    x, y = [1, 2, 3, 4, 5], [2, 1, 4, 3, 5]  # ρ = 0.8
+    a = bootstrap_ci(x, y, seed=3)
+    assert a == bootstrap_ci(x, y, seed=3) and a[0] < spearman(x, y) == pytest.approx(0.8) < a[1]
+    with pytest.raises(ValueError, match="--bootstrap=0"):
+        bootstrap_ci([1, 2], [1, 2], n_boot=0)
+
+
+@pytest.fixture(scope="module")
+def fitted(model_dirs):
+    """Two OPD steps of the tiny student at a large learning rate (versions 0, 1, 2 differ visibly)."""
+    env = KeywordEnvFactory()
+    module, dm, snaps = make_versions(model_dirs["student"], model_dirs["teacher"], env, versions=2, lr=1e-2,
+                                      episodes=2, max_turns=2, max_new_tokens=4)
+    return module, dm, snaps
+
+
+def test_versions_are_kept_as_distinct_copies(fitted):
+    module, _, snaps = fitted
+    assert sorted(snaps) == [0, 1, 2] and module.policy_version == 2
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(snaps[0][name], snaps[1][name]) and not torch.equal(snaps[1][name], snaps[2][name])
+    torch.testing.assert_close(snaps[2][name], module.student.state_dict()[name].cpu())
+
+
+def test_gradient_of_a_sample_equal_to_the_reference_has_cos_one(fitted):
+    """cos(g_i, G) = 1 when the reference batch is sample i itself (measured last, so gradients left over from
+    earlier samples would show), < 1 for the others; G of two samples is their token-weighted mean gradient
+    (token-mean aggregation, §0.5)."""
+    module, dm, snaps = fitted
+    samples, _ = make_samples(dm, snaps, lags=[0, 2], per_lag=2, reference=1)
+    trajs = [t for _, t in samples if collate(dm, [t], "cpu").loss_mask[:, 1:].sum() > 0]
+    assert len(trajs) >= 3
+    batches = [collate(dm, [t], "cpu") for t in trajs]
+    params = [p for _, p in measured_parameters(module.student, None)]
+    cos, norms, ref_norm = gradient_cosines(module, batches, batches[-1], params)
+    assert cos[-1] == pytest.approx(1.0, abs=1e-6) and norms[-1] == pytest.approx(ref_norm, rel=1e-6)
+    assert all(c < 0.999 for c in cos[:-1]) and all(n > 0 for n in norms)
+
+    a, b = batches[0], batches[1]
+    n_a, n_b = float(a.loss_mask[:, 1:].sum()), float(b.loss_mask[:, 1:].sum())
+    g_a, g_b = loss_gradient(module, a, params), loss_gradient(module, b, params)
+    g_ab = loss_gradient(module, collate(dm, trajs[:2], "cpu"), params)
+    for x, y, z in zip(g_a, g_b, g_ab):
+        torch.testing.assert_close(z, (n_a * x + n_b * y) / (n_a + n_b), rtol=1e-4, atol=1e-7)
+    assert all(p.grad is None for p in module.student.parameters())
+
+
+def test_parameter_subset_freezes_the_others_only_meanwhile(fitted):
+    module, dm, snaps = fitted
+    names = [n for n, _ in measured_parameters(module.student, 1)]
+    assert not any(".layers.0." in n for n in names) and any(".layers.1." in n for n in names)
+    assert {"model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"} <= set(names)
+    samples, _ = make_samples(dm, snaps, lags=[0], per_lag=1, reference=1)
+    batch = collate(dm, [samples[0][1]], "cpu")
+    subset = [p for _, p in measured_parameters(module.student, 1)]
+    full = dict(zip([n for n, _ in module.student.named_parameters()],
+                    loss_gradient(module, batch, list(module.student.parameters()))))
+    for name, g in zip(names, loss_gradient(module, batch, subset)):
+        torch.testing.assert_close(g, full[name], rtol=1e-5, atol=1e-8)  # same gradient, fewer parameters
+    assert all(p.requires_grad for p in module.student.parameters())
+    with pytest.raises(ValueError, match="--last-blocks=0"):
+        measured_parameters(module.student, 0)
+
+
+def test_measure_end_to_end_tiny(model_dirs):
+    """2 versions, lags 0/1, 2 samples each: per-sample records with the lag, components and freshness of the
+    monitor's defaults (and a second variant), rank statistics with CIs, per-lag means."""
+    args = parser().parse_args(["--model", model_dirs["student"], "--teacher", model_dirs["teacher"], "--versions", "2",
+                                "--lr", "1e-2", "--episodes", "2", "--lags", "0", "1", "--samples-per-lag", "2",
+                                "--reference", "2", "--max-turns", "2", "--max-new-tokens", "4", "--bootstrap", "50",
+                                "--variant", 'tight={"tau_rho": 0.01, "tau_chi": 0.01}'])
+    out = measure(args, KeywordEnvFactory())
+    records = out["records"]
+    assert len(records) + out["dropped_empty_samples"] == 4 and len(records) >= 3
+    assert sorted({r["lag"] for r in records}) == [0, 1]
+    for r in records:
+        assert -1 <= r["cos"] <= 1 and 0 < r["f_default"] < 1 and r["tokens"] > 0
+        assert r["delta"] == pytest.approx(r["lag"] / 8)  # the monitor's default Δ_cap
+        if r["lag"] == 0:  # sampled by exactly θ_v: no rollout drift, freshness of a synchronous sample
+            assert r["rho"] < 1e-4 and r["f_default"] > 0.95
+        else:
+            assert r["rho"] > 1e-3 and r["f_tight"] < r["f_default"]
+    s = out["summary"]
+    assert set(s["spearman_with_cos"]) == {"f_default", "f_tight", "s_default", "s_tight", "lag", "rho", "chi"}
+    assert set(s["per_lag"]) == {"0", "1"} and s["n"] == len(records)
+    student = AutoModelForCausalLM.from_pretrained(model_dirs["student"])
+    assert out["measured_parameters"] == sum(p.numel() for p in student.parameters())  # all by default
+    assert out["seconds"]["total"] > 0 and out["machine"]["cpu_count"] >= 1
