@@ -26,7 +26,7 @@ reports every new policy version. The DataModule never reaches the module throug
 Validation/test: the held-out tasks, played by the same agent loop with ``eval_temperature``
 (greedy by default), in chunks of ``eval_batch_size`` episodes.
 
-Knobs for controllers go through named setters (``set_max_turns``, ``set_probe_schedule``). Training
+Knobs for controllers go through named setters (``set_max_turns``, ``set_probe_schedule``, ``set_lag_limit``). Training
 batch ``k`` (``k`` = the learner version it is meant for = training batches started before it) is a
 full-depth probe batch when a probe schedule is set and ``k < warmup or k % interval == 0`` (TurnOPD,
 docs/algorithms.md §2.5); its cap and probe flag are fixed when the batch starts and travel with every
@@ -141,6 +141,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_batch_size = eval_batch_size
         self.max_env_error_rate = max_env_error_rate
         self.weight_sync = WeightSync(self.sync)
+        self._lead = self.sync.lead  # the producer lead in use (set_lag_limit)
         self.group_size = group_size
         self.seed = seed
         self.loop: AgentLoop | None = None
@@ -197,6 +198,7 @@ class RolloutDataModule(L.LightningDataModule):
                               max_context_tokens=self.max_context_tokens, max_env_error_rate=self.max_env_error_rate)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         self.producer = RolloutProducer(self._play_batch, lambda: int(self.generator.policy_version), self.sync)
+        self.producer.set_lead(self._lead)  # a limit set before connect
         self.weight_sync.attach(self.generator, on_version=self.producer.notify_version)
         return self.weight_sync
 
@@ -259,6 +261,32 @@ class RolloutDataModule(L.LightningDataModule):
         if max_turns < 1:
             raise ValueError(f"max_turns={max_turns} must be >= 1")
         self.max_turns = int(max_turns)
+
+    def set_lag_limit(self, lag_limit: int) -> int:
+        """Producer-side control (PROPOSED, docs/algorithms.md §1.5): batches started from now on are at most
+        ``lag_limit`` versions behind the learner that trains on them. Async: the producer lead becomes
+        :meth:`~lightning_opd.rollout.weight_sync.SyncConfig.lead_for` ``(lag_limit)`` ``= min(max_lag, max(0,
+        lag_limit - weight_sync_interval + 1))``; 0 = synchronous generation. Sync (``forced_lag`` included: the
+        staleness under study) it changes nothing. ``max_allowed_lag`` is unchanged (batches already buffered
+        were made under the previous lead). ``StalenessMonitor`` calls this with its lag bound Δ_max (0 while it
+        falls back to synchronous generation).
+
+        Returns:
+            the producer lead now in use (versions).
+
+        Raises:
+            ValueError: ``lag_limit < 0``.
+        """
+        lead = self.sync.lead_for(lag_limit)
+        self._lead = lead
+        if self.producer is not None:
+            self.producer.set_lead(lead)
+        return lead
+
+    @property
+    def producer_lead(self) -> int:
+        """The producer lead in use (versions): ``max_lag`` async unless :meth:`set_lag_limit` lowered it, 0 sync."""
+        return self._lead
 
     def set_probe_schedule(self, warmup: int, interval: int, full_depth: int) -> None:
         """Make training batch ``k`` a probe batch when ``k < warmup or k % interval == 0``: played at

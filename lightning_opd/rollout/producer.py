@@ -14,7 +14,9 @@ Modes:
   weights are pushed every version; measured on the weights actually used, not on the learner's counter,
   which moves before the push lands), and no pair of knobs deadlocks (F18): the learner waiting for batch
   ``v`` holds weights of version ``max(start, v // interval * interval)``, which is never below what
-  batch ``v`` waits for. The bounded buffer gives back-pressure.
+  batch ``v`` waits for, for any lead >= 0. The bounded buffer gives back-pressure. A controller may lower
+  the lead (down to 0, synchronous generation) and raise it again up to the configured one while running
+  (:meth:`RolloutProducer.set_lead`; ``RolloutDataModule.set_lag_limit``).
 
 Checkpoints: :meth:`RolloutProducer.quiesce` parks the thread between batches and returns every finished
 batch not yet taken by the learner (the buffer, plus a batch waiting for room), so a checkpoint holds
@@ -63,7 +65,8 @@ class RolloutProducer:
         self.make_batch = make_batch
         self.weights_version = weights_version
         self.mode = config.mode
-        self.lead = config.lead
+        self.max_lead = config.lead  # the configured producer lead: the buffer and max_allowed_lag are sized for it
+        self.lead = config.lead  # the lead in use (lowered by set_lead: producer-side control)
         self.weight_sync_interval = config.weight_sync_interval
         self.start_version = 0  # the learner's version when the thread started (pushed then)
         self.buffer = RolloutBuffer(capacity or max(1, self.lead))
@@ -148,6 +151,19 @@ class RolloutProducer:
         weight_sync_interval)``."""
         interval = self.weight_sync_interval
         return max(self.start_version, (index - self.lead) // interval * interval)
+
+    def set_lead(self, lead: int) -> None:
+        """Run at most ``lead`` versions ahead of the pushed weights from now on (``0 <= lead <=`` the configured
+        lead; 0 = synchronous generation). The gate of the batch not yet started is re-read at once: a lower lead
+        holds it back, a higher one lets it go (waking the thread); batches already made keep their lag.
+
+        Raises:
+            ValueError: ``lead`` outside ``[0, max_lead]``.
+        """
+        if not 0 <= lead <= self.max_lead:
+            raise ValueError(f"producer lead {lead} must be in [0, data.init_args.max_lag={self.max_lead}]")
+        self.lead = int(lead)
+        self.notify_version()
 
     def notify_version(self) -> None:
         """Wake the producer: the weights' version moved."""

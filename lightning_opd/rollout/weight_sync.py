@@ -8,7 +8,11 @@ Three lag quantities, three names (versions = rollout iterations, docs/algorithm
   can have when the learner trains on it (``producer_lead + weight_sync_interval - 1`` async, ``forced_lag``
   sync); the learner refuses a batch beyond it (``OPDModule.strict_on_policy``);
 * the f-OPD lag bound Δ_max (``StalenessMonitor``'s ``initial_lag_bound``, moved by its adaptive rule): the
-  largest lag the freshness filter keeps; a loss-side decision, not a property of the data.
+  largest lag the freshness filter keeps; a loss-side decision, not a property of the data. Async, it also caps
+  the producer (producer-side control, PROPOSED, docs/algorithms.md §1.5): the lead in use becomes
+  :meth:`SyncConfig.lead_for` ``(Δ_max)`` ``= min(producer_lead, max(0, Δ_max - weight_sync_interval + 1))``
+  (``RolloutDataModule.set_lag_limit``), so batches started after the change are at most Δ_max behind;
+  ``max_allowed_lag`` stays the configured ceiling (batches already buffered were made under the old lead).
 
 Modes: ``sync`` (the generator follows the live student: every batch lag 0), ``sync`` with ``forced_lag=k``
 (the generator samples with a CPU copy of version ``max(0, v - k)``: deterministic staleness), ``async`` (a
@@ -79,6 +83,26 @@ class SyncConfig:
         if self.mode == "async":
             return self.producer_lead + self.weight_sync_interval - 1
         return self.forced_lag
+
+    def lead_for(self, lag_limit: int) -> int:
+        """The producer lead that keeps every batch started from now on at most ``lag_limit`` versions behind
+        the learner that trains on it (producer-side control, PROPOSED, docs/algorithms.md §1.5):
+        ``min(producer_lead, max(0, lag_limit - (weight_sync_interval - 1)))`` async, 0 sync.
+
+        A batch's lag is at most ``lead + weight_sync_interval - 1`` and reaches it when the producer keeps up,
+        so this is the largest lead within the limit. The configured ``producer_lead`` is never exceeded (the
+        buffer and :attr:`max_allowed_lag` are sized for it). ``lag_limit = 0`` is synchronous generation: each
+        batch waits for the push of its own version (lag 0 with ``weight_sync_interval = 1``; with pushes every N
+        versions the lag stays below N, and the f-OPD filter drops what exceeds its bound).
+
+        Raises:
+            ValueError: ``lag_limit < 0``.
+        """
+        if lag_limit < 0:
+            raise ValueError(f"lag_limit={lag_limit} must be >= 0 (versions; 0 = synchronous generation)")
+        if self.mode != "async":
+            return 0
+        return min(self.producer_lead, max(0, int(lag_limit) - (self.weight_sync_interval - 1)))
 
     @property
     def manages_weights(self) -> bool:

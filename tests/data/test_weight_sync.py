@@ -61,9 +61,11 @@ def _dm(tokenizer, **kw) -> tuple[RolloutDataModule, VersionedPolicy, OwnWeights
     return dm, policy, gen
 
 
-def _learn(dm, policy, steps: int, timeout: float = 20.0, train_start: bool = True) -> list[tuple[int, list[int]]]:
+def _learn(dm, policy, steps: int, timeout: float = 20.0, train_start: bool = True,
+           before_step=None) -> list[tuple[int, list[int]]]:
     """``steps`` learner steps from ``policy.policy_version``: (learner version, behaviour versions) per step.
-    Fails (instead of hanging) when the learner waits more than ``timeout`` seconds in all."""
+    ``before_step(version)`` runs before each batch is taken (a controller). Fails (instead of hanging) when the
+    learner waits more than ``timeout`` seconds in all."""
     seen: list[tuple[int, list[int]]] = []
     errors: list[BaseException] = []
 
@@ -72,6 +74,8 @@ def _learn(dm, policy, steps: int, timeout: float = 20.0, train_start: bool = Tr
             if train_start:
                 dm.weight_sync.on_policy_update(policy.policy_version, policy.policy_state_dict)  # what OPDModule.on_train_start does
             for _ in range(steps):
+                if before_step is not None:
+                    before_step(policy.policy_version)
                 batch = dm.next_train_batch()
                 seen.append((policy.policy_version, batch.behaviour_version.tolist()))
                 policy.policy_version += 1  # the optimizer step
@@ -148,3 +152,41 @@ def test_forced_lag_resume_pushes_the_restored_copy_before_the_first_rollout(tok
     assert gen.at_first_rollout == (1, 1)
     assert seen == [(3, [1, 1]), (4, [2, 2]), (5, [3, 3])]
     assert int(gen.weights["w"]) == 3
+
+
+def test_lag_limit_zero_is_synchronous_generation(tokenizer):
+    """Producer-side control: ``set_lag_limit(0)`` (the fallback) with pushes every version makes every batch
+    with the weights of the version that trains on it, although ``max_lag`` is 3."""
+    dm, policy, gen = _dm(tokenizer, mode="async", max_lag=3, weight_sync_interval=1)
+    assert dm.set_lag_limit(0) == 0 == dm.producer_lead
+    seen = _learn(dm, policy, 6)
+    assert seen == [(v, [v, v]) for v in range(6)]
+    assert dm.max_allowed_lag == 3  # the on-policy check keeps the configured ceiling
+
+
+def test_lag_limit_caps_the_lead_with_rare_pushes(tokenizer):
+    """max_lag 2, pushes every 2 versions (max_allowed_lag 3): limit 1 gives lead 1 - (2 - 1) = 0, so batch i
+    waits for the push at i // 2 * 2 and its lag is at most 1 (2 or 3 without the limit)."""
+    dm, policy, gen = _dm(tokenizer, mode="async", max_lag=2, weight_sync_interval=2)
+    assert dm.set_lag_limit(1) == 0
+    seen = _learn(dm, policy, 8)
+    for i, (_, behaviour) in enumerate(seen):
+        assert all(i // 2 * 2 <= b <= i for b in behaviour), (i, behaviour)
+    assert dm.set_lag_limit(3) == 2 and dm.set_lag_limit(9) == 2  # never above max_lag
+
+
+def test_lowering_the_limit_mid_run_applies_to_batches_not_yet_started(tokenizer):
+    """max_lag 3: at learner version 4 the limit drops to 0. Batches up to 7 may already be made (they needed
+    version >= i - 3 <= 4) and keep their lag (<= 3); batch 8 onwards waits for its own version."""
+    dm, policy, gen = _dm(tokenizer, mode="async", max_lag=3, weight_sync_interval=1)
+    seen = _learn(dm, policy, 11, before_step=lambda v: v == 4 and dm.set_lag_limit(0))
+    for i, (_, behaviour) in enumerate(seen):
+        assert all(max(0, i - 3) <= b <= i for b in behaviour), (i, behaviour)
+        if i >= 8:
+            assert behaviour == [i, i]
+
+
+def test_lag_limit_leaves_sync_and_forced_lag_alone(tokenizer):
+    dm, policy, gen = _dm(tokenizer, forced_lag=2)
+    assert dm.set_lag_limit(0) == 0
+    assert _learn(dm, policy, 4) == [(0, [0, 0]), (1, [0, 0]), (2, [0, 0]), (3, [1, 1])]

@@ -90,6 +90,43 @@ def test_pushes_rarer_than_the_lag_never_deadlock(interval):
         p.stop()
 
 
+def test_set_lead_holds_back_and_releases_the_lag_gate():
+    """Producer-side control on a scripted timeline (max_lag 3, pushes every version): the producer runs 3
+    versions ahead (batches 0-3 at version 0); lead 0 holds batch 4 until version 4 (synchronous: lag 0), then
+    lead 2 lets batches 5 and 6 go at version 4 (batch i needs version i - 2) and holds batch 7."""
+    tl = Timeline()
+    p = RolloutProducer(tl.make_batch, lambda: tl.version, SyncConfig("async", 3), capacity=16, poll_seconds=0.01)
+    p.start()
+    try:
+        assert _wait(lambda: len(tl.made) == 4)
+        p.set_lead(0)
+        for v in (1, 2, 3):
+            tl.version = v
+            p.notify_version()
+            time.sleep(0.05)
+        assert tl.made == [0, 0, 0, 0]  # with lead 3 batches 4-6 would have been made at versions 1-3
+        tl.version = 4
+        p.notify_version()
+        assert _wait(lambda: len(tl.made) == 5)
+        time.sleep(0.05)
+        assert tl.made == [0, 0, 0, 0, 4]
+        p.set_lead(2)  # wakes the thread itself: no version change needed
+        assert _wait(lambda: len(tl.made) == 7)
+        time.sleep(0.1)
+        assert tl.made == [0, 0, 0, 0, 4, 4, 4]
+        lags = [i - p.next_batch(timeout=5)[0].turn_versions[0] for i in range(7)]
+        assert lags == [0, 1, 2, 3, 0, 1, 2]  # batch i is consumed at version i
+    finally:
+        p.stop()
+
+
+@pytest.mark.parametrize("lead", [-1, 4])
+def test_set_lead_refuses_a_lead_outside_the_configured_one(lead):
+    p = RolloutProducer(lambda: [], lambda: 0, SyncConfig("async", 3))
+    with pytest.raises(ValueError, match=rf"producer lead {lead} must be in \[0, data.init_args.max_lag=3\]"):
+        p.set_lead(lead)
+
+
 def test_back_pressure_blocks_a_full_buffer():
     tl = Timeline()
     p = RolloutProducer(tl.make_batch, lambda: 10**9, SyncConfig("async", 1), capacity=2, poll_seconds=0.01)

@@ -35,6 +35,28 @@ def test_the_three_quantities(kwargs, lead, allowed, manages):
     assert (cfg.lead, cfg.max_allowed_lag, cfg.manages_weights) == (lead, allowed, manages)
 
 
+@pytest.mark.parametrize(("kwargs", "leads"), [
+    # lead = min(max_lag, max(0, limit - (interval - 1))) for limits 0..5
+    (dict(mode="async", producer_lead=3), [0, 1, 2, 3, 3, 3]),
+    (dict(mode="async", producer_lead=3, weight_sync_interval=2), [0, 0, 1, 2, 3, 3]),
+    (dict(mode="async", producer_lead=2, weight_sync_interval=3), [0, 0, 0, 1, 2, 2]),
+    (dict(mode="sync", forced_lag=2), [0, 0, 0, 0, 0, 0]),  # the forced lag is the treatment: untouched
+])
+def test_lead_for_a_lag_limit(kwargs, leads):
+    """Producer-side control: the largest lead whose batches stay within the limit, never above max_lag."""
+    cfg = SyncConfig(**kwargs)
+    assert [cfg.lead_for(limit) for limit in range(6)] == leads
+    for limit, lead in enumerate(leads):  # the lag a batch can reach under that lead is within the limit...
+        if cfg.mode == "async" and limit >= cfg.weight_sync_interval - 1:
+            assert lead + cfg.weight_sync_interval - 1 <= limit
+            assert lead == cfg.producer_lead or lead + cfg.weight_sync_interval - 1 == limit  # ...and the largest
+
+
+def test_lead_for_refuses_a_negative_limit():
+    with pytest.raises(ValueError, match="lag_limit=-1 must be >= 0"):
+        SyncConfig("async", 2).lead_for(-1)
+
+
 class Recorder:
     follow_policy = True
 
