@@ -7,7 +7,11 @@ The experiment file format and the folder layout: lightning_opd/evaluation/runne
 Example: benchmarks/experiments/opd_seeds.yaml (the demo's OPD, 3 seeds, all 50 held-out games).
 
 Run: .venv/bin/python -m benchmarks.experiment benchmarks/experiments/opd_seeds.yaml
-Results: benchmarks/results/<name>/<arm>/seed<k>/ and benchmarks/results/<name>/compare.md
+Summary so far (no fit, no evaluate): .venv/bin/python -m benchmarks.experiment EXPERIMENT.yaml --summary
+Results: benchmarks/results/<name>/<arm>/seed<k>/, benchmarks/results/<name>/compare.md (final checkpoints) and
+benchmarks/results/<name>/summary.md (learning curves against rollout iterations and training seconds,
+Same-Step, Least-Time, time to target, final and best checkpoint, per-turn KL by outcome;
+lightning_opd/evaluation/curves.py)
 """
 
 from __future__ import annotations

@@ -16,7 +16,11 @@ training ``OPDModule``, whose ``student.*`` weights are loaded into ``--base``),
   ``seed * 1_000_003 + task_index * k + j``; Avg@k is their mean success;
 * **teacher-trajectory KL** (``--teacher``): the student's teacher-forced reverse KL on the teacher's own
   greedy trajectories of the same tasks (nats/token, mean and per turn; :mod:`.teacher_kl`). The teacher's
-  trajectories are cached (``--cache-dir``) and reused by later runs.
+  trajectories are cached (``--cache-dir``) and reused by later runs; the teacher's greedy episodes are kept
+  too (``teacher.episodes``, keyed like the students', so a student can be compared with the teacher);
+* **own-trajectory KL by outcome** (``--teacher``): the same reverse KL on the student's *own* greedy
+  episodes, per turn, split into won and failed episodes (:func:`.teacher_kl.kl_by_outcome`): where on
+  its own trajectories the student departs from the teacher, in episodes it wins and in those it loses.
 
 Episodes go through the training stack unchanged: the agent loop that ``RolloutDataModule.connect``
 builds (same chat rendering, stop ids, context limit), with the vLLM generator when vLLM is importable
@@ -26,12 +30,16 @@ weights) or the HF generator.
 Output (``--out``, written atomically at the end)::
 
     {"format": "lightning-opd-evaluate/1", "config": {...}, "tasks": [...],
-     "teacher": {"path", "cache", "greedy": {summary of the teacher's own greedy episodes}} | null,
-     "students": [{"name", "path", "kind": "hf" | "ckpt", "policy_version", "global_step", "seconds",
+     "teacher": {"path", "cache", "greedy": {summary of the teacher's own greedy episodes},
+                 "episodes": [{"task_id", "seed", "success", ...}]} | null,
+     "students": [{"name", "path", "kind": "hf" | "ckpt", "policy_version", "global_step",
+                   "train_seconds",       # a .ckpt's training seconds (its Timer), else null
+                   "seconds",
                    "greedy": [{"task_id", "seed", "success", "turns", "invalid_actions", "reward", ...}],
                    "sampled": [{... , "sample", "episode_seed"}],
                    "teacher_traj_kl": [{"task_id", "seed", "kl", "tokens"}],      # per task, under every seed
-                   "summary": {"greedy": {...}, "sampled": {"avg_at_k", ...}, "teacher_traj_kl": {mean, per_turn, ...}}}]}
+                   "summary": {"greedy": {...}, "sampled": {"avg_at_k", ...}, "teacher_traj_kl": {mean, per_turn, ...},
+                               "own_traj_kl": {"won" | "failed": {episodes, mean, per_turn, tokens_per_turn, tokens}}}}]}
 
 Values per episode: ``success``/``failure``/``truncated``/``env_error`` 0 or 1, ``turns`` replies,
 ``invalid_actions`` count, ``reward`` points, ``cut_replies`` count; greedy records also keep the
@@ -176,6 +184,7 @@ class LoadedStudent:
     engine_path: str  # directory a vLLM engine starts from (the student's own, or --base for a .ckpt)
     policy_version: int | None = None
     global_step: int | None = None
+    train_seconds: float | None = None
 
 
 def parse_student(spec: str) -> tuple[str, str]:
@@ -197,12 +206,14 @@ def load_student(name: str, path: str, base: str | None, dtype: str, device: tor
 
     A ``.ckpt`` is read with ``torch.load(weights_only=True)`` (F15); its ``state_dict`` entries
     ``student.*`` are loaded (strict) into the model at ``base`` (the ``model.init_args.student`` the run
-    started from), whose tokenizer is used.
+    started from), whose tokenizer is used; its training seconds come from its ``Timer`` state
+    (:func:`~.checkpointing.train_seconds`).
 
     Raises:
         FileNotFoundError: ``path`` is neither a model directory nor a file.
         ValueError: a ``.ckpt`` without ``base`` or without ``student.*`` weights.
     """
+    from lightning_opd.evaluation.checkpointing import train_seconds
     from lightning_opd.models.loading import load_causal_lm, load_tokenizer
 
     p = Path(path)
@@ -223,7 +234,8 @@ def load_student(name: str, path: str, base: str | None, dtype: str, device: tor
     model.load_state_dict(state, strict=True)
     model.to(device).eval()
     return LoadedStudent(name, str(p), "ckpt", model, load_tokenizer(base), engine_path=str(base),
-                         policy_version=ckpt.get("policy_version"), global_step=ckpt.get("global_step"))
+                         policy_version=ckpt.get("policy_version"), global_step=ckpt.get("global_step"),
+                         train_seconds=train_seconds(ckpt))
 
 
 # ------------------------------------------------------------------------------------------ generators
@@ -299,9 +311,9 @@ def play(loop: AgentLoop, specs: list[EpisodeSpec], sampling: SamplingParams, ba
     return out
 
 
-def evaluate_student(loop: AgentLoop, tasks: Sequence[str], settings: EvalSettings) -> dict:
+def evaluate_student(loop: AgentLoop, tasks: Sequence[str], settings: EvalSettings) -> tuple[dict, list[Trajectory]]:
     """Greedy and sampled episodes of one student (module docstring); returns ``greedy``, ``sampled`` and
-    their ``summary``."""
+    their ``summary``, and the greedy trajectories (one per task)."""
     from lightning_opd.evaluation.teacher_kl import play_greedy
 
     s = settings
@@ -320,7 +332,7 @@ def evaluate_student(loop: AgentLoop, tasks: Sequence[str], settings: EvalSettin
     summary = {"greedy": summarise([episode_record(t, s.seeds[0]) for t in greedy_trajs])}
     if s.avg_k:
         summary["sampled"] = summarise(sampled) | {"avg_at_k": _mean(sampled, "success"), "k": s.avg_k}
-    return {"greedy": greedy, "sampled": sampled if s.avg_k else None, "summary": summary}
+    return {"greedy": greedy, "sampled": sampled if s.avg_k else None, "summary": summary}, greedy_trajs
 
 
 # ----------------------------------------------------------------------------------------------- run
@@ -336,7 +348,7 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
             student/teacher tokenizer mismatch (F01), a model whose head path differs from its own
             forward (F20, ``UnsupportedArchitectureError``), or a bad setting (names the flag).
     """
-    from lightning_opd.evaluation.teacher_kl import teacher_trajectories, trajectory_kl
+    from lightning_opd.evaluation.teacher_kl import kl_by_outcome, teacher_trajectories, trajectory_kl
     from lightning_opd.models.loading import load_causal_lm, load_tokenizer
     from lightning_opd.models.logits import check_head_path
     from lightning_opd.models.tokenizers import check_tokenizers_compatible
@@ -377,14 +389,17 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
                 max_context_tokens=settings.max_context_tokens, cache_dir=cache_dir, batch_size=settings.batch_size)
             result["teacher"] = {"path": str(teacher), "cache": None if path is None else str(path),
                                  "greedy": summarise([episode_record(t, settings.seeds[0]) for t in teacher_trajs]),
+                                 "episodes": [episode_record(t, seed) for seed in settings.seeds for t in teacher_trajs],
                                  "seconds": round(time.perf_counter() - t0, 1)}
         for name, path in specs:
             t0 = time.perf_counter()
             student = load_student(name, path, base, settings.dtype, device)
             handle = PolicyHandle(student.tokenizer, student.model, student.engine_path)
             entry = {"name": name, "path": student.path, "kind": student.kind,
-                     "policy_version": student.policy_version, "global_step": student.global_step}
-            entry |= evaluate_student(backends.loop(env, handle, student.engine_path), tasks, settings)
+                     "policy_version": student.policy_version, "global_step": student.global_step,
+                     "train_seconds": student.train_seconds}
+            records, own_trajs = evaluate_student(backends.loop(env, handle, student.engine_path), tasks, settings)
+            entry |= records
             if teacher_trajs is not None:
                 vocab = check_tokenizers_compatible(student.tokenizer, teacher_tok, path, teacher)
                 check_head_path(student.model, vocab, f"--students {path}")  # F20: the KL's head path is exact
@@ -399,6 +414,8 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
                     for seed in settings.seeds for t, v in kl.per_task.items() if v["tokens"]]
                 entry["summary"]["teacher_traj_kl"] = {"mean": kl.mean, "per_turn": kl.per_turn,
                                                        "tokens_per_turn": kl.tokens_per_turn, "tokens": kl.tokens}
+                entry["summary"]["own_traj_kl"] = kl_by_outcome(
+                    student.model, teacher_model, own_trajs, vocab, int(pad if pad is not None else student.tokenizer.eos_token_id))
             entry["seconds"] = round(time.perf_counter() - t0, 1)
             result["students"].append(entry)
             del student
@@ -449,7 +466,23 @@ def format_summary(result: dict) -> str:
             row.append(f"{s['summary']['teacher_traj_kl']['mean']:.4f}")
         rows.append(row + [str(s["seconds"])])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    text = "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    own = [(s["name"], s["summary"]["own_traj_kl"]) for s in result["students"] if "own_traj_kl" in s["summary"]]
+    if own:
+        width = max(len(part["per_turn"]) for _, k in own for part in k.values())
+        text += ("\n\nTeacher KL per turn on each student's own greedy episodes, by outcome (nats/token):\n\n"
+                 "| student | outcome | episodes | mean | " + " | ".join(f"turn {n}" for n in range(width)) + " |\n"
+                 "|---|---|---|---|" + "---|" * width)
+        for name, k in own:
+            for outcome in ("won", "failed"):
+                part = k[outcome]
+                cells = [_kl(v) for v in part["per_turn"]] + ["-"] * (width - len(part["per_turn"]))
+                text += f"\n| {name} | {outcome} | {part['episodes']} | {_kl(part['mean'])} | " + " | ".join(cells) + " |"
+    return text
+
+
+def _kl(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -4,8 +4,10 @@ An experiment (a YAML file, see :func:`load_experiment`)::
 
     name: demo_opd                   # results under <results>/demo_opd/<arm>/seed<k>/
     seeds: [0, 1, 2]
-    checkpoint_every: 10             # optimizer steps; must divide trainer.max_steps
+    checkpoint_every: 10             # optimizer steps between checkpoints (the final step is saved too)
     evaluate_checkpoints: last       # or: all (a learning curve)
+    max_time: null                   # or seconds: every (arm, seed) gets this training wall-clock budget
+    targets: [0.5]                   # time to reach these greedy success rates (summary; optional)
     arms:
       opd:
         configs: [conf/textworld/opd.yaml]
@@ -13,6 +15,7 @@ An experiment (a YAML file, see :func:`load_experiment`)::
       opd_lr1e-4:
         configs: [conf/textworld/opd.yaml]
         overrides: [--model.init_args.optimizer.init_args.lr=1.0e-4, --trainer.limit_val_batches=0]
+        checkpoint_every: 10         # optional, per arm (e.g. 2 optimizer updates per rollout batch)
     evaluate: [--avg-k, "4", --temperature, "0.7"]   # extra `lightning-opd evaluate` flags
 
 Run it with ``python -m benchmarks.experiment EXPERIMENT.yaml``; it can be stopped at any moment (Ctrl-C,
@@ -25,11 +28,13 @@ Per (arm, seed), in ``<results>/<name>/<arm>/seed<k>/``:
 2. ``lightning-opd fit`` in its own process with the arm's config files and overrides, then the runner's
    overlay ``runner_overlay.yaml`` (TensorBoard logs in ``logs/``, a ``ModelCheckpoint`` every
    ``checkpoint_every`` steps keeping every checkpoint, ``checkpoints/step=N.ckpt`` and ``last.ckpt``,
-   the export in ``student/``), then ``--seed_everything=k`` and ``--data.init_args.seed=k`` (the
+   the export in ``student/``; a ``Timer`` that records the training seconds in every checkpoint and stops
+   the fit at ``max_time``, see :mod:`.checkpointing`), then ``--seed_everything=k`` and ``--data.init_args.seed=k`` (the
    DataModule's seed sets the task order and every episode's sampling seed, so seeds differ in their
    rollouts, not only in their initial random state). An unfinished fit resumes from
-   ``checkpoints/last.ckpt`` (``--ckpt_path``; Lightning writes checkpoints atomically). ``fit.done`` is
-   written when it exits with 0;
+   ``checkpoints/last.ckpt`` (``--ckpt_path``; Lightning writes checkpoints atomically), its Timer restored
+   from it: the training seconds continue and a time budget is not renewed. ``fit.done`` is written when it
+   exits with 0;
 3. ``lightning-opd evaluate`` in a separate process per evaluated checkpoint, ``--seeds k`` (episodes
    keyed by the training seed, so arms pair by (task, seed) in ``compare``), written to
    ``eval/step=N.json`` (atomically; an existing file is not redone);
@@ -38,7 +43,9 @@ Per (arm, seed), in ``<results>/<name>/<arm>/seed<k>/``:
 Child processes die with the runner (Linux ``PR_SET_PDEATHSIG``), and a lock file stops two runners
 from working on one experiment at once. At the end the runner prints ``lightning-opd compare`` of the
 last evaluated checkpoint of every arm (all seeds merged, paired by (task, seed)) and writes it to
-``<results>/<name>/compare.json``.
+``<results>/<name>/compare.json``, then the summary over every evaluated checkpoint (:mod:`.curves`:
+success vs rollout iterations and training seconds, Same-Step, Least-Time, time to target, final and best)
+to ``summary.md`` and ``summary.json``. ``--summary`` writes that summary from what is evaluated so far.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ class Arm:
     name: str
     configs: list[str]
     overrides: list[str] = field(default_factory=list)
+    checkpoint_every: int | None = None  # optimizer steps; None: the experiment's
 
 
 @dataclass
@@ -81,8 +89,13 @@ class Experiment:
         name: folder under ``results``.
         arms: the recipes; names are folder names.
         seeds: training seeds (``--seed_everything`` and every ``seed_keys`` entry).
-        checkpoint_every: optimizer steps between checkpoints; must divide ``trainer.max_steps``.
+        checkpoint_every: optimizer steps between checkpoints (an arm's own ``checkpoint_every`` wins); the
+            final step is saved as well (:class:`~.checkpointing.StepCheckpoint`).
         evaluate_checkpoints: ``"last"`` (the final weights) or ``"all"``.
+        max_time: training wall-clock budget of every (arm, seed) in seconds (a ``Timer``; ``None``: none).
+            Resumed fits continue the saved count. The fit then needs no in-fit validation
+            (``--trainer.limit_val_batches=0``), which the budget would count.
+        targets: greedy success rates whose time to reach the summary reports.
         evaluate: extra ``lightning-opd evaluate`` arguments (after the runner's, so they win).
         teacher_kl: pass the run's teacher to ``evaluate`` (``--teacher``: teacher-trajectory KL).
         seed_keys: config keys set to the seed besides ``--seed_everything``.
@@ -91,7 +104,8 @@ class Experiment:
 
     Raises:
         ValueError: no arms or seeds, a repeated arm name or seed, a name that is not a plain folder
-            name, ``checkpoint_every < 1`` or an unknown ``evaluate_checkpoints``.
+            name, ``checkpoint_every < 1``, ``max_time <= 0``, a target outside [0, 1] or an unknown
+            ``evaluate_checkpoints``.
     """
 
     name: str
@@ -99,6 +113,8 @@ class Experiment:
     seeds: list[int]
     checkpoint_every: int
     evaluate_checkpoints: str = "last"
+    max_time: int | None = None
+    targets: list[float] = field(default_factory=list)
     evaluate: list[str] = field(default_factory=list)
     teacher_kl: bool = True
     seed_keys: list[str] = field(default_factory=lambda: ["data.init_args.seed"])
@@ -116,8 +132,14 @@ class Experiment:
                 raise ValueError(f"name {n!r}: use letters, digits, '_', '-', '.', '+' (it becomes a folder)")
         if len(set(names)) != len(names) or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"arms {names} and seeds {self.seeds} must not repeat")
-        if self.checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (optimizer steps)")
+        for where, every in [("", self.checkpoint_every)] + [(f"arm {a.name!r}: ", a.checkpoint_every) for a in self.arms]:
+            if every is not None and (not isinstance(every, int) or every < 1):
+                raise ValueError(f"{where}checkpoint_every={every} must be an integer >= 1 (optimizer steps)")
+        if self.max_time is not None and (not isinstance(self.max_time, int) or self.max_time < 1):
+            raise ValueError(f"max_time={self.max_time!r} must be a whole number of seconds >= 1 (or null: no budget)")
+        self.targets = [float(t) for t in self.targets]
+        if any(not 0 <= t <= 1 for t in self.targets):
+            raise ValueError(f"targets={self.targets}: success rates in [0, 1]")
         if self.evaluate_checkpoints not in ("last", "all"):
             raise ValueError(f"evaluate_checkpoints={self.evaluate_checkpoints!r}: use 'last' or 'all'")
 
@@ -128,6 +150,10 @@ class Experiment:
     def run_dir(self, arm: Arm, seed: int) -> Path:
         return self.root / arm.name / f"seed{seed}"
 
+    def every(self, arm: Arm) -> int:
+        """Optimizer steps between ``arm``'s checkpoints."""
+        return arm.checkpoint_every if arm.checkpoint_every is not None else self.checkpoint_every
+
 
 def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None = None) -> Experiment:
     """Read an experiment YAML (module docstring). ``arms`` maps names to ``{configs, overrides}``.
@@ -136,8 +162,8 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
         ValueError: an unknown key (named) or a missing one.
     """
     data = yaml.safe_load(Path(path).read_text()) or {}
-    known = {"name", "arms", "seeds", "checkpoint_every", "evaluate_checkpoints", "evaluate", "teacher_kl",
-             "seed_keys", "results", "fit_command", "evaluate_command"}
+    known = {"name", "arms", "seeds", "checkpoint_every", "evaluate_checkpoints", "max_time", "targets", "evaluate",
+             "teacher_kl", "seed_keys", "results", "fit_command", "evaluate_command"}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -147,10 +173,12 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
     arms = []
     for name, spec in data.pop("arms").items():
         spec = spec or {}
-        bad = set(spec) - {"configs", "overrides"}
+        bad = set(spec) - {"configs", "overrides", "checkpoint_every"}
         if bad:
-            raise ValueError(f"{path}: arm {name!r}: unknown key(s) {sorted(bad)}; use configs and overrides")
-        arms.append(Arm(str(name), [str(c) for c in spec.get("configs", [])], [str(o) for o in spec.get("overrides", [])]))
+            raise ValueError(f"{path}: arm {name!r}: unknown key(s) {sorted(bad)}; use configs, overrides and "
+                             "checkpoint_every")
+        arms.append(Arm(str(name), [str(c) for c in spec.get("configs", [])], [str(o) for o in spec.get("overrides", [])],
+                        spec.get("checkpoint_every")))
     if results is not None:
         data["results"] = results
     return Experiment(arms=arms, **data)
@@ -239,7 +267,7 @@ class Runner:
             return json.loads(marker.read_text())
         d.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        overlay = self._write_overlay(d)
+        overlay = self._write_overlay(d, arm)
         base_cmd = (self.exp.fit_command + [a for c in arm.configs for a in ("--config", c)] + ["--config", str(overlay)]
                     + arm.overrides + [f"--seed_everything={seed}"] + [f"--{k}={seed}" for k in self.exp.seed_keys])
         config = self._resolved_config(d, base_cmd)
@@ -262,16 +290,21 @@ class Runner:
         return record
 
     # ---------------------------------------------------------------------------------------- pieces
-    def _write_overlay(self, d: Path) -> Path:
+    def _write_overlay(self, d: Path, arm: Arm) -> Path:
+        budget = self.exp.max_time
+        duration = None if budget is None else (f"{budget // 86400:02d}:{budget // 3600 % 24:02d}:"
+                                                f"{budget // 60 % 60:02d}:{budget % 60:02d}")  # DD:HH:MM:SS
         overlay = {"trainer": {
             "enable_checkpointing": True, "default_root_dir": str(d),
             "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                        "init_args": {"save_dir": str(d), "name": "logs", "version": ""}},
-            "callbacks+": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "callbacks+": [{"class_path": "lightning.pytorch.callbacks.Timer",
+                            "init_args": {"duration": duration, "interval": "step"}},
+                           {"class_path": "lightning_opd.evaluation.checkpointing.StepCheckpoint",
                             "init_args": {"dirpath": str(d / "checkpoints"), "filename": "step={step}",
                                           "auto_insert_metric_name": False,
-                                          "every_n_train_steps": self.exp.checkpoint_every,
-                                          "save_top_k": -1, "save_last": True}}]},
+                                          "every_n_train_steps": self.exp.every(arm),
+                                          "save_top_k": -1, "save_last": True, "enable_version_counter": False}}]},
             "model": {"init_args": {"export_dir": str(d / "student")}}}
         path = d / "runner_overlay.yaml"
         header = "# written by lightning_opd.evaluation.runner: logs, checkpoints and export of this (arm, seed)\n"
@@ -290,11 +323,23 @@ class Runner:
 
     def _check_steps(self, config: dict, arm: Arm) -> None:
         steps = _get(config, "trainer.max_steps")
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"arm {arm.name!r}: trainer.max_steps={steps!r}; the runner needs a step budget")
-        if steps % self.exp.checkpoint_every:
-            raise ValueError(f"arm {arm.name!r}: checkpoint_every={self.exp.checkpoint_every} does not divide "
-                             f"trainer.max_steps={steps}: the final weights would have no checkpoint to evaluate")
+        if self.exp.max_time is None and (not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"arm {arm.name!r}: trainer.max_steps={steps!r}; the runner needs a step budget "
+                             "(--trainer.max_steps=N) or the experiment's max_time")
+        if _get(config, "trainer.max_time") is not None:
+            raise ValueError(f"arm {arm.name!r}: trainer.max_time={_get(config, 'trainer.max_time')!r}: give the "
+                             "budget as the experiment's max_time (seconds); the runner's Timer records the training "
+                             "seconds, and Lightning ignores trainer.max_time beside it")
+        timers = [c for c in (_get(config, "trainer.callbacks") or [])
+                  if isinstance(c, dict) and str(c.get("class_path", "")).endswith(".Timer")]
+        if len(timers) > 1:
+            raise ValueError(f"arm {arm.name!r}: the configuration adds its own Timer callback; remove it (the "
+                             "runner adds one, with the experiment's max_time)")
+        val = _get(config, "trainer.limit_val_batches")
+        if self.exp.max_time is not None and val not in (0, 0.0):
+            raise ValueError(f"arm {arm.name!r}: trainer.limit_val_batches={val!r} with max_time={self.exp.max_time}: "
+                             "in-fit validation would be counted in the time budget; add "
+                             "--trainer.limit_val_batches=0 (the runner evaluates the checkpoints afterwards)")
 
     def evaluate_args(self, config: dict, seed: int) -> list[str]:
         """``evaluate`` flags from the fit configuration (base model, environment, episode limits, teacher),
@@ -349,15 +394,38 @@ class Runner:
         write_atomic(self.exp.root / "compare.json", json.dumps(result.to_dict(), indent=1))
         write_atomic(self.exp.root / "compare.md", text + "\n")
         self.echo(text)
+        self.summarise_curves()
         return text
+
+    def summarise_curves(self) -> str | None:
+        """The summary over every evaluated checkpoint (:mod:`.curves`), printed and written to ``summary.md``
+        and ``summary.json``; ``None`` (and a line saying why) when there is nothing to summarise yet."""
+        from lightning_opd.evaluation.curves import load_runs, summarise
+        from lightning_opd.evaluation.evaluate import write_json_atomic
+
+        runs = load_runs(self.exp.root, [a.name for a in self.exp.arms], self.exp.seeds)
+        try:
+            summary = summarise(runs, name=self.exp.name, budget=self.exp.max_time, targets=self.exp.targets)
+        except ValueError as err:
+            self.echo(f"no summary: {err}")
+            return None
+        write_atomic(self.exp.root / "summary.md", summary.markdown + "\n")
+        write_json_atomic(self.exp.root / "summary.json", summary.data)
+        self.echo(summary.markdown)
+        return summary.markdown
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """``python -m benchmarks.experiment EXPERIMENT.yaml [--results DIR]``."""
+    """``python -m benchmarks.experiment EXPERIMENT.yaml [--results DIR] [--summary]``."""
     p = argparse.ArgumentParser(prog="benchmarks.experiment",
                                 description="Run (or continue) an experiment: arms x seeds of `lightning-opd fit`, "
                                             "checkpoints evaluated afterwards, compared at the end.")
     p.add_argument("experiment", help="experiment YAML (see lightning_opd/evaluation/runner.py)")
     p.add_argument("--results", default=None, help="results root (default: benchmarks/results)")
+    p.add_argument("--summary", action="store_true",
+                   help="only write summary.md/summary.json from the checkpoints evaluated so far (no fit, no evaluate)")
     a = p.parse_args(argv)
-    return Runner(load_experiment(a.experiment, a.results), cwd=Path.cwd()).run()
+    runner = Runner(load_experiment(a.experiment, a.results), cwd=Path.cwd())
+    if a.summary:
+        return {"summary": runner.summarise_curves()}
+    return runner.run()

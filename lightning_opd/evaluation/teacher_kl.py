@@ -18,6 +18,9 @@ does. It is 0 exactly when the student's distributions equal the teacher's on th
 Reductions (:class:`TrajectoryKL`): ``mean`` = sum of ``KL_t`` over all assistant tokens / their number
 (nats/token); ``per_turn[n]`` the same over the tokens of zero-based turn ``n``; ``per_task`` the
 per-task sums and token counts (a task's own mean is ``kl_sum / tokens``).
+
+:func:`kl_by_outcome` scores other fixed trajectories the same way (the student's own greedy episodes in
+``evaluate``), split into won and failed episodes.
 """
 
 from __future__ import annotations
@@ -213,3 +216,28 @@ def trajectory_kl(student, teacher, trajectories: Sequence[Trajectory], vocab_si
     return TrajectoryKL(mean=sum(kl_sums) / total if total else math.nan,
                         per_turn=[s / c if c else math.nan for s, c in zip(kl_sums, counts)],
                         tokens_per_turn=counts, per_task=per_task, tokens=total)
+
+
+def split_by_outcome(trajectories: Sequence[Trajectory]) -> dict[str, list[Trajectory]]:
+    """``{"won": [...], "failed": [...]}``: won episodes and the rest (lost, out of turns, cut); episodes
+    whose environment failed are in neither (their end says nothing about the policy)."""
+    kept = [t for t in trajectories if not t.env_error]
+    return {"won": [t for t in kept if t.success], "failed": [t for t in kept if not t.success]}
+
+
+def kl_by_outcome(student, teacher, trajectories: Sequence[Trajectory], vocab_size: int, pad_id: int = 0,
+                  **kwargs) -> dict[str, dict]:
+    """The student's reverse KL to the teacher on ``trajectories`` (typically its own greedy episodes),
+    separately on won and failed ones (:func:`split_by_outcome`), through :func:`trajectory_kl`.
+
+    Returns:
+        ``{"won" | "failed": {"episodes": n, "mean": nats/token, "per_turn": [nats/token per zero-based turn],
+        "tokens_per_turn": [...], "tokens": n}}``; ``mean`` is NaN and the lists empty for an outcome with no
+        episode. Further keyword arguments go to :func:`trajectory_kl`.
+    """
+    out = {}
+    for outcome, trajs in split_by_outcome(trajectories).items():
+        kl = trajectory_kl(student, teacher, trajs, vocab_size, pad_id, **kwargs)
+        out[outcome] = {"episodes": len(trajs), "mean": kl.mean, "per_turn": kl.per_turn,
+                        "tokens_per_turn": kl.tokens_per_turn, "tokens": kl.tokens}
+    return out

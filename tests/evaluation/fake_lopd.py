@@ -6,7 +6,10 @@ folder and interval, ``--out``) without a model, and appends every call to ``$FA
     python tests/evaluation/fake_lopd.py evaluate --students LABEL=CKPT --seeds K --out FILE ...
 
 Fit: one step every ``$FAKE_STEP_SECONDS`` seconds up to ``trainer.max_steps`` (default 4), a checkpoint
-(JSON text ``{"step": N}``) and ``last.ckpt`` every ``every_n_train_steps``, each written atomically.
+(JSON text ``{"step": N, "train_seconds": s}``) and ``last.ckpt`` every ``every_n_train_steps`` and at the
+last step, each written atomically. Training seconds are counted, not measured: ``$FAKE_SECONDS_PER_STEP``
+(default 10) per step, continued from the resumed checkpoint; the overlay's Timer ``duration`` (DD:HH:MM:SS)
+stops the fit at the first step whose count reaches it, like Lightning's Timer.
 """
 
 from __future__ import annotations
@@ -36,23 +39,31 @@ def fit(argv: list[str]) -> None:
     opts = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     steps = int(opts.get("trainer.max_steps", 4))
     if "--print_config" in argv:
-        print(yaml.safe_dump({"seed_everything": int(opts["seed_everything"]), "trainer": {"max_steps": steps},
+        trainer = {"max_steps": steps, "limit_val_batches": float(opts.get("trainer.limit_val_batches", 1.0)),
+                   "max_time": opts.get("trainer.max_time")}
+        print(yaml.safe_dump({"seed_everything": int(opts["seed_everything"]), "trainer": trainer,
                               "model": {"init_args": {"student": "base-dir", "teacher": "teacher-dir"}},
                               "data": {"init_args": {"env": {"class_path": "envs.Fake", "init_args": {"games_dir": "g"}},
                                                      "max_turns": 3, "eval_max_turns": None, "max_new_tokens": 5}}}))
         return
     overlay = yaml.safe_load(Path(configs[-1]).read_text())
-    ckpt = overlay["trainer"]["callbacks+"][0]["init_args"]
+    callbacks = {c["class_path"].rsplit(".", 1)[-1]: c["init_args"] for c in overlay["trainer"]["callbacks+"]}
+    ckpt, duration = callbacks["StepCheckpoint"], callbacks["Timer"]["duration"]
+    budget = None if duration is None else sum(int(x) * f for x, f in zip(duration.split(":"), (86400, 3600, 60, 1)))
     folder, every = Path(ckpt["dirpath"]), int(ckpt["every_n_train_steps"])
-    start = json.loads(Path(opts["ckpt_path"]).read_text())["step"] if "ckpt_path" in opts else 0
+    resumed = json.loads(Path(opts["ckpt_path"]).read_text()) if "ckpt_path" in opts else {"step": 0, "train_seconds": 0}
+    start, seconds = resumed["step"], resumed["train_seconds"]
     log_call({"cmd": "fit", "dir": str(folder.parent), "seed": opts["seed_everything"], "data_seed":
-              opts.get("data.init_args.seed"), "ckpt_path": opts.get("ckpt_path"), "start": start})
+              opts.get("data.init_args.seed"), "ckpt_path": opts.get("ckpt_path"), "start": start, "seconds": seconds})
     folder.mkdir(parents=True, exist_ok=True)
-    for step in range(start + 1, steps + 1):
+    step = start
+    while step < steps and (budget is None or seconds < budget):
         time.sleep(float(os.environ.get("FAKE_STEP_SECONDS", "0")))
-        if step % every == 0:
-            write(folder / f"step={step}.ckpt", json.dumps({"step": step}))
-            write(folder / "last.ckpt", json.dumps({"step": step}))
+        step, seconds = step + 1, seconds + float(os.environ.get("FAKE_SECONDS_PER_STEP", "10"))
+        last = step == steps or (budget is not None and seconds >= budget)
+        if step % every == 0 or last:
+            write(folder / f"step={step}.ckpt", json.dumps({"step": step, "train_seconds": seconds}))
+            write(folder / "last.ckpt", json.dumps({"step": step, "train_seconds": seconds}))
 
 
 def evaluate(argv: list[str]) -> None:
@@ -61,11 +72,12 @@ def evaluate(argv: list[str]) -> None:
     seed = int(argv[argv.index("--seeds") + 1])
     log_call({"cmd": "evaluate", "out": str(out), "ckpt": ckpt, "argv": argv})
     time.sleep(float(os.environ.get("FAKE_STEP_SECONDS", "0")))
-    step = json.loads(Path(ckpt).read_text())["step"]
+    state = json.loads(Path(ckpt).read_text())
     good = 2 if label == "a" else 4  # arm b wins every task, arm a half of them
     greedy = [{"task_id": f"t{i}", "seed": seed, "success": int(i < good), "turns": 3} for i in range(4)]
     out.parent.mkdir(parents=True, exist_ok=True)
-    write(out, json.dumps({"config": {"step": step}, "students": [{"name": label, "greedy": greedy}]}))
+    write(out, json.dumps({"config": {"step": state["step"]}, "students": [
+        {"name": label, "greedy": greedy, "global_step": state["step"], "train_seconds": state["train_seconds"]}]}))
 
 
 if __name__ == "__main__":

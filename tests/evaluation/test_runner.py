@@ -141,10 +141,53 @@ def test_bad_experiments_are_errors(tmp_path):
         load_experiment(spec(tmp_path, 0, seeds=[1, 1]))
     with pytest.raises(ValueError, match="checkpoint_every=0"):
         load_experiment(spec(tmp_path, 0, checkpoint_every=0))
-    exp = load_experiment(spec(tmp_path, 0, checkpoint_every=3), results=tmp_path / "r")
+    with pytest.raises(ValueError, match="arm 'b': checkpoint_every=0"):
+        load_experiment(spec(tmp_path, 0, arms={"a": {}, "b": {"checkpoint_every": 0}}))
+    with pytest.raises(ValueError, match="max_time=0 must be a whole number of seconds"):
+        load_experiment(spec(tmp_path, 0, max_time=0))
+    with pytest.raises(ValueError, match=r"targets=\[1.5\]"):
+        load_experiment(spec(tmp_path, 0, targets=[1.5]))
     os.environ["FAKE_CALLS"] = str(tmp_path / "calls.jsonl")
-    with pytest.raises(ValueError, match=r"checkpoint_every=3 does not divide trainer.max_steps=4"):
-        Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    quiet = {"cwd": ROOT, "echo": lambda *_: None}
+    exp = load_experiment(spec(tmp_path, 0, max_time=60), results=tmp_path / "r1")
+    with pytest.raises(ValueError, match=r"trainer.limit_val_batches=1.0 with max_time=60: in-fit validation would "
+                                         r"be counted in the time budget; add --trainer.limit_val_batches=0"):
+        Runner(exp, **quiet).run()
+    exp = load_experiment(spec(tmp_path, 0, arms={"a": {"overrides": ["--trainer.max_time=00:00:10:00"]}}),
+                          results=tmp_path / "r2")
+    with pytest.raises(ValueError, match=r"trainer.max_time='00:00:10:00': give the budget as the experiment's max_time"):
+        Runner(exp, **quiet).run()
+
+
+def test_final_step_is_checkpointed_and_a_time_budget_stops_every_run(tmp_path, monkeypatch):
+    """checkpoint_every need not divide max_steps (the final step is saved too), and with max_time every run
+    stops at the first step whose training seconds reach it (fake: 10 s per step); a resumed fit continues
+    its saved seconds instead of starting a fresh budget."""
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setenv("FAKE_SECONDS_PER_STEP", "10")
+    arms = {"a": {"overrides": ["--trainer.max_steps=10", "--trainer.limit_val_batches=0"]},
+            "b": {"overrides": ["--trainer.max_steps=9", "--trainer.limit_val_batches=0"], "checkpoint_every": 3}}
+    exp = load_experiment(spec(tmp_path, 0, seeds=[0], arms=arms, max_time=45, targets=[0.75]), results=tmp_path / "r")
+    # (b, 0) was killed after step 3 (30 s): it resumes there with 15 s of its budget left, not 45
+    pre = exp.run_dir(exp.arms[1], 0) / "checkpoints"
+    pre.mkdir(parents=True)
+    for name in ("step=3.ckpt", "last.ckpt"):
+        (pre / name).write_text(json.dumps({"step": 3, "train_seconds": 30.0}))
+    Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    runs = tmp_path / "r" / "exp"
+    # a: checkpoints every 2 steps; the budget ends it at step 5 (50 s >= 45 s), saved although 2 does not divide 5
+    assert sorted(p.name for p in (runs / "a" / "seed0" / "checkpoints").glob("step=*")) == \
+        ["step=2.ckpt", "step=4.ckpt", "step=5.ckpt"]
+    # b: 30 s + 2 steps = 50 s at step 5 (not step 8, which a fresh 45 s budget would have allowed)
+    assert sorted(p.name for p in (runs / "b" / "seed0" / "checkpoints").glob("step=*")) == ["step=3.ckpt", "step=5.ckpt"]
+    (resumed,) = [c for c in calls(tmp_path) if c["cmd"] == "fit" and c["dir"].endswith("b/seed0")]
+    assert resumed["start"] == 3 and resumed["seconds"] == 30.0
+    summary = (runs / "summary.md").read_text()
+    # Least-Time: both runs ended at 50 s >= the 45 s budget, so both are read at 45 s and their finals compared
+    assert "### Least-Time: 45 training s" in summary
+    assert "| a | 5 | 50 | 0.50 [" in summary and "| b | 5 | 50 | 1.00 [" in summary
+    # time to 0.75: a never (0.50 at every checkpoint), b at its first evaluated checkpoint (step 3, 30 s)
+    assert "| a | 0.75 | not reached (best 0.50) |" in summary and "| b | 0.75 | 30 s (iteration 3) |" in summary
 
 
 TINY = """\

@@ -1,0 +1,448 @@
+"""Summary of an experiment over every evaluated checkpoint: learning curves against rollout iterations and
+training seconds, the Same-Step and Least-Time comparisons, time to a target success, final and best.
+
+Input: the runner's folders ``<root>/<arm>/seed<k>/eval/step=N.json`` (one ``lightning-opd evaluate`` output
+per checkpoint, one student each) and ``fit_config.yaml`` (for the optimizer updates per rollout batch).
+A *run* is one (arm, seed); a *point* one evaluated checkpoint of a run (:class:`Point`). Definitions
+(PROPOSED, docs/algorithms.md §2.5's protocol made concrete; the tests pin them by hand):
+
+* **iteration**: rollout batches done, ``global_step // updates_per_batch`` (``ppo_epochs x ppo_mini_batches``
+  for ATOD/GRPO, 1 for OPD), so arms with several updates per batch are compared at equal rollouts.
+* **seconds**: training seconds of the checkpoint (the runner's ``Timer``; :mod:`.checkpointing`).
+* **success** of a point: mean greedy success over its (task, seed) episodes; **Avg@k** the mean of the
+  sampled episodes. An arm's value at a selection of points (one per seed) is the mean over all their
+  episodes, tasks x seeds.
+* **Same-Step**: ``S`` = the largest iteration every run reached (min over runs of their last iteration);
+  each run contributes its latest point at or before ``S``.
+* **Least-Time**: ``T`` = the largest training time every run reached (min over runs of their last
+  point's seconds); each run contributes its latest point at or before ``T``. With a time budget ``B``
+  (the experiment's ``max_time``) seconds are read as ``min(seconds, B)``: every fit stops at the first
+  step end after ``B`` (overshooting by less than one step), so a run that used its budget counts as at
+  ``B`` and its final checkpoint is compared; the table shows the true seconds.
+* Comparisons: :func:`~.compare.paired_bootstrap` of the selected points, tasks x seeds paired by
+  (task, seed), 95% percentile CIs over tasks, differences to the first arm; a difference is called
+  better/worse only when its CI excludes 0.
+* **time to target** ``x``: per run, the seconds (and iteration) of its first point with success ``>= x``;
+  "not reached" otherwise (with the run's best success).
+* **final**: each run's last point; **best**: each run's point with the highest greedy success (earliest on
+  ties). Best is selected on the same held-out games it is scored on, so it is optimistic.
+* **own-trajectory KL by outcome**: the student's reverse KL to the teacher (nats/token) per turn on its
+  own greedy episodes, won vs failed (``evaluate --teacher``), token-weighted over the seeds' final points.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+
+from lightning_opd.evaluation.compare import Comparison, Key, paired_bootstrap
+
+_EVAL = re.compile(r"^step=(\d+)\.json$")
+
+
+@dataclass
+class Point:
+    """One evaluated checkpoint of a run.
+
+    Attributes:
+        arm, seed: the run.
+        step: optimizer steps of the checkpoint; ``iteration`` rollout batches (``step // updates_per_batch``).
+        seconds: training seconds (``None`` when the checkpoint carries none).
+        greedy: ``{(task, seed): success}`` of the greedy episodes.
+        sampled: ``{(task, seed): Avg@k}`` or ``None`` (no sampled episodes).
+        own_kl: the student's ``summary.own_traj_kl`` (per-turn KL by outcome) or ``None``.
+        teacher: ``{(task, seed): success}`` of the teacher's greedy episodes, or ``None``.
+        path: the evaluate JSON.
+    """
+
+    arm: str
+    seed: int
+    step: int
+    iteration: int
+    seconds: float | None
+    greedy: dict[Key, float]
+    sampled: dict[Key, float] | None = None
+    own_kl: dict | None = None
+    teacher: dict[Key, float] | None = None
+    path: str = ""
+
+    @property
+    def success(self) -> float:
+        return sum(self.greedy.values()) / len(self.greedy)
+
+    @property
+    def avg_at_k(self) -> float | None:
+        return None if self.sampled is None else sum(self.sampled.values()) / len(self.sampled)
+
+
+Runs = dict[str, dict[int, list[Point]]]  # arm -> seed -> points by step
+
+
+def point_from_evaluation(data: dict, arm: str, seed: int, step: int, updates_per_batch: int = 1,
+                          path: str = "") -> Point:
+    """A :class:`Point` from one ``lightning-opd evaluate`` output holding one student.
+
+    Raises:
+        ValueError: the file holds no student or several, or ``updates_per_batch < 1``.
+    """
+    if updates_per_batch < 1:
+        raise ValueError(f"updates_per_batch={updates_per_batch} must be >= 1")
+    students = data.get("students") or []
+    if len(students) != 1:
+        raise ValueError(f"{path or 'evaluation'}: holds {len(students)} students; one checkpoint per file expected")
+    (s,) = students
+
+    def table(records):
+        if records is None:
+            return None
+        rows: dict[Key, list[float]] = {}
+        for r in records:
+            rows.setdefault((r["task_id"], r["seed"]), []).append(float(r["success"]))
+        return {k: sum(v) / len(v) for k, v in rows.items()}
+
+    teacher = (data.get("teacher") or {}).get("episodes")
+    return Point(arm=arm, seed=seed, step=step, iteration=step // updates_per_batch, seconds=s.get("train_seconds"),
+                 greedy=table(s["greedy"]), sampled=table(s.get("sampled")),
+                 own_kl=(s.get("summary") or {}).get("own_traj_kl"), teacher=table(teacher), path=path)
+
+
+def updates_per_batch(config: dict) -> int:
+    """Optimizer updates per rollout batch of a resolved fit configuration: ``ppo_epochs x ppo_mini_batches``
+    when the model has them (ATOD/GRPO), else 1."""
+    init = ((config.get("model") or {}).get("init_args") or {})
+    epochs, minis = init.get("ppo_epochs"), init.get("ppo_mini_batches")
+    return int(epochs) * int(minis) if isinstance(epochs, int) and isinstance(minis, int) else 1
+
+
+def load_runs(root: str | Path, arms: Sequence[str], seeds: Sequence[int]) -> Runs:
+    """Every evaluated checkpoint under ``<root>/<arm>/seed<k>/eval/`` (runs without one are left out)."""
+    runs: Runs = {}
+    for arm in arms:
+        for seed in seeds:
+            d = Path(root) / arm / f"seed{seed}"
+            cfg = d / "fit_config.yaml"
+            per_batch = updates_per_batch(yaml.safe_load(cfg.read_text()) or {}) if cfg.is_file() else 1
+            found = sorted((int(m.group(1)), p) for p in (d / "eval").glob("step=*.json") if (m := _EVAL.match(p.name)))
+            points = [point_from_evaluation(json.loads(p.read_text()), arm, seed, step, per_batch, str(p))
+                      for step, p in found]
+            if points:
+                runs.setdefault(arm, {})[seed] = points
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------- selection
+def _latest(points: list[Point], ok) -> Point | None:
+    chosen = [p for p in points if ok(p)]
+    return max(chosen, key=lambda p: p.step) if chosen else None
+
+
+def _select(runs: Runs, ok, where: str) -> dict[str, dict[int, Point]]:
+    out: dict[str, dict[int, Point]] = {}
+    for arm, seeds in runs.items():
+        for seed, points in seeds.items():
+            p = _latest(points, ok)
+            if p is None:
+                raise ValueError(f"{arm} seed {seed} has no evaluated checkpoint at or before {where} (its first is at "
+                                 f"iteration {points[0].iteration}): evaluate earlier checkpoints (evaluate_checkpoints: all)")
+            out.setdefault(arm, {})[seed] = p
+    return out
+
+
+def same_step(runs: Runs) -> tuple[int, dict[str, dict[int, Point]]]:
+    """``(S, {arm: {seed: point}})``: the largest iteration every run reached and each run's latest point at
+    or before it (module docstring).
+
+    Raises:
+        ValueError: a run without a point at or before ``S`` (names it).
+    """
+    s = min(points[-1].iteration for seeds in runs.values() for points in seeds.values())
+    return s, _select(runs, lambda p: p.iteration <= s, f"iteration {s}")
+
+
+def least_time(runs: Runs, budget: float | None = None) -> tuple[float, dict[str, dict[int, Point]]]:
+    """``(T, {arm: {seed: point}})``: the largest training time every run reached (seconds read as
+    ``min(seconds, budget)``) and each run's latest point at or before it (module docstring).
+
+    Raises:
+        ValueError: a point without training seconds (names its file), or a run without a point at or
+            before ``T``.
+    """
+    for seeds in runs.values():
+        for points in seeds.values():
+            for p in points:
+                if p.seconds is None:
+                    raise ValueError(f"{p.path}: no training seconds (a checkpoint written without the runner's "
+                                     "Timer): Least-Time needs them")
+
+    def clock(p: Point) -> float:
+        return p.seconds if budget is None else min(p.seconds, budget)
+
+    t = min(max(clock(p) for p in points) for seeds in runs.values() for points in seeds.values())
+    return t, _select(runs, lambda p: clock(p) <= t, f"{t:.0f} training s")
+
+
+def time_to_target(points: list[Point], target: float) -> Point | None:
+    """The first point (by step) whose greedy success is ``>= target``; ``None``: not reached."""
+    return next((p for p in points if p.success >= target - 1e-12), None)
+
+
+def final(runs: Runs) -> dict[str, dict[int, Point]]:
+    """Each run's last point."""
+    return {arm: {seed: points[-1] for seed, points in seeds.items()} for arm, seeds in runs.items()}
+
+
+def best(runs: Runs) -> dict[str, dict[int, Point]]:
+    """Each run's point with the highest greedy success, the earliest on ties (optimistic: chosen on the
+    games it is scored on)."""
+    return {arm: {seed: max(points, key=lambda p: (p.success, -p.step)) for seed, points in seeds.items()}
+            for arm, seeds in runs.items()}
+
+
+def per_turn_kl(points: Sequence[Point]) -> dict[str, dict]:
+    """Token-weighted per-turn KL by outcome over ``points`` (their ``own_kl``): ``{"won"|"failed":
+    {"per_turn": [nats/token or NaN], "tokens_per_turn": [...], "episodes": n, "mean": nats/token}}``."""
+    out = {}
+    for outcome in ("won", "failed"):
+        sums: list[float] = []
+        tokens: list[int] = []
+        episodes = 0
+        for p in points:
+            part = (p.own_kl or {}).get(outcome)
+            if not part:
+                continue
+            episodes += int(part.get("episodes", 0))
+            for n, (kl, tok) in enumerate(zip(part["per_turn"], part["tokens_per_turn"])):
+                while len(sums) <= n:
+                    sums.append(0.0)
+                    tokens.append(0)
+                if tok:
+                    sums[n] += float(kl) * tok
+                    tokens[n] += int(tok)
+        total = sum(tokens)
+        out[outcome] = {"per_turn": [s / c if c else math.nan for s, c in zip(sums, tokens)],
+                        "tokens_per_turn": tokens, "episodes": episodes,
+                        "mean": sum(sums) / total if total else math.nan}
+    return out
+
+
+# --------------------------------------------------------------------------------------------- comparison
+def _merged(chosen: dict[int, Point], attr: str) -> dict[Key, float] | None:
+    merged: dict[Key, float] = {}
+    for p in chosen.values():
+        t = getattr(p, attr)
+        if t is None:
+            return None
+        merged.update(t)
+    return merged
+
+
+def compare_selection(selection: dict[str, dict[int, Point]], table: str = "greedy", **kwargs) -> Comparison | None:
+    """Paired bootstrap of the selected points, each arm's seeds merged (``table``: ``greedy`` or ``sampled``);
+    ``None`` when an arm lacks the table."""
+    tables = {arm: _merged(chosen, table) for arm, chosen in selection.items()}
+    if any(t is None for t in tables.values()):
+        return None
+    return paired_bootstrap(tables, metric="success" if table == "greedy" else "Avg@k", **kwargs)
+
+
+def compare_with_teacher(selection: dict[str, dict[int, Point]], table: str = "greedy",
+                         **kwargs) -> dict[str, Comparison] | None:
+    """Each arm minus the teacher's greedy success on the same (task, seed) keys; ``None`` without the
+    teacher's episodes."""
+    out = {}
+    for arm, chosen in selection.items():
+        teacher, student = _merged(chosen, "teacher"), _merged(chosen, table)
+        if teacher is None or student is None:
+            return None
+        out[arm] = paired_bootstrap({"teacher": teacher, arm: student}, metric="success", **kwargs)
+    return out
+
+
+def _ci(value: float, ci: tuple[float, float], signed: bool = False) -> str:
+    f = "{:+.2f}" if signed else "{:.2f}"
+    return f"{f.format(value)} [{f.format(ci[0])}, {f.format(ci[1])}]"
+
+
+def selection_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[str, dict]:
+    """Markdown table of a selection (one point per run): iterations and seconds per seed, greedy success and
+    Avg@k with CIs and each arm's difference to the first arm; and its JSON form."""
+    greedy = compare_selection(selection, "greedy", **kwargs)
+    sampled = compare_selection(selection, "sampled", **kwargs)
+    lines = ["| arm | iteration per seed | training s per seed | greedy success [95% CI] | - first arm [95% CI] "
+             "| Avg@k [95% CI] | - first arm [95% CI] |", "|---|---|---|---|---|---|---|"]
+    for i, (arm, chosen) in enumerate(selection.items()):
+        its = ", ".join(str(p.iteration) for p in chosen.values())
+        secs = ", ".join("-" if p.seconds is None else f"{p.seconds:.0f}" for p in chosen.values())
+        cells = []
+        for cmp in (greedy, sampled):
+            if cmp is None:
+                cells += ["-", "-"]
+                continue
+            a = cmp.arms[i]
+            cells.append(_ci(a.rate, a.ci) + f" (n = {a.episodes})")
+            cells.append("reference" if i == 0 else
+                         f"{_ci(cmp.differences[i - 1].difference, cmp.differences[i - 1].ci, True)} "
+                         f"{cmp.differences[i - 1].verdict}")
+        lines.append(f"| {arm} | {its} | {secs} | " + " | ".join(cells) + " |")
+    data = {"points": {arm: {str(s): {"step": p.step, "iteration": p.iteration, "seconds": p.seconds, "path": p.path}
+                             for s, p in chosen.items()} for arm, chosen in selection.items()},
+            "greedy": None if greedy is None else greedy.to_dict(),
+            "sampled": None if sampled is None else sampled.to_dict()}
+    return "\n".join(lines), data
+
+
+def teacher_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[str, dict] | None:
+    """Markdown rows ``arm - teacher`` (greedy success) for a selection; ``None`` without teacher episodes."""
+    cmps = compare_with_teacher(selection, **kwargs)
+    if cmps is None:
+        return None
+    lines = ["| arm | teacher greedy success | arm - teacher [95% CI] | verdict |", "|---|---|---|---|"]
+    for arm, c in cmps.items():
+        d = c.differences[0]
+        lines.append(f"| {arm} | {c.arms[0].rate:.2f} | {_ci(d.difference, d.ci, True)} | {d.verdict} |")
+    return "\n".join(lines), {arm: c.to_dict() for arm, c in cmps.items()}
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+@dataclass
+class Summary:
+    """:func:`summarise` result: ``markdown`` (goes into the README as is) and ``data`` (JSON-ready)."""
+
+    markdown: str
+    data: dict = field(default_factory=dict)
+
+
+def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = None,
+              targets: Sequence[float] = (), resamples: int = 10_000, seed: int = 0) -> Summary:
+    """The experiment's summary (module docstring) over the seeds every arm has evaluated.
+
+    Args:
+        runs: :func:`load_runs` output (arm order = display order; the first arm is the reference).
+        name: title.
+        budget: the experiment's training time budget (seconds) or ``None``.
+        targets: greedy success rates for the time-to-target table.
+        resamples, seed: of the bootstrap.
+
+    Raises:
+        ValueError: no run, or no seed that every arm has evaluated.
+    """
+    if not runs:
+        raise ValueError("no evaluated checkpoint found: nothing to summarise")
+    common = sorted(set.intersection(*(set(seeds) for seeds in runs.values())))
+    if not common:
+        raise ValueError(f"no seed is evaluated in every arm ({ {a: sorted(s) for a, s in runs.items()} })")
+    left_out = sorted({(a, s) for a, seeds in runs.items() for s in seeds if s not in common})
+    runs = {arm: {s: seeds[s] for s in common} for arm, seeds in runs.items()}
+    kw = {"resamples": resamples, "seed": seed}
+    md = [f"## {name}: held-out success over training", "",
+          f"Seeds {common}; success = greedy success and Avg@k = mean success of the sampled episodes, both means "
+          "over tasks x seeds; iteration = rollout batches; training s = the fit's training seconds (rollouts and "
+          "updates, evaluation excluded)" + (f", budget {budget:.0f} s per run." if budget else ".")]
+    if left_out:
+        md.append(f"Left out (not evaluated in every arm): {', '.join(f'{a} seed {s}' for a, s in left_out)}.")
+    data: dict = {"name": name, "seeds": common, "budget": budget, "curves": {}}
+
+    md += ["", "| arm | iteration | training s (mean over seeds) | seeds | greedy success | Avg@k |",
+           "|---|---|---|---|---|---|"]
+    for arm, seeds in runs.items():
+        by_it: dict[int, list[Point]] = {}
+        for points in seeds.values():
+            for p in points:
+                by_it.setdefault(p.iteration, []).append(p)
+        curve = []
+        for it in sorted(by_it):
+            ps = by_it[it]
+            secs = [p.seconds for p in ps if p.seconds is not None]
+            sec = sum(secs) / len(secs) if secs else None
+            g = sum(sum(p.greedy.values()) for p in ps) / sum(len(p.greedy) for p in ps)
+            k = (None if any(p.sampled is None for p in ps)
+                 else sum(sum(p.sampled.values()) for p in ps) / sum(len(p.sampled) for p in ps))
+            curve.append({"iteration": it, "seconds": sec, "seeds": len(ps), "success": g, "avg_at_k": k})
+            md.append(f"| {arm} | {it} | {_fmt(sec, 0)} | {len(ps)} | {g:.2f} | {_fmt(k)} |")
+        data["curves"][arm] = curve
+
+    md += ["", "Steps done per run (iterations; training s of the last checkpoint):", "",
+           "| arm | " + " | ".join(f"seed {s}" for s in common) + " |", "|---|" + "---|" * len(common)]
+    for arm, seeds in runs.items():
+        md.append(f"| {arm} | " + " | ".join(f"{seeds[s][-1].iteration} ({_fmt(seeds[s][-1].seconds, 0)} s)"
+                                            for s in common) + " |")
+
+    try:
+        s, chosen = same_step(runs)
+    except ValueError as err:
+        md += ["", f"### Same-Step: not available ({err})"]
+    else:
+        text, data["same_step"] = selection_table(chosen, **kw)
+        data["same_step"]["iteration"] = s
+        md += ["", f"### Same-Step: iteration {s} (the largest every run reached; each run's checkpoint at or before "
+                   "it)", "", text]
+    try:
+        t, chosen = least_time(runs, budget)
+    except ValueError as err:
+        md += ["", f"### Least-Time: not available ({err})"]
+    else:
+        text, data["least_time"] = selection_table(chosen, **kw)
+        data["least_time"]["seconds"] = t
+        how = (f"; seconds read as min(seconds, budget {budget:.0f} s): a run that used its budget is compared at "
+               "its final checkpoint") if budget else ""
+        md += ["", f"### Least-Time: {t:.0f} training s (the largest every run reached; each run's checkpoint at or "
+                   f"before it{how})", "", text]
+
+    if targets:
+        md += ["", "### Time to target (first checkpoint whose greedy success >= target)", "",
+               "| arm | target | " + " | ".join(f"seed {s}" for s in common) + " |", "|---|---|" + "---|" * len(common)]
+        data["time_to_target"] = {}
+        for arm, seeds in runs.items():
+            for x in targets:
+                cells, rec = [], {}
+                for sd in common:
+                    p = time_to_target(seeds[sd], x)
+                    if p is None:
+                        top = max(q.success for q in seeds[sd])
+                        cells.append(f"not reached (best {top:.2f})")
+                        rec[str(sd)] = None
+                    else:
+                        cells.append(f"{_fmt(p.seconds, 0)} s (iteration {p.iteration})")
+                        rec[str(sd)] = {"seconds": p.seconds, "iteration": p.iteration, "success": p.success}
+                md.append(f"| {arm} | {x:.2f} | " + " | ".join(cells) + " |")
+                data["time_to_target"].setdefault(arm, {})[f"{x:g}"] = rec
+
+    for label, chosen, note in (
+            ("Final checkpoint", final(runs), "each run's last checkpoint"),
+            ("Best checkpoint", best(runs), "each run's checkpoint with the highest greedy success; selected on the "
+                                            "same held-out games it is scored on, so it is optimistic")):
+        text, d = selection_table(chosen, **kw)
+        key = label.split()[0].lower()
+        data[key] = d
+        md += ["", f"### {label} ({note})", "", text]
+        vs = teacher_table(chosen, **kw)
+        if vs is not None:
+            md += ["", f"{label} against the teacher's own greedy episodes (same tasks, paired):", "", vs[0]]
+            data[key]["teacher"] = vs[1]
+
+    finals = final(runs)
+    kl = {arm: per_turn_kl(list(chosen.values())) for arm, chosen in finals.items()}
+    if any(k[o]["episodes"] for k in kl.values() for o in k):
+        width = max(len(k[o]["per_turn"]) for k in kl.values() for o in k)
+        md += ["", "### Teacher KL per turn on the student's own greedy episodes, by outcome (final checkpoints, "
+                   "nats/token, token-weighted over seeds)", "",
+               "| arm | outcome | episodes | mean | " + " | ".join(f"turn {n}" for n in range(width)) + " |",
+               "|---|---|---|---|" + "---|" * width]
+        for arm, k in kl.items():
+            for outcome in ("won", "failed"):
+                pt = k[outcome]["per_turn"] + [math.nan] * (width - len(k[outcome]["per_turn"]))
+                md.append(f"| {arm} | {outcome} | {k[outcome]['episodes']} | {_fmt(k[outcome]['mean'], 3)} | "
+                          + " | ".join(_fmt(v, 3) for v in pt) + " |")
+        data["own_traj_kl"] = kl
+    md += ["", "A difference is called better/worse only when its 95% CI excludes 0 (paired bootstrap over tasks, "
+               "all seeds of a drawn task); otherwise no difference was detected at that n."]
+    return Summary("\n".join(md), data)
