@@ -161,8 +161,33 @@ class OPDModule(PolicyModule):
         return batch
 
     def loss_inputs(self, batch: RolloutBatch) -> dict[str, torch.Tensor | None]:
-        """``(b, T-1)`` per-token keyword inputs of the loss for one micro-batch. OPD: none."""
+        """``(b, T-1)`` per-token keyword inputs of the loss for one micro-batch. OPD: the rollout-time log-probs
+        ``behaviour_logprobs`` (nats) when the loss uses the stale signal (``SampledTokenReverseKL(signal=
+        "behaviour")``, the vanilla-async baseline, docs/algorithms.md §1.5), else none."""
+        if getattr(self.loss_fn, "uses_behaviour_logprobs", False):
+            return {"behaviour_logprobs": batch.behaviour_logprobs[:, 1:]}
         return {}
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.check_signal()
+
+    def check_signal(self) -> None:
+        """Refuse the stale (behaviour) signal where it has no meaning: a connected DataModule whose every batch
+        is sampled by the weights being trained (``mode=sync`` without ``forced_lag``), so that the rollout-time
+        log-probs are the learner's own (up to the generator's numerics).
+
+        Raises:
+            ValueError: naming ``model.init_args.loss.init_args.signal`` and the ``data.init_args`` keys.
+        """
+        if not getattr(self.loss_fn, "uses_behaviour_logprobs", False) or self.weight_sync is None:
+            return
+        if not self.weight_sync.config.manages_weights:
+            raise ValueError("model.init_args.loss.init_args.signal=behaviour (the vanilla-async baseline: the OPD "
+                             "signal from the stale rollout-time log-probs) has no meaning with data.init_args.mode=sync "
+                             "and data.init_args.forced_lag=0: every batch is sampled by the weights being trained. Set "
+                             "data.init_args.forced_lag=k (k >= 1) or data.init_args.mode=async, or use "
+                             "signal=recomputed")
 
     def updates(self, batch: RolloutBatch) -> list[tuple[int, RolloutBatch]]:
         """``(epoch, part)`` of every optimizer update of the step, in order. OPD: one update on the whole batch."""

@@ -115,13 +115,49 @@ class SampledTokenReverseKL(TokenDivergence):
     gradient 0, k3 would give the forward-KL gradient, §0.3). Needs only the teacher's log-prob of
     the sampled token; high variance (design.md: 5% vs 60% held-out success for the analytic loss).
     The logged ``kl`` is still the exact reverse KL: the chunk's full logits are at hand anyway.
+
+    Args:
+        signal: ``"recomputed"`` (default): ``A_t`` uses the learner's ``log p_S(a_t)``, recomputed at learner time.
+            ``"behaviour"``: the "vanilla async" baseline, the failure f-OPD starts from (docs/algorithms.md
+            §1.4-§1.5): ``A_t = log p_T(a_t) - log π_b(a_t)`` with the stale rollout-time log-prob ``π_b`` of the
+            batch (``OPDModule`` passes it as ``behaviour_logprobs``): value ``log π_b(a_t) - log p_T(a_t)``,
+            gradient ``-(log p_T(a_t) - log π_b(a_t)) * grad log p_S(a_t)``; identical to ``"recomputed"`` when
+            ``π_b = p_S`` (lag 0), so ``OPDModule`` refuses it where every batch has lag 0.
+        chunk_size: see :class:`TokenDivergence`.
+
+    Raises:
+        ValueError: an unknown ``signal``.
     """
 
+    SIGNALS = ("recomputed", "behaviour")
 
-    def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
+    def __init__(self, signal: str = "recomputed", chunk_size: int = 256) -> None:
+        super().__init__(chunk_size)
+        if signal not in self.SIGNALS:
+            raise ValueError(f"model.init_args.loss.init_args.signal={signal!r}: use 'recomputed' (learner-time "
+                             "log-probs) or 'behaviour' (the stale rollout-time log-probs, the vanilla-async baseline)")
+        self.signal = signal
+
+    @property
+    def uses_behaviour_logprobs(self) -> bool:
+        """The loss needs the batch's rollout-time log-probs (``behaviour_logprobs`` keyword input)."""
+        return self.signal == "behaviour"
+
+    def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0,
+                    behaviour_logprobs: torch.Tensor | None = None) -> TokenLoss:
+        """Per-token terms; ``behaviour_logprobs``: ``(...)`` log π_b of ``targets`` (nats), required with
+        ``signal="behaviour"``.
+
+        Raises:
+            ValueError: ``signal="behaviour"`` without ``behaviour_logprobs``.
+        """
         lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
         s_tok = gather_token(lp_s, targets)
-        advantage = (gather_token(lp_t, targets) - s_tok).detach()
+        if self.uses_behaviour_logprobs and behaviour_logprobs is None:
+            raise ValueError("SampledTokenReverseKL(signal='behaviour') needs behaviour_logprobs (the batch's "
+                             "rollout-time log-probs of the sampled tokens)")
+        reference = behaviour_logprobs.to(s_tok) if self.uses_behaviour_logprobs else s_tok
+        advantage = (gather_token(lp_t, targets) - reference).detach()
         ratio = torch.exp(s_tok - s_tok.detach())  # 1 in value, carries grad log p_S
         return self._full(-ratio * advantage, lp_s, lp_t, targets)
 
