@@ -54,8 +54,21 @@ def test_evaluate_writes_every_task_seed_key(model_dirs, tmp_path, capsys):
     kl = {s["name"]: s["summary"]["teacher_traj_kl"]["mean"] for s in res["students"]}
     assert kl["teacher"] == 0.0 and kl["student"] > 0.01
     assert res["teacher"]["greedy"]["episodes"] == 4 and "teacher" in res["teacher"]["cache"]
+    # the teacher's greedy episodes under every key, like a student's (so compare can pair them)
+    assert Counter((r["task_id"], r["seed"]) for r in res["teacher"]["episodes"]) == Counter(dict.fromkeys(keys, 1))
+    # the KL on each student's own greedy episodes, split by outcome: every task in one of the two
+    # (keyword env: no environment errors), exactly 0 for the teacher scoring itself, > 0 for the student
+    for student in res["students"]:
+        own = student["summary"]["own_traj_kl"]
+        won = {r["task_id"] for r in student["greedy"] if r["success"]}
+        assert (own["won"]["episodes"], own["failed"]["episodes"]) == (len(won), 4 - len(won))
+        for part in own.values():
+            assert len(part["per_turn"]) == len(part["tokens_per_turn"]) and part["tokens"] == sum(part["tokens_per_turn"])
+        means = [part["mean"] for part in own.values() if part["episodes"]]
+        assert means and all((m == 0.0) if student["name"] == "teacher" else (m > 0.01) for m in means)
     printed = capsys.readouterr().out
     assert "| student | " in printed and "4 train tasks x seeds [0, 1, 2], backend hf" in printed
+    assert "Teacher KL per turn on each student's own greedy episodes, by outcome" in printed
     # compare reads it: one arm per student, paired on all 12 keys
     path = tmp_path / "results.json"
     for table, metric in (("greedy", "success"), ("sampled", "success"), ("teacher_traj_kl", "kl")):
@@ -71,12 +84,13 @@ def test_checkpoint_students_load_their_own_weights(model_dirs, tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step=4.ckpt"
     ckpt.parent.mkdir(parents=True)
     torch.save({"state_dict": {f"student.{k}": v for k, v in teacher.state_dict().items()}, "policy_version": 4,
-                "global_step": 4}, ckpt)
+                "global_step": 4, "callbacks": {"Timer": {"time_elapsed": {"train": 42.5, "validate": 3.0}}}}, ckpt)
     res = run(tmp_path, "--students", str(ckpt), "--base", model_dirs["student"], "--teacher", model_dirs["teacher"],
               "--avg-k", "0")
     (student,) = res["students"]
     assert student["name"] == "run/step=4" and student["kind"] == "ckpt" and student["policy_version"] == 4
     assert student["summary"]["teacher_traj_kl"]["mean"] == 0.0 and student["sampled"] is None
+    assert student["train_seconds"] == 42.5  # the checkpoint's Timer: training seconds, validation not counted
     with pytest.raises(ValueError, match="--base DIR"):
         run(tmp_path, "--students", str(ckpt), "--avg-k", "0")
 

@@ -193,7 +193,7 @@ def test_final_step_is_checkpointed_and_a_time_budget_stops_every_run(tmp_path, 
 TINY = """\
 trainer:
   accelerator: cpu
-  max_steps: 2
+  max_steps: 3
   limit_val_batches: 0
   num_sanity_val_steps: 0
   enable_progress_bar: false
@@ -222,23 +222,29 @@ data:
 @pytest.mark.slow  # four Python processes that import torch, Lightning and transformers: about a minute
 @pytest.mark.timeout(600)
 def test_real_fit_and_evaluate_on_the_tiny_models(model_dirs, tmp_path):
-    """``lightning-opd fit`` and ``evaluate`` for real (tiny models, keyword environment): a checkpoint every
-    step, the last one evaluated with the training seed as key and the run's teacher giving the KL."""
+    """``lightning-opd fit`` and ``evaluate`` for real (tiny models, keyword environment): a checkpoint every 2
+    steps and at the final step 3, each evaluated with the training seed as key, its training seconds (the
+    runner's Timer) and the run's teacher giving the KL; the summary over both checkpoints."""
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY.format(**model_dirs))
-    exp = Experiment(name="tiny", arms=[Arm("opd", [str(config)])], seeds=[5], checkpoint_every=1,
-                     evaluate_checkpoints="last", results=tmp_path / "results",
+    exp = Experiment(name="tiny", arms=[Arm("opd", [str(config)])], seeds=[5], checkpoint_every=2,
+                     evaluate_checkpoints="all", results=tmp_path / "results",
                      evaluate=["--backend", "hf", "--avg-k", "1", "--cache-dir", str(tmp_path / "cache")])
     done = Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
     run = tmp_path / "results" / "tiny" / "opd" / "seed5"
-    assert [Path(p).name for p in done[("opd", 5)]["evaluations"]] == ["step=2.json"]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt", "step=1.ckpt", "step=2.ckpt"]
+    assert [Path(p).name for p in done[("opd", 5)]["evaluations"]] == ["step=2.json", "step=3.json"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt", "step=2.ckpt", "step=3.ckpt"]
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "student" / "config.json").is_file()
     assert list((run / "logs").glob("events.out.tfevents.*"))
-    res = json.loads((run / "eval" / "step=2.json").read_text())
+    (early,) = json.loads((run / "eval" / "step=2.json").read_text())["students"]
+    res = json.loads((run / "eval" / "step=3.json").read_text())
     (student,) = res["students"]
-    assert student["kind"] == "ckpt" and student["policy_version"] == 2 and student["name"] == "opd"
+    assert student["kind"] == "ckpt" and student["policy_version"] == 3 and student["name"] == "opd"
+    assert 0 < early["train_seconds"] < student["train_seconds"]
     assert {(r["task_id"], r["seed"]) for r in student["greedy"]} == {("north", 5), ("south", 5)}
     assert res["config"]["max_turns"] == 3 and res["config"]["teacher"] == model_dirs["teacher"]
     assert student["summary"]["teacher_traj_kl"]["mean"] > 0
+    assert sum(part["episodes"] for part in student["summary"]["own_traj_kl"].values()) == 2
     assert (tmp_path / "results" / "tiny" / "compare.md").is_file()
+    summary = (tmp_path / "results" / "tiny" / "summary.md").read_text()
+    assert "### Same-Step: iteration 3" in summary and "| opd | 3 | " in summary

@@ -1,0 +1,174 @@
+"""The experiment summary (lightning_opd/evaluation/curves.py): Same-Step and Least-Time selection, time to a
+target, final vs best checkpoint and the per-turn KL by outcome, on hand-made checkpoints whose answers are
+worked out in the comments."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from lightning_opd.evaluation.curves import (Point, best, final, least_time, load_runs, per_turn_kl, same_step,
+                                             summarise, time_to_target, updates_per_batch)
+
+
+def point(arm, seed, iteration, seconds, wins, sampled=None, own_kl=None):
+    """A checkpoint of ``arm`` at ``iteration`` (= optimizer step here) won on the tasks flagged in ``wins``."""
+    greedy = {(f"t{i}", seed): float(w) for i, w in enumerate(wins)}
+    return Point(arm, seed, iteration, iteration, seconds, greedy,
+                 None if sampled is None else {(f"t{i}", seed): v for i, v in enumerate(sampled)}, own_kl)
+
+
+#   run          (iteration, training s, greedy wins on t0..t3)                                    success
+RUNS = {
+    "vanilla": {0: [point("vanilla", 0, 4, 100, [0, 0, 0, 0]),                                   # 0.00
+                    point("vanilla", 0, 8, 200, [1, 0, 0, 0]),                                   # 0.25
+                    point("vanilla", 0, 10, 260, [1, 1, 0, 0])],                                 # 0.50 final
+                1: [point("vanilla", 1, 4, 110, [0, 0, 0, 0]),                                   # 0.00
+                    point("vanilla", 1, 8, 230, [1, 1, 0, 0]),                                   # 0.50
+                    point("vanilla", 1, 9, 255, [1, 0, 0, 0])]},                                 # 0.25 final
+    "turnopd": {0: [point("turnopd", 0, 4, 60, [1, 0, 0, 0]),                                    # 0.25
+                    point("turnopd", 0, 8, 120, [1, 1, 0, 0]),                                   # 0.50
+                    point("turnopd", 0, 12, 180, [1, 1, 1, 0]),                                  # 0.75
+                    point("turnopd", 0, 16, 240, [1, 1, 1, 1]),                                  # 1.00
+                    point("turnopd", 0, 17, 252, [1, 1, 1, 0])],                                 # 0.75 final
+                1: [point("turnopd", 1, 4, 70, [0, 0, 0, 0]),                                    # 0.00
+                    point("turnopd", 1, 8, 140, [1, 1, 0, 0]),                                   # 0.50
+                    point("turnopd", 1, 12, 210, [1, 1, 1, 1]),                                  # 1.00
+                    point("turnopd", 1, 15, 262, [1, 1, 1, 1])]},                                # 1.00 final
+}
+
+
+def chosen(selection):
+    return {arm: {seed: p.iteration for seed, p in seeds.items()} for arm, seeds in selection.items()}
+
+
+def test_same_step_takes_each_run_at_or_before_the_smallest_last_iteration():
+    s, sel = same_step(RUNS)
+    assert s == 9  # last iterations 10, 9, 17, 15
+    assert chosen(sel) == {"vanilla": {0: 8, 1: 9}, "turnopd": {0: 8, 1: 8}}
+
+
+def test_least_time_without_and_with_a_budget():
+    t, sel = least_time(RUNS)
+    assert t == 252  # last seconds 260, 255, 252, 262
+    # vanilla's finals (260 s, 255 s) are past 252 s: their iteration-8 checkpoints; turnopd seed 1's 262 s too
+    assert chosen(sel) == {"vanilla": {0: 8, 1: 8}, "turnopd": {0: 17, 1: 12}}
+    # with the 250 s budget every run used it (finals 252-262 s read as 250 s): the finals are compared
+    t, sel = least_time(RUNS, budget=250)
+    assert t == 250 and chosen(sel) == {"vanilla": {0: 10, 1: 9}, "turnopd": {0: 17, 1: 15}}
+
+
+def test_least_time_needs_training_seconds():
+    runs = {"a": {0: [Point("a", 0, 2, 2, None, {("t0", 0): 1.0}, path="a/seed0/eval/step=2.json")]}}
+    with pytest.raises(ValueError, match=r"a/seed0/eval/step=2.json: no training seconds"):
+        least_time(runs)
+
+
+def test_a_run_without_a_checkpoint_before_the_common_step_is_named():
+    runs = {"a": {0: [point("a", 0, 4, 10, [1])]}, "b": {0: [point("b", 0, 2, 5, [0])]}}
+    with pytest.raises(ValueError, match="a seed 0 has no evaluated checkpoint at or before iteration 2"):
+        same_step(runs)
+
+
+def test_time_to_target_is_the_first_checkpoint_reaching_it():
+    hit = time_to_target(RUNS["turnopd"][0], 0.75)
+    assert (hit.iteration, hit.seconds) == (12, 180)
+    assert time_to_target(RUNS["turnopd"][1], 0.75).seconds == 210
+    assert time_to_target(RUNS["vanilla"][0], 0.75) is None and time_to_target(RUNS["vanilla"][1], 0.75) is None
+    assert time_to_target(RUNS["vanilla"][1], 0.5).iteration == 8  # >= target, not > target
+
+
+def test_final_and_best():
+    assert chosen(final(RUNS)) == {"vanilla": {0: 10, 1: 9}, "turnopd": {0: 17, 1: 15}}
+    # best = highest greedy success, earliest on ties (turnopd seed 1: 1.00 at 12 and at 15)
+    assert chosen(best(RUNS)) == {"vanilla": {0: 10, 1: 8}, "turnopd": {0: 16, 1: 12}}
+
+
+def test_summary_tables_and_values():
+    s = summarise(RUNS, name="toy", budget=250, targets=[0.75], resamples=200)
+    # final: vanilla wins t0,t1 (seed 0) + t0 (seed 1) = 3 of 8; turnopd 3 + 4 = 7 of 8
+    fin = s.data["final"]["greedy"]
+    assert [a["rate"] for a in fin["arms"]] == [0.375, 0.875] and fin["differences"][0]["difference"] == 0.5
+    # best: vanilla 2 + 2 = 4 of 8, turnopd 4 + 4 = 8 of 8
+    assert [a["rate"] for a in s.data["best"]["greedy"]["arms"]] == [0.5, 1.0]
+    # Same-Step at iteration 9: vanilla 1 + 1 = 2 of 8, turnopd 2 + 2 = 4 of 8
+    assert s.data["same_step"]["iteration"] == 9
+    assert [a["rate"] for a in s.data["same_step"]["greedy"]["arms"]] == [0.25, 0.5]
+    assert s.data["least_time"]["seconds"] == 250
+    assert s.data["time_to_target"]["turnopd"]["0.75"]["0"] == {"seconds": 180, "iteration": 12, "success": 0.75}
+    assert s.data["time_to_target"]["vanilla"]["0.75"] == {"0": None, "1": None}
+    md = s.markdown
+    assert "### Same-Step: iteration 9" in md and "### Least-Time: 250 training s" in md
+    assert "| vanilla | 10, 9 | 260, 255 | 0.38 [" in md  # the Least-Time row: finals at their true seconds
+    assert "| vanilla | 0.75 | not reached (best 0.50) | not reached (best 0.50) |" in md
+    assert "| turnopd | 0.75 | 180 s (iteration 12) | 210 s (iteration 12) |" in md
+    assert "selected on the same held-out games it is scored on, so it is optimistic" in md
+    # the learning curve: turnopd at iteration 12, both seeds: (180 + 210) / 2 s, (3 + 4) / 8 success
+    assert "| turnopd | 12 | 195 | 2 | 0.88 | - |" in md
+    assert "| turnopd | 16 | 240 | 1 | 1.00 | - |" in md  # seed 0 only
+
+
+def test_per_turn_kl_is_token_weighted_over_seeds():
+    nan = None  # a turn without tokens is NaN in evaluate, null once written as JSON
+    a = {"won": {"episodes": 1, "per_turn": [0.2, 0.4], "tokens_per_turn": [10, 5]},
+         "failed": {"episodes": 2, "per_turn": [1.0], "tokens_per_turn": [4]}}
+    b = {"won": {"episodes": 1, "per_turn": [0.5], "tokens_per_turn": [10]},
+         "failed": {"episodes": 3, "per_turn": [nan, 2.0], "tokens_per_turn": [0, 6]}}
+    kl = per_turn_kl([point("x", 0, 1, 1, [1], own_kl=a), point("x", 1, 1, 1, [1], own_kl=b)])
+    # won: turn 0 (0.2*10 + 0.5*10) / 20 = 0.35, turn 1 0.4; mean (2 + 2 + 5) / 25 = 0.36
+    assert kl["won"]["per_turn"] == pytest.approx([0.35, 0.4]) and kl["won"]["mean"] == pytest.approx(0.36)
+    assert kl["won"]["tokens_per_turn"] == [20, 5] and kl["won"]["episodes"] == 2
+    # failed: turn 0 only seed 0's 4 tokens (1.0), turn 1 seed 1's 6 tokens (2.0); mean (4 + 12) / 10 = 1.6
+    assert kl["failed"]["per_turn"] == pytest.approx([1.0, 2.0]) and kl["failed"]["mean"] == pytest.approx(1.6)
+    assert kl["failed"]["episodes"] == 5
+    empty = per_turn_kl([point("x", 0, 1, 1, [1])])
+    assert empty["won"]["episodes"] == 0 and math.isnan(empty["won"]["mean"])
+    s = summarise({"x": {0: [point("x", 0, 1, 1, [1], own_kl=a)]}, "y": {0: [point("y", 0, 1, 1, [0], own_kl=b)]}},
+                  resamples=50)
+    assert "| x | won | 1 | 0.267 | 0.200 | 0.400 |" in s.markdown  # (2 + 2) / 15
+    assert "| y | failed | 3 | 2.000 | - | 2.000 |" in s.markdown
+
+
+def write_eval(path, seed, step, wins, seconds, teacher_wins=None, sampled=None):
+    greedy = [{"task_id": f"t{i}", "seed": seed, "success": w} for i, w in enumerate(wins)]
+    student = {"name": "arm", "global_step": step, "train_seconds": seconds, "greedy": greedy,
+               "sampled": None if sampled is None else [{"task_id": f"t{i}", "seed": seed, "success": v, "sample": j}
+                                                        for i, vs in enumerate(sampled) for j, v in enumerate(vs)],
+               "summary": {}}
+    teacher = None if teacher_wins is None else {
+        "episodes": [{"task_id": f"t{i}", "seed": seed, "success": w} for i, w in enumerate(teacher_wins)]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"students": [student], "teacher": teacher}))
+
+
+def test_load_runs_reads_iterations_seconds_sampled_and_teacher(tmp_path):
+    """ATOD-style runs take 2 optimizer updates per rollout batch (fit_config.yaml), so step 8 is iteration 4."""
+    run = tmp_path / "atod" / "seed0"
+    run.mkdir(parents=True)
+    (run / "fit_config.yaml").write_text(yaml.safe_dump({"model": {"init_args": {"ppo_epochs": 1, "ppo_mini_batches": 2}}}))
+    write_eval(run / "eval" / "step=8.json", 0, 8, [1, 0], 40.0, teacher_wins=[1, 1], sampled=[[1, 0], [0, 0]])
+    write_eval(run / "eval" / "step=16.json", 0, 16, [1, 1], 80.0, teacher_wins=[1, 1], sampled=[[1, 1], [1, 0]])
+    (run / "eval" / "notes.json").write_text("{}")  # not an evaluation: ignored
+    runs = load_runs(tmp_path, ["atod", "missing"], [0, 1])
+    assert list(runs) == ["atod"] and list(runs["atod"]) == [0]
+    p8, p16 = runs["atod"][0]
+    assert (p8.step, p8.iteration, p8.seconds, p8.success, p8.avg_at_k) == (8, 4, 40.0, 0.5, 0.25)
+    assert p16.teacher == {("t0", 0): 1.0, ("t1", 0): 1.0} and p16.avg_at_k == 0.75
+    s = summarise(runs, resamples=50)
+    assert "against the teacher's own greedy episodes" in s.markdown
+    # final (step 16) wins both tasks like the teacher: difference 0; at step 8 it trails by one task of two
+    assert s.data["final"]["teacher"]["atod"]["differences"][0]["difference"] == 0.0
+    assert updates_per_batch({"model": {"init_args": {}}}) == 1
+
+
+def test_summary_needs_a_seed_every_arm_has():
+    runs = {"a": {0: [point("a", 0, 1, 1, [1])]}, "b": {1: [point("b", 1, 1, 1, [0])]}}
+    with pytest.raises(ValueError, match="no seed is evaluated in every arm"):
+        summarise(runs)
+    with pytest.raises(ValueError, match="nothing to summarise"):
+        summarise({})
+    runs["b"][0] = [point("b", 0, 1, 1, [0])]
+    assert "Left out (not evaluated in every arm): b seed 1." in summarise(runs, resamples=20).markdown
