@@ -17,6 +17,7 @@ An experiment (a YAML file, see :func:`load_experiment`)::
         overrides: [--model.init_args.optimizer.init_args.lr=1.0e-4, --trainer.limit_val_batches=0]
         checkpoint_every: 10         # optional, per arm (e.g. 2 optimizer updates per rollout batch)
     evaluate: [--avg-k, "4", --temperature, "0.7"]   # extra `lightning-opd evaluate` flags
+    evaluate_final: []               # flags for the final checkpoint only, after `evaluate` (e.g. Avg@4 there only)
 
 Run it with ``python -m benchmarks.experiment EXPERIMENT.yaml``; it can be stopped at any moment (Ctrl-C,
 ``kill -9``, a reboot) and run again with the same command to continue.
@@ -97,6 +98,8 @@ class Experiment:
             (``--trainer.limit_val_batches=0``), which the budget would count.
         targets: greedy success rates whose time to reach the summary reports.
         evaluate: extra ``lightning-opd evaluate`` arguments (after the runner's, so they win).
+        evaluate_final: further arguments for the final checkpoint only (after ``evaluate``; e.g. ``--avg-k 4``
+            there and greedy-only learning curves, which costs a fifth of Avg@4 at every checkpoint).
         teacher_kl: pass the run's teacher to ``evaluate`` (``--teacher``: teacher-trajectory KL).
         seed_keys: config keys set to the seed besides ``--seed_everything``.
         results: results root (default ``benchmarks/results``).
@@ -116,6 +119,7 @@ class Experiment:
     max_time: int | None = None
     targets: list[float] = field(default_factory=list)
     evaluate: list[str] = field(default_factory=list)
+    evaluate_final: list[str] = field(default_factory=list)
     teacher_kl: bool = True
     seed_keys: list[str] = field(default_factory=lambda: ["data.init_args.seed"])
     results: Path = DEFAULT_RESULTS
@@ -163,7 +167,7 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
     """
     data = yaml.safe_load(Path(path).read_text()) or {}
     known = {"name", "arms", "seeds", "checkpoint_every", "evaluate_checkpoints", "max_time", "targets", "evaluate",
-             "teacher_kl", "seed_keys", "results", "fit_command", "evaluate_command"}
+             "evaluate_final", "teacher_kl", "seed_keys", "results", "fit_command", "evaluate_command"}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -365,13 +369,14 @@ class Runner:
         chosen = found if self.exp.evaluate_checkpoints == "all" else found[-1:]
         outs = []
         for step, ckpt in chosen:
+            extra = list(self.exp.evaluate_final) if step == found[-1][0] else []  # the fit is done: the last is final
             out = d / "eval" / f"step={step}.json"
             outs.append(out)
             if out.is_file():
                 continue
             self.echo(f"[{arm.name} seed {seed}] evaluate step {step}")
             cmd = (self.exp.evaluate_command + ["--students", f"{arm.name}={ckpt}", "--out", str(out)]
-                   + self.evaluate_args(config, seed))
+                   + self.evaluate_args(config, seed) + extra)
             if _run(cmd, d / "eval.log", self.cwd) != 0:
                 raise RuntimeError(f"[{arm.name} seed {seed}] evaluate failed; see {d / 'eval.log'}")
         return outs

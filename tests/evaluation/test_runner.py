@@ -167,7 +167,8 @@ def test_final_step_is_checkpointed_and_a_time_budget_stops_every_run(tmp_path, 
     monkeypatch.setenv("FAKE_SECONDS_PER_STEP", "10")
     arms = {"a": {"overrides": ["--trainer.max_steps=10", "--trainer.limit_val_batches=0"]},
             "b": {"overrides": ["--trainer.max_steps=9", "--trainer.limit_val_batches=0"], "checkpoint_every": 3}}
-    exp = load_experiment(spec(tmp_path, 0, seeds=[0], arms=arms, max_time=45, targets=[0.75]), results=tmp_path / "r")
+    exp = load_experiment(spec(tmp_path, 0, seeds=[0], arms=arms, max_time=45, targets=[0.75],
+                               evaluate_final=["--avg-k", "4"]), results=tmp_path / "r")
     # (b, 0) was killed after step 3 (30 s): it resumes there with 15 s of its budget left, not 45
     pre = exp.run_dir(exp.arms[1], 0) / "checkpoints"
     pre.mkdir(parents=True)
@@ -182,6 +183,11 @@ def test_final_step_is_checkpointed_and_a_time_budget_stops_every_run(tmp_path, 
     assert sorted(p.name for p in (runs / "b" / "seed0" / "checkpoints").glob("step=*")) == ["step=3.ckpt", "step=5.ckpt"]
     (resumed,) = [c for c in calls(tmp_path) if c["cmd"] == "fit" and c["dir"].endswith("b/seed0")]
     assert resumed["start"] == 3 and resumed["seconds"] == 30.0
+    evals = {Path(c["out"]).parent.parent.parent.name + "/" + Path(c["out"]).name: c["argv"]
+             for c in calls(tmp_path) if c["cmd"] == "evaluate"}
+    assert sorted(evals) == ["a/step=2.json", "a/step=4.json", "a/step=5.json", "b/step=3.json", "b/step=5.json"]
+    for name, argv in evals.items():  # the experiment's --avg-k 2 everywhere, evaluate_final's --avg-k 4 on finals
+        assert argv[-2:] == (["--avg-k", "4"] if name.endswith("step=5.json") else ["--avg-k", "2"]), name
     summary = (runs / "summary.md").read_text()
     # Least-Time: both runs ended at 50 s >= the 45 s budget, so both are read at 45 s and their finals compared
     assert "### Least-Time: 45 training s" in summary
