@@ -123,6 +123,8 @@ class OPDModule(PolicyModule):
         #: loss-side token weightings, applied in this order (:mod:`lightning_opd.losses.weighting`)
         self.freshness: FreshnessWeighting | None = None
         self.turn_blend: TurnBlendWeighting | None = None
+        #: episodes generated for / used by (reached the loss) the steps so far, all ranks (log_rollout_counts)
+        self.rollout_totals = {"generated": 0, "used": 0}
         self._teacher: list = []  # kept out of the module tree: frozen, never checkpointed
         # F01: compare tokenizers before any rollout
         self.vocab_size = check_tokenizers_compatible(self.tokenizer, load_tokenizer(teacher, trust_remote_code),
@@ -188,6 +190,43 @@ class OPDModule(PolicyModule):
                              "and data.init_args.forced_lag=0: every batch is sampled by the weights being trained. Set "
                              "data.init_args.forced_lag=k (k >= 1) or data.init_args.mode=async, or use "
                              "signal=recomputed")
+
+    # ------------------------------------------------------------------------------------- rollout counts
+    def log_rollout_counts(self, batch: RolloutBatch) -> dict[str, int]:
+        """Log the step's rollouts, summed over data-parallel ranks (a collective): ``rollouts/generated``
+        (episodes played for the batch this step trained on), ``rollouts/used`` (those with supervised tokens
+        left after the freshness filter M2, i.e. that reached the loss) and the running totals
+        ``rollouts/generated_total`` and ``rollouts/used_total`` (saved in checkpoints). The producer discards no
+        batch (docs/algorithms.md §1.5.1), so generated - used = M2's drops + episodes without a reply (context
+        full before the first turn); async batches still buffered when fit ends were never trained on and are
+        not counted.
+
+        Args:
+            batch: the step's batch after :meth:`plan_batch` (dropped samples have an all-zero loss mask).
+
+        Returns:
+            the four values logged (episodes).
+        """
+        counts = torch.tensor([batch.size, int((batch.loss_mask[:, 1:].sum(1) > 0).sum())], device=self.device)
+        generated, used = (int(x) for x in self.reduce_sum(counts).tolist())
+        self.rollout_totals = {"generated": self.rollout_totals["generated"] + generated,
+                               "used": self.rollout_totals["used"] + used}
+        values = {"rollouts/generated": generated, "rollouts/used": used,
+                  "rollouts/generated_total": self.rollout_totals["generated"],
+                  "rollouts/used_total": self.rollout_totals["used"]}
+        for key, value in values.items():
+            self.log(key, float(value), batch_size=max(1, batch.size))
+        return values
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Also saves the rollout totals (``rollout_totals``: generated, used; the same on every rank)."""
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["rollout_totals"] = dict(self.rollout_totals)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        totals = checkpoint.get("rollout_totals", {})
+        self.rollout_totals = {k: int(totals.get(k, 0)) for k in ("generated", "used")}
 
     def updates(self, batch: RolloutBatch) -> list[tuple[int, RolloutBatch]]:
         """``(epoch, part)`` of every optimizer update of the step, in order. OPD: one update on the whole batch."""
@@ -528,5 +567,6 @@ class OPDModule(PolicyModule):
         t2 = time.perf_counter()
         self.step_metrics.log_step(self, StepRecord(batch, sums, step_tokens, grad_norm, max_lag, t1 - t0, t2 - t1,
                                                     stats, self.step_extras()))
+        self.log_rollout_counts(batch)
         return {"loss": sums["loss"], "turn_stats": stats,
                 "freshness": self.freshness.report() if self.freshness is not None else None}
