@@ -91,8 +91,8 @@ class ATODModule(OPDModule):
     """ATOD: on-policy distillation with a GRPO reward term, PPO updates and T-DUR turn weights (§3).
 
     Args:
-        student, teacher, optimizer, lr_scheduler, micro_batch_size, grad_clip_norm, dtype, teacher_dtype,
-            max_logged_turns, log_text_every_n_steps, strict_on_policy, trust_remote_code, export_dir,
+        student, teacher, optimizer, lr_scheduler, micro_batch_size, micro_batch_tokens, grad_clip_norm, dtype,
+            teacher_dtype, max_logged_turns, log_text_every_n_steps, strict_on_policy, trust_remote_code, export_dir,
             gradient_checkpointing, fsdp_mixed_precision: see :class:`~lightning_opd.learner.opd.OPDModule`.
         loss: the clipped surrogate (default ``ClippedSurrogate()``, clip ε 0.2).
         kappa: κ, coefficient of the OPD term of the hybrid advantage (§3.1); 1 with ``rho = 0`` and one
@@ -113,18 +113,20 @@ class ATODModule(OPDModule):
 
     def __init__(self, student: str, teacher: str, loss: ClippedSurrogate | None = None,
                  optimizer: OptimizerCallable | None = None, lr_scheduler: LRSchedulerCallable | None = None,
-                 micro_batch_size: int = 1, grad_clip_norm: float | None = 1.0, dtype: str = "float32",
+                 micro_batch_size: int | None = None, grad_clip_norm: float | None = 1.0, dtype: str = "float32",
                  teacher_dtype: str | None = None, max_logged_turns: int = 16, log_text_every_n_steps: int = 10,
                  strict_on_policy: bool = True, trust_remote_code: bool = False, export_dir: str | None = None,
                  gradient_checkpointing: bool = False, kappa: float = 1.0, rho: float = 0.0, ppo_epochs: int = 1,
                  ppo_mini_batches: int = 1, tdur: bool = False, reward: EpisodeReward | None = None,
-                 advantage_eps: float = 1e-6, fsdp_mixed_precision: str | None = None) -> None:
+                 advantage_eps: float = 1e-6, fsdp_mixed_precision: str | None = None,
+                 micro_batch_tokens: int | None = None) -> None:
         self.ppo = PPOUpdates(ppo_epochs, ppo_mini_batches)
         if advantage_eps < 0:
             raise ValueError(f"model.advantage_eps={advantage_eps} must be >= 0")
         kappa, rho = _coefficient("kappa", kappa), _coefficient("rho", rho)
         super().__init__(student=student, teacher=teacher, loss=loss, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                         micro_batch_size=micro_batch_size, grad_clip_norm=grad_clip_norm, dtype=dtype,
+                         micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+                         grad_clip_norm=grad_clip_norm, dtype=dtype,
                          teacher_dtype=teacher_dtype, max_logged_turns=max_logged_turns,
                          log_text_every_n_steps=log_text_every_n_steps, strict_on_policy=strict_on_policy,
                          trust_remote_code=trust_remote_code, export_dir=export_dir,

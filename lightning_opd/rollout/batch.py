@@ -9,7 +9,7 @@ are never trained on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Collection
+from typing import Collection, Sequence
 
 import torch
 
@@ -86,16 +86,27 @@ class RolloutBatch:
         """Rows ``index`` (trajectories are kept whole for logging)."""
         return replace(self, **{k: getattr(self, k)[index] for k in self._TENSORS if getattr(self, k) is not None})
 
+    @property
+    def lengths(self) -> list[int]:
+        """Attended tokens of each row (``B`` ints, tokens)."""
+        return [int(n) for n in self.attention_mask.sum(dim=1).tolist()]
+
+    def rows(self, start: int, stop: int) -> "RolloutBatch":
+        """Rows ``start:stop`` trimmed to the longest of them (at least 1 column)."""
+        mb = self.select(slice(start, stop))
+        t = max(self.lengths[start:stop], default=0)
+        return replace(mb, **{k: getattr(mb, k)[:, :max(t, 1)] for k in self._PER_TOKEN if getattr(mb, k) is not None})
+
     def split(self, micro_batch_size: int) -> list["RolloutBatch"]:
         """Micro-batches of at most ``micro_batch_size`` rows, each trimmed to its longest row."""
-        out = []
-        lengths = self.attention_mask.sum(dim=1)
-        for start in range(0, self.size, micro_batch_size):
-            mb = self.select(slice(start, start + micro_batch_size))
-            t = int(lengths[start:start + micro_batch_size].max().item()) if mb.size else 0
-            out.append(replace(mb, **{k: getattr(mb, k)[:, :max(t, 1)] for k in self._PER_TOKEN
-                                      if getattr(mb, k) is not None}))
-        return out
+        return [self.rows(start, start + micro_batch_size) for start in range(0, self.size, micro_batch_size)]
+
+    def split_tokens(self, max_tokens: int) -> list["RolloutBatch"]:
+        """Micro-batches of consecutive rows whose padded size, rows x longest row, is at most ``max_tokens``
+        (tokens), each trimmed to its longest row (:func:`pack_by_tokens`). Row order is kept: concatenated,
+        the micro-batches are this batch. A row longer than ``max_tokens`` is a micro-batch of its own (an
+        episode is never split: its forward needs its whole prefix)."""
+        return [self.rows(start, stop) for start, stop in pack_by_tokens(self.lengths, max_tokens)]
 
     def masked_rows(self, n: int) -> "RolloutBatch":
         """``n`` padding rows shaped like this batch's (the same optional fields, device and sampling), of 2
@@ -108,6 +119,44 @@ class RolloutBatch:
                                 device=dev)
                   for k in self._TENSORS if getattr(self, k) is not None}
         return replace(self, **values, trajectories=[])
+
+
+def pack_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[tuple[int, int]]:
+    """Cut rows of ``lengths`` (tokens each, in batch order) into consecutive ranges ``[start, stop)`` whose
+    padded size ``(stop - start) * max(lengths[start:stop])`` is at most ``max_tokens``: the fewest ranges,
+    and among those the fewest padded tokens (exact, by dynamic programming over the cut points, O(B²)).
+    A row longer than ``max_tokens`` is a range of its own.
+
+    Padding-aware but order-preserving (a design choice of this project): the budget counts the padding
+    a micro-batch's forward really computes, and the cuts are placed to waste the least of it; rows are not
+    sorted by length, because the step's per-row results (the ``(B, T-1)`` log-probs, the per-sample turn
+    statistics, ATOD's contiguous PPO mini-batches) are concatenated in batch order. Example: lengths
+    ``[10, 100, 100]``, budget 200: ``[(0, 1), (1, 3)]`` (210 padded tokens), where filling ranges greedily
+    from the left gives ``[(0, 2), (2, 3)]`` (300).
+
+    Raises:
+        ValueError: ``max_tokens < 1``.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens} must be >= 1 (tokens per micro-batch)")
+    n = len(lengths)
+    best: list[tuple[int, int, int]] = [(0, 0, 0)] + [(n + 1, 0, 0)] * n  # (ranges, padded tokens, last cut)
+    for stop in range(1, n + 1):
+        longest = 0
+        for start in range(stop - 1, -1, -1):
+            longest = max(longest, int(lengths[start]), 1)
+            padded = (stop - start) * longest
+            if padded > max_tokens and stop - start > 1:
+                break  # a longer range only pads more
+            cand = (best[start][0] + 1, best[start][1] + padded, start)
+            if cand[:2] < best[stop][:2]:
+                best[stop] = cand
+    cuts, stop = [], n
+    while stop > 0:
+        start = best[stop][2]
+        cuts.append((start, stop))
+        stop = start
+    return cuts[::-1]
 
 
 def _after_stop(t: Trajectory, stop_ids: Collection[int]) -> list[int]:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lightning_opd.rollout.batch import collate_trajectories, rollout_stats
+from lightning_opd.rollout.batch import collate_trajectories, pack_by_tokens, rollout_stats
 from lightning_opd.rollout.buffer import RolloutBuffer
 from lightning_opd.rollout.generator import SamplingParams
 from lightning_opd.rollout.types import Trajectory
@@ -59,6 +59,36 @@ def test_split_trims_each_micro_batch_to_its_longest_row():
     batch = collate_trajectories([_traj([2]), _traj([2, 5, 5])], SamplingParams(), pad_id=PAD)
     short, long = batch.split(1)
     assert short.input_ids.shape == (1, 5) and long.input_ids.shape == (1, batch.input_ids.shape[1])
+
+
+@pytest.mark.parametrize(("lengths", "budget", "ranges"), [
+    ([10, 100, 100], 200, [(0, 1), (1, 3)]),  # 210 padded tokens; greedy from the left: (0, 2), (2, 3) = 300
+    ([10, 100, 100], 300, [(0, 3)]),  # 3 x 100 fits exactly
+    ([10, 100, 100], 99, [(0, 1), (1, 2), (2, 3)]),  # rows over the budget are micro-batches of their own
+    ([50, 50, 50, 50], 100, [(0, 2), (2, 4)]),
+    ([4, 21, 5, 12], 24, [(0, 1), (1, 2), (2, 4)]),  # 2 x 12 = 24 fits, 2 x 21 does not
+    ([7], 1, [(0, 1)]),
+    ([], 100, []),
+])
+def test_pack_by_tokens_fewest_ranges_then_least_padding(lengths, budget, ranges):
+    assert pack_by_tokens(lengths, budget) == ranges
+
+
+def test_pack_by_tokens_refuses_a_budget_below_one():
+    with pytest.raises(ValueError, match="max_tokens=0 must be >= 1"):
+        pack_by_tokens([3], 0)
+
+
+def test_split_tokens_keeps_row_order_and_trims_each_micro_batch():
+    trajs = [_traj([1]), _traj([2, 5, 5]), _traj([2]), _traj([3, 3])]
+    batch = collate_trajectories(trajs, SamplingParams(), pad_id=PAD)
+    assert batch.lengths == [4, 21, 5, 12]
+    parts = batch.split_tokens(24)
+    assert [p.input_ids.shape for p in parts] == [(1, 4), (1, 21), (2, 12)]
+    for name in ("input_ids", "attention_mask", "loss_mask", "turn_index", "behaviour_logprobs"):
+        rows = [row[:n] for p in parts for row, n in zip(getattr(p, name), p.lengths)]
+        assert [r.tolist() for r in rows] == [getattr(batch, name)[i, :n].tolist() for i, n in enumerate(batch.lengths)]
+    assert torch.equal(torch.cat([p.behaviour_version for p in parts]), batch.behaviour_version)
 
 
 def test_mismatched_token_lists_raise():
