@@ -1,8 +1,9 @@
 """``StalenessMonitor``: f-OPD's control of stale samples in asynchronous OPD (arXiv 2605.17862).
 
-PROPOSED in docs/algorithms.md §1.4, not from the paper (its text was not available to us): the three
-diagnostics on absolute scales (version lag δ, rollout drift ρ, supervision drift χ), the freshness
-score ``f = 1 / (1 + exp(α (s − β)))`` and three mechanisms, each switchable:
+PROPOSED in docs/algorithms.md §1.4-§1.5, not from the paper (its text was not available to us): the three
+diagnostics on absolute scales (version lag δ, rollout drift ρ, supervision drift χ), the staleness score
+``s = w_δ δ + w_ρ ρ/τ_ρ + w_χ χ/τ_χ`` (``score="age_only"``: ``s = w_δ δ``), the freshness
+``f = 1 / (1 + exp(α (s − β)))`` and three mechanisms, each switchable:
 
 * M1 ``weighting``: every token of sample i weighted ``f_i / f̄`` (f̄: token-weighted mean over the
   kept samples of the whole step, all ranks), with the OPD signal recomputed at learner time (the
@@ -11,7 +12,15 @@ score ``f = 1 / (1 + exp(α (s − β)))`` and three mechanisms, each switchable
   dropped whole if any member fails, never in part (PROPOSED: "any member" rule);
 * M3 ``truncated_ratio``: per-token ``sg(min(π_θ/π_b, C))`` multiplied into the loss, and
   ``adaptive_lag``: ``Δ_max ← max(1, Δ_max − 1)`` after ``patience`` consecutive steps with
-  ``f̄ < low_freshness``, ``Δ_max ← min(Δ_cap, Δ_max + 1)`` when ``f̄ > high_freshness``.
+  ``f̄ < low_freshness``, ``Δ_max ← min(Δ_cap, Δ_max + 1)`` when ``f̄ > high_freshness``, where f̄ is the
+  token-weighted mean freshness of **all** the step's samples before filtering, all ranks (§1.5).
+
+A step whose samples are all filtered makes no update (``OPDModule``: no optimizer step; it still counts as a
+rollout iteration); the monitor counts them (``skipped_steps``). ``mode="measure"`` logs every diagnostic
+and applies nothing (no weighting, filtering, ratio or bound change: the update is that of a run without the
+monitor) and writes one JSON line per sample (``staleness_samples.jsonl`` in the run's log directory: step,
+rank, lag, delta, rho, chi, score, freshness, kept), which ``lightning-opd calibrate-freshness`` reads to set
+τ_ρ, τ_χ (§1.5).
 
 The computation lives in the loss-side component
 :class:`~lightning_opd.losses.freshness.FreshnessWeighting`, which this callback builds from its arguments and
@@ -24,13 +33,16 @@ Computing ρ and χ needs the learner's log-probs of every sampled token before 
 module runs one extra no-grad student forward per step while this callback is on.
 
 Logged (``staleness/``, per step): ``lag_mean``, ``lag_max`` (versions), ``delta``, ``rho``, ``chi``
-(nats), ``score``, ``freshness_mean``, ``freshness_min``, ``dropped_samples``, ``dropped_groups``,
-``max_lag_bound`` (versions), and with M3 ``ratio_mean``, ``ratio_clip_frac``.
+(nats), ``score``, ``freshness_mean``, ``freshness_kept_mean``, ``freshness_min``, ``kept_tokens``,
+``dropped_samples``, ``dropped_groups``, ``would_drop_samples``, ``max_lag_bound`` (versions),
+``skipped_steps`` (cumulative), and with M3 ``ratio_mean``, ``ratio_clip_frac``.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -41,7 +53,7 @@ from lightning_opd.losses.freshness import FreshnessReport, FreshnessWeighting
 
 
 class StalenessMonitor(Callback):
-    """f-OPD staleness diagnostics, freshness score and the three mechanisms (PROPOSED, §1.4).
+    """f-OPD staleness diagnostics, freshness score and the three mechanisms (PROPOSED, §1.4-§1.5).
 
     Args:
         lag_cap: Δ_cap, fixed ceiling of the lag scale and of the adaptive bound (versions).
@@ -56,9 +68,17 @@ class StalenessMonitor(Callback):
         ratio_cap: M3's C.
         adaptive_lag: move Δ_max with the batch mean freshness (M3).
         low_freshness, high_freshness, patience: thresholds of the adaptive bound (patience in steps).
+        lag_weight, rho_weight, chi_weight: w_δ, w_ρ, w_χ, the balance of the score's terms (unitless, >= 0;
+            defaults 2, 1/3, 1/3: a driftless sample at the lag cap scores f ≈ 0.018 < f_min, §1.5).
+        score: ``"full"`` (lag and drifts) or ``"age_only"`` (freshness from the lag alone, the §1.5 ablation).
+        mode: ``"control"`` (the mechanisms as configured) or ``"measure"`` (every diagnostic logged and
+            per-sample records written, nothing applied: ``weighting``, ``filtering``, ``truncated_ratio`` and
+            ``adaptive_lag`` are ignored).
+        sample_records: write the per-sample JSON lines also in ``control`` mode (``None``: only in ``measure``).
 
     Raises:
-        ValueError: a bound out of range (named in the message); ``max_lag`` given.
+        ValueError: a bound out of range or a bad score knob (named in the message); ``max_lag`` given; an
+            unknown ``mode``.
         TypeError: at setup, a module without ``configure_freshness`` (not an ``OPDModule``).
     """
 
@@ -66,7 +86,9 @@ class StalenessMonitor(Callback):
                  beta: float = 1.0, weighting: bool = True, filtering: bool = True, min_freshness: float = 0.05,
                  initial_lag_bound: int | None = None, truncated_ratio: bool = False, ratio_cap: float = 2.0,
                  adaptive_lag: bool = True, low_freshness: float = 0.5, high_freshness: float = 0.8,
-                 patience: int = 3, max_lag: int | None = None) -> None:
+                 patience: int = 3, max_lag: int | None = None, lag_weight: float = 2.0, rho_weight: float = 1 / 3,
+                 chi_weight: float = 1 / 3, score: str = "full", mode: str = "control",
+                 sample_records: bool | None = None) -> None:
         if max_lag is not None:
             raise ValueError(f"StalenessMonitor init_args.max_lag={max_lag}: renamed init_args.initial_lag_bound "
                              "(the starting lag bound; data.init_args.max_lag is the async producer's lead)")
@@ -74,18 +96,26 @@ class StalenessMonitor(Callback):
             raise ValueError(f"initial_lag_bound={initial_lag_bound} must be in [1, lag_cap={lag_cap}]")
         if patience < 1:
             raise ValueError(f"patience={patience} must be >= 1")
+        if mode not in ("control", "measure"):
+            raise ValueError(f"StalenessMonitor init_args.mode={mode!r}: choose control (apply the mechanisms) or "
+                             "measure (log the diagnostics, change nothing)")
+        measure = mode == "measure"
         #: the loss-side component this callback installs and steers
-        self.freshness = FreshnessWeighting(lag_cap, tau_rho, tau_chi, alpha, beta, weighting=weighting,
-                                            filtering=filtering, min_freshness=min_freshness,
-                                            lag_bound=initial_lag_bound, truncated_ratio=truncated_ratio,
-                                            ratio_cap=ratio_cap, measure=adaptive_lag)
+        self.freshness = FreshnessWeighting(
+            lag_cap, tau_rho, tau_chi, alpha, beta, weighting=weighting and not measure,
+            filtering=filtering and not measure, min_freshness=min_freshness, lag_bound=initial_lag_bound,
+            truncated_ratio=truncated_ratio and not measure, ratio_cap=ratio_cap, measure=adaptive_lag or measure,
+            lag_weight=lag_weight, rho_weight=rho_weight, chi_weight=chi_weight, score=score)
         self.lag_cap, self.tau_rho, self.tau_chi, self.alpha, self.beta = lag_cap, tau_rho, tau_chi, alpha, beta
-        self.initial_lag_bound = initial_lag_bound
+        self.initial_lag_bound, self.mode = initial_lag_bound, mode
         self.adaptive_lag, self.low_freshness, self.high_freshness, self.patience = (
-            adaptive_lag, low_freshness, high_freshness, patience)
+            adaptive_lag and not measure, low_freshness, high_freshness, patience)
+        self.sample_records = measure if sample_records is None else sample_records
+        self.records_path: Path | None = None
         # state (plain numbers; persisted)
         self.max_lag_bound: int | None = initial_lag_bound
         self.low_streak = 0
+        self.skipped_steps = 0
 
     @property
     def state_key(self) -> str:
@@ -103,30 +133,44 @@ class StalenessMonitor(Callback):
             self.max_lag_bound = min(self.lag_cap, max(4, allowed))
         self.freshness.set_lag_bound(self.max_lag_bound)
         pl_module.configure_freshness(self.freshness)
+        log_dir = getattr(trainer, "log_dir", None)
+        if self.sample_records and log_dir is not None:
+            world, rank = int(getattr(trainer, "world_size", 1)), int(getattr(trainer, "global_rank", 0))
+            self.records_path = Path(log_dir) / (f"staleness_samples.rank{rank}.jsonl" if world > 1
+                                                 else "staleness_samples.jsonl")
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        report = outputs.get("freshness") if isinstance(outputs, dict) else None
+        outputs = outputs if isinstance(outputs, dict) else {}
+        report = outputs.get("freshness")
         report = report if report is not None else FreshnessReport()
+        if outputs.get("skipped_update"):
+            self.skipped_steps += 1
         self.update_bound(report.stats.get("freshness_mean"))
         self._log(pl_module, report)
+        if self.records_path is not None and report.freshness is not None:
+            self.write_records(self.records_path, report, int(getattr(trainer, "global_step", batch_idx)),
+                               int(getattr(trainer, "global_rank", 0)))
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"max_lag_bound": self.max_lag_bound, "low_streak": self.low_streak}
+        return {"max_lag_bound": self.max_lag_bound, "low_streak": self.low_streak,
+                "skipped_steps": self.skipped_steps}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.max_lag_bound = state_dict.get("max_lag_bound", self.max_lag_bound)
         self.low_streak = int(state_dict.get("low_streak", 0))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.freshness.set_lag_bound(self.max_lag_bound)
 
     # ------------------------------------------------------------------------------------- the decision
     def update_bound(self, freshness_mean: float | None) -> None:
-        """One step of the adaptive bound from the step's f̄ (``None`` or NaN: no sample on any rank, nothing
-        learned about freshness): ``Δ_max ← max(1, Δ_max − 1)`` after ``patience`` consecutive steps below
-        ``low_freshness``, ``Δ_max ← min(Δ_cap, Δ_max + 1)`` above ``high_freshness``; handed to the weighting."""
+        """One step of the adaptive bound from the step's f̄ (the mean over all samples before filtering, §1.5;
+        ``None`` or NaN: no sample on any rank, nothing learned about freshness): ``Δ_max ← max(1, Δ_max − 1)``
+        after ``patience`` consecutive steps below ``low_freshness``, ``Δ_max ← min(Δ_cap, Δ_max + 1)`` above
+        ``high_freshness``; handed to the weighting. Nothing moves in ``measure`` mode."""
         if not self.adaptive_lag or freshness_mean is None or math.isnan(freshness_mean):
             return
         if freshness_mean < self.low_freshness:
@@ -143,6 +187,21 @@ class StalenessMonitor(Callback):
     def _log(self, pl_module, report: FreshnessReport) -> None:
         values = {k: v for k, v in report.stats.items() if not k.startswith("ratio_")}
         values["max_lag_bound"] = float(self.max_lag_bound or 0)
+        values["skipped_steps"] = float(self.skipped_steps)
         values.update({k: v for k, v in report.stats.items() if k.startswith("ratio_")})
         for key, value in values.items():
             pl_module.log(f"staleness/{key}", value, batch_size=1)
+
+    @staticmethod
+    def write_records(path: Path, report: FreshnessReport, step: int, rank: int) -> None:
+        """Append one JSON line per sample of ``report`` to ``path``: ``step``, ``rank``, ``lag`` (versions),
+        ``delta``, ``rho``, ``chi`` (nats), ``score``, ``freshness``, ``kept`` (what
+        ``lightning-opd calibrate-freshness`` reads)."""
+        d = report.diagnostics
+        rows = zip(d.lag.tolist(), d.delta.tolist(), d.rho.tolist(), d.chi.tolist(), report.score.tolist(),
+                   report.freshness.tolist(), report.keep.tolist())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as fh:
+            for lag, delta, rho, chi, score, fresh, kept in rows:
+                fh.write(json.dumps({"step": step, "rank": rank, "lag": lag, "delta": delta, "rho": rho, "chi": chi,
+                                     "score": score, "freshness": fresh, "kept": bool(kept)}) + "\n")

@@ -555,10 +555,16 @@ class OPDModule(PolicyModule):
         """One rollout batch: pulled now, checked (on-policy), planned, prepared, trained on with
         :meth:`updates` optimizer updates; ``policy_version += 1``.
 
+        An update whose samples the freshness filter (M2) all dropped, on every rank, is skipped (PROPOSED,
+        docs/algorithms.md §1.5): no ``optimizer.step()`` and no LR-scheduler step, so weights and optimizer
+        state are unchanged; Lightning still counts it as an optimizer step (``global_step``, ``max_steps``), and
+        ``policy_version`` still moves by 1 (a rollout iteration; the weights equal the previous version's).
+
         Returns:
             ``{"loss": the step loss (detached by Lightning), "turn_stats": the step's TurnStats on this rank,
-            "freshness": the freshness weighting's FreshnessReport of the step (``None`` without it)}``, what
-            callbacks get as ``outputs`` in ``on_train_batch_end``.
+            "skipped_update": whether every update of the step was skipped, "freshness": the freshness
+            weighting's FreshnessReport of the step (``None`` without it)}``, what callbacks get as ``outputs``
+            in ``on_train_batch_end``.
         """
         t0 = time.perf_counter()
         batch, _, _ = next(dataloader_iter)  # generated now, with the current weights
@@ -573,17 +579,25 @@ class OPDModule(PolicyModule):
         sched = self.lr_schedulers()
         clip = self.grad_clip_norm if self.grad_clip_norm is not None else float("inf")
         step_tokens = self.reduce_sum(batch.loss_mask[:, 1:].sum().to(self.device))
-        totals, norms, turn_stats, epochs = None, [], [], 0
+        totals, norms, turn_stats, epochs, skipped = None, [], [], 0, 0
         for epoch, part in self.updates(batch):
             part_tokens = step_tokens if part is batch else self.reduce_sum(
                 part.loss_mask[:, 1:].sum().to(self.device))  # §0.5 per update: its own tokens
             sums, stats = self.backward_step(part, part_tokens, self.manual_backward, self.trainer.world_size)
             norm = torch.nn.utils.clip_grad_norm_(self.student.parameters(), clip)
             norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
-            opt.step()
+            if self.freshness is not None and self.freshness.filtering and int(part_tokens) == 0:
+                # §1.5: the filter kept no supervised token on any rank (part_tokens is all-reduced): no update, so
+                # weights and optimizer state (AdamW's moments and step) stay as they are and the LR scheduler does
+                # not move; Lightning still counts the step (global_step, so max_steps ends the run)
+                opt._on_before_step()
+                opt._on_after_step()
+                skipped += 1
+            else:
+                opt.step()
+                if sched is not None:
+                    sched.step()
             opt.zero_grad(set_to_none=True)
-            if sched is not None:
-                sched.step()
             totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
             if epoch == 0:
                 turn_stats.append(stats)
@@ -592,11 +606,13 @@ class OPDModule(PolicyModule):
         sums = {"loss": totals["loss"] / n_updates, "kl": totals["kl"] / epochs, "entropy": totals["entropy"] / epochs}
         grad_norm = norms[0] if n_updates == 1 else torch.stack(norms).mean()
         stats = turn_stats[0] if len(turn_stats) == 1 else TurnStats.cat(turn_stats)  # first epoch
-        self.policy_version += 1  # one rollout iteration, however many updates (§3.1 note)
+        # one rollout iteration, however many updates (§3.1 note), also when all were skipped (§1.5: the producer's
+        # batch index and the forced-lag copies stay in step with the version; its weights equal the last version's)
+        self.policy_version += 1
         self._notify_policy_update()
         t2 = time.perf_counter()
         self.step_metrics.log_step(self, StepRecord(batch, sums, step_tokens, grad_norm, max_lag, t1 - t0, t2 - t1,
                                                     stats, self.step_extras()))
         self.log_rollout_counts(batch)
-        return {"loss": sums["loss"], "turn_stats": stats,
+        return {"loss": sums["loss"], "turn_stats": stats, "skipped_update": skipped == n_updates,
                 "freshness": self.freshness.report() if self.freshness is not None else None}

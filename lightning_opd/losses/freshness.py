@@ -10,7 +10,7 @@ component ``OPDModule`` applies (first of its weightings, :mod:`lightning_opd.lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -74,22 +74,56 @@ def staleness_diagnostics(lag: torch.Tensor, student_logprobs: torch.Tensor, beh
     return FreshnessDiagnostics(lag=lag, delta=delta, rho=rho, chi=chi)
 
 
+#: the score variants: ``full`` (lag and both drifts) and ``age_only`` (the lag alone, §1.5 ablation)
+SCORES = ("full", "age_only")
+
+
 def freshness_score(diag: FreshnessDiagnostics, tau_rho: float = 0.1, tau_chi: float = 0.1, alpha: float = 4.0,
-                    beta: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Staleness ``s_i = (δ_i + ρ_i/τ_ρ + χ_i/τ_χ) / 3`` and freshness ``f_i = 1 / (1 + exp(α (s_i − β)))``
-    (§1.4, PROPOSED; absolute scales, so a synchronous sample scores s ≈ 0, f ≈ 0.98).
+                    beta: float = 1.0, lag_weight: float = 2.0, rho_weight: float = 1 / 3, chi_weight: float = 1 / 3,
+                    score: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
+    """Staleness ``s_i = w_δ δ_i + w_ρ ρ_i/τ_ρ + w_χ χ_i/τ_χ`` (``age_only``: ``s_i = w_δ δ_i``) and freshness
+    ``f_i = 1 / (1 + exp(α (s_i − β)))`` (PROPOSED, docs/algorithms.md §1.4 with the §1.5 balance; absolute
+    scales, so a synchronous sample scores s = 0, f ≈ 0.98).
+
+    Default balance (§1.5): ``w_δ = 2`` puts a driftless sample at half the lag cap on the midpoint (s = 1,
+    f = 0.5) and one at the cap on s = 2, f ≈ 0.018, below the default ``min_freshness`` 0.05;
+    ``w_ρ = w_χ = 1/3`` keep §1.4's drift sensitivity.
+
+    Args:
+        diag: the ``(B,)`` diagnostics of :func:`staleness_diagnostics`.
+        tau_rho, tau_chi: drift tolerances (nats). alpha, beta: steepness and midpoint (score units).
+        lag_weight, rho_weight, chi_weight: w_δ, w_ρ, w_χ (>= 0, unitless).
+        score: ``"full"`` or ``"age_only"`` (the drifts are ignored).
 
     Returns:
         ``(s, f)``, each ``(B,)`` float64.
 
     Raises:
-        ValueError: a non-positive tolerance.
+        ValueError: a non-positive tolerance, a negative weight, an unknown ``score``.
     """
-    if tau_rho <= 0 or tau_chi <= 0:
-        raise ValueError(f"tolerances must be > 0 nats, got tau_rho={tau_rho}, tau_chi={tau_chi}")
-    s = (diag.delta + diag.rho / tau_rho + diag.chi / tau_chi) / 3.0
+    check_score_knobs(tau_rho, tau_chi, lag_weight, rho_weight, chi_weight, score)
+    s = lag_weight * diag.delta
+    if score == "full":
+        s = s + rho_weight * diag.rho / tau_rho + chi_weight * diag.chi / tau_chi
     f = torch.sigmoid(-alpha * (s - beta))
     return s, f
+
+
+def check_score_knobs(tau_rho: float, tau_chi: float, lag_weight: float, rho_weight: float, chi_weight: float,
+                      score: str) -> None:
+    """Refuse a freshness-score setting that cannot be a score (messages name the ``init_args`` keys).
+
+    Raises:
+        ValueError: ``tau_rho`` or ``tau_chi`` <= 0, a negative weight, ``score`` not in :data:`SCORES`.
+    """
+    if tau_rho <= 0 or tau_chi <= 0:
+        raise ValueError(f"init_args.tau_rho={tau_rho} and init_args.tau_chi={tau_chi} must be > 0 (nats): "
+                         "the drift at which a drift term contributes its weight")
+    for name, w in (("lag_weight", lag_weight), ("rho_weight", rho_weight), ("chi_weight", chi_weight)):
+        if w < 0:
+            raise ValueError(f"init_args.{name}={w} must be >= 0 (0 switches that term off)")
+    if score not in SCORES:
+        raise ValueError(f"init_args.score={score!r}: choose one of {', '.join(SCORES)}")
 
 
 def truncated_importance_ratio(student_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
@@ -106,26 +140,38 @@ class FreshnessReport:
 
     Attributes:
         stats: ``lag_mean``, ``lag_max`` (versions), ``delta``, ``rho``, ``chi`` (nats), ``score``,
-            ``freshness_mean`` (f̄, the same on every rank), ``freshness_min``, ``dropped_samples``,
-            ``dropped_groups`` (this rank's statistics are NaN without samples), and with M3 ``ratio_mean``,
-            ``ratio_clip_frac`` over the step's supervised tokens; empty when no diagnostic was computed.
+            ``freshness_min``, ``dropped_samples``, ``dropped_groups``, ``would_drop_samples`` (what M2 would drop
+            with the current bound, also when it is off) -- this rank's statistics, NaN without samples -- and,
+            the same on every rank: ``freshness_mean`` (supervised-token-weighted mean f over **all** samples of
+            the step before filtering, all ranks: what the adaptive bound reads; the plain sample mean when no
+            sample has a supervised token, NaN without samples), ``freshness_kept_mean`` (M1's f̄ over the kept
+            samples; NaN when none is kept), ``kept_tokens`` (supervised tokens kept, all ranks; 0: the step
+            has nothing to learn from), and with M3 ``ratio_mean``, ``ratio_clip_frac`` over the step's
+            supervised tokens; empty when no diagnostic was computed.
         freshness: ``(B,)`` f_i of this rank's samples (``None``: not computed).
         keep: ``(B,)`` bool, the M2 decision (all ``True`` without filtering; ``None``: not computed).
+        diagnostics: this rank's ``(B,)`` diagnostics (``None``: not computed).
+        score: ``(B,)`` staleness score s_i (``None``: not computed).
     """
 
     stats: dict[str, float] = field(default_factory=dict)
     freshness: torch.Tensor | None = None
     keep: torch.Tensor | None = None
+    diagnostics: FreshnessDiagnostics | None = None
+    score: torch.Tensor | None = None
 
 
 class FreshnessWeighting:
-    """f-OPD's token weighting (PROPOSED, docs/algorithms.md §1.4): M1 sample weights ``f_i / f̄``, M2 group
+    """f-OPD's token weighting (PROPOSED, docs/algorithms.md §1.4-§1.5): M1 sample weights ``f_i / f̄``, M2 group
     filter, M3 truncated importance ratio.
 
     Args:
         lag_cap: Δ_cap, fixed ceiling of the lag scale (versions).
         tau_rho, tau_chi: rollout- and supervision-drift tolerances (nats).
         alpha, beta: steepness and midpoint of the freshness transform (score units).
+        lag_weight, rho_weight, chi_weight: w_δ, w_ρ, w_χ, the balance of the score's terms (§1.5).
+        score: ``"full"`` (lag and drifts) or ``"age_only"`` (the lag alone; the drifts are still measured
+            and reported).
         weighting: M1 on/off. filtering: M2 on/off. truncated_ratio: M3 ratio on/off.
         min_freshness: M2 threshold f_min.
         lag_bound: Δ_max, the largest lag M2 keeps (versions, in ``[1, lag_cap]``; ``None``: ``lag_cap``);
@@ -134,22 +180,23 @@ class FreshnessWeighting:
         measure: compute the diagnostics even when neither M1 nor M2 uses them (a controller reads them).
 
     Raises:
-        ValueError: a bound out of range (named in the message).
+        ValueError: a bound out of range or a bad score knob (named in the message).
     """
 
     def __init__(self, lag_cap: int = 8, tau_rho: float = 0.1, tau_chi: float = 0.1, alpha: float = 4.0,
                  beta: float = 1.0, weighting: bool = True, filtering: bool = True, min_freshness: float = 0.05,
                  lag_bound: int | None = None, truncated_ratio: bool = False, ratio_cap: float = 2.0,
-                 measure: bool = False) -> None:
+                 measure: bool = False, lag_weight: float = 2.0, rho_weight: float = 1 / 3,
+                 chi_weight: float = 1 / 3, score: str = "full") -> None:
         if lag_cap < 1:
             raise ValueError(f"lag_cap={lag_cap} must be >= 1")
-        if tau_rho <= 0 or tau_chi <= 0:
-            raise ValueError(f"tau_rho={tau_rho} and tau_chi={tau_chi} must be > 0 (nats)")
+        check_score_knobs(tau_rho, tau_chi, lag_weight, rho_weight, chi_weight, score)
         if not 0 <= min_freshness < 1:
             raise ValueError(f"min_freshness={min_freshness} must be in [0, 1)")
         if ratio_cap <= 0:
             raise ValueError(f"ratio_cap={ratio_cap} must be > 0")
         self.lag_cap, self.tau_rho, self.tau_chi, self.alpha, self.beta = lag_cap, tau_rho, tau_chi, alpha, beta
+        self.lag_weight, self.rho_weight, self.chi_weight, self.score = lag_weight, rho_weight, chi_weight, score
         self.weighting, self.filtering, self.truncated_ratio = weighting, filtering, truncated_ratio
         self.min_freshness, self.ratio_cap = min_freshness, ratio_cap
         self.needs_learner_logprobs = weighting or filtering or measure
@@ -181,29 +228,30 @@ class FreshnessWeighting:
                 target positions.
             group_id: ``(B,)`` GRPO group of each sample (M2 drops groups whole).
             reduce_sum: sums over data-parallel ranks; called exactly once (also with ``B = 0``, F19), so
-                ``freshness_mean`` (f̄) is the same on every rank.
+                ``freshness_mean``, ``freshness_kept_mean`` and ``kept_tokens`` are the same on every rank.
         """
         self._ratio = [0.0, 0.0, 0.0]
         self._report = FreshnessReport()
         if learner_logprobs is None:  # on every rank alike: configuration
             return BatchPlan()
         diag = staleness_diagnostics(lag, learner_logprobs, behaviour_logprobs, mask, turns, self.lag_cap)
-        score, fresh = freshness_score(diag, self.tau_rho, self.tau_chi, self.alpha, self.beta)
-        keep = torch.ones_like(fresh, dtype=torch.bool)
-        if self.filtering:
-            ok = (fresh >= self.min_freshness) & (lag <= int(self.lag_bound or self.lag_cap))
-            bad_groups = torch.unique(group_id[~ok])
-            keep = ~torch.isin(group_id, bad_groups)
-        tokens = mask.sum(dim=1).double() * keep
-        # all ranks: kept tokens, their freshness mass, samples, freshness sum (float64)
-        total, mass, samples, f_sum = reduce_sum(torch.stack([
-            tokens.sum(), (fresh * tokens).sum(), fresh.new_tensor(float(fresh.numel())), fresh.sum()]))
+        score, fresh = freshness_score(diag, self.tau_rho, self.tau_chi, self.alpha, self.beta, self.lag_weight,
+                                       self.rho_weight, self.chi_weight, self.score)
+        ok = (fresh >= self.min_freshness) & (lag <= int(self.lag_bound or self.lag_cap))
+        m2 = ~torch.isin(group_id, torch.unique(group_id[~ok]))  # the M2 decision, groups whole
+        keep = m2 if self.filtering else torch.ones_like(m2)
+        all_tokens = mask.sum(dim=1).double()
+        tokens = all_tokens * keep
+        # all ranks (float64): kept tokens and their freshness mass; all tokens and theirs; samples, freshness sum
+        total, mass, all_total, all_mass, samples, f_sum = reduce_sum(torch.stack([
+            tokens.sum(), (fresh * tokens).sum(), all_tokens.sum(), (fresh * all_tokens).sum(),
+            fresh.new_tensor(float(fresh.numel())), fresh.sum()]))
         f_bar = mass / total.clamp(min=1.0)
         weight = (fresh / f_bar.clamp(min=1e-12)).float() if self.weighting else None
         n_groups = len(torch.unique(group_id))
-        if total > 0:
-            f_mean = float(f_bar)
-        else:  # every sample dropped: the plain mean over all ranks' samples (NaN: no sample anywhere)
+        if all_total > 0:  # before filtering: what the adaptive bound reads (§1.5)
+            f_mean = float(all_mass / all_total)
+        else:  # no supervised token anywhere: the plain mean over all ranks' samples (NaN: no sample anywhere)
             f_mean = float(f_sum / samples) if samples > 0 else float("nan")
 
         def local(x: torch.Tensor, fn=torch.mean) -> float:  # this rank's statistic; NaN without samples
@@ -212,10 +260,14 @@ class FreshnessWeighting:
         stats = {
             "lag_mean": local(lag), "lag_max": local(lag, torch.max), "delta": local(diag.delta),
             "rho": local(diag.rho), "chi": local(diag.chi), "score": local(score), "freshness_mean": f_mean,
-            "freshness_min": local(fresh, torch.min), "dropped_samples": float((~keep).sum()),
+            "freshness_kept_mean": float(f_bar) if total > 0 else float("nan"),
+            "freshness_min": local(fresh, torch.min), "kept_tokens": float(total),
+            "dropped_samples": float((~keep).sum()),
             "dropped_groups": float(n_groups - len(torch.unique(group_id[keep]))),
+            "would_drop_samples": float((~m2).sum()),
         }
-        self._report = FreshnessReport(stats=stats, freshness=fresh.detach().clone(), keep=keep.detach().clone())
+        self._report = FreshnessReport(stats=stats, freshness=fresh.detach().clone(), keep=keep.detach().clone(),
+                                       diagnostics=diag, score=score.detach().clone())
         return BatchPlan(keep=keep if self.filtering else None, sample_weight=weight, stats=stats)
 
     def token_weights(self, learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
@@ -244,4 +296,4 @@ class FreshnessWeighting:
         total, clipped, n = self._ratio
         if self.truncated_ratio and n:
             stats["ratio_mean"], stats["ratio_clip_frac"] = total / n, clipped / n
-        return FreshnessReport(stats=stats, freshness=self._report.freshness, keep=self._report.keep)
+        return replace(self._report, stats=stats)

@@ -4,14 +4,20 @@ weighting itself (M1, M2, M3) is tested in tests/losses/test_freshness.py."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import lightning as L
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.learner import OPDModule
 from lightning_opd.losses.freshness import FreshnessReport
 from tests.helpers import KeywordEnvFactory
+from tests.losses.test_freshness import _batch
 
 
 @pytest.mark.parametrize(("freshness", "bounds"), [
@@ -49,7 +55,8 @@ def test_logs_the_reported_diagnostics():
     stats = {"lag_mean": 1.0, "freshness_mean": 0.7, "ratio_mean": 1.1}
     mon.on_train_batch_end(None, module, {"freshness": FreshnessReport(stats=stats)}, None, 0)
     assert module.logged == {"staleness/lag_mean": 1.0, "staleness/freshness_mean": 0.7,
-                             "staleness/max_lag_bound": 4.0, "staleness/ratio_mean": 1.1}
+                             "staleness/max_lag_bound": 4.0, "staleness/skipped_steps": 0.0,
+                             "staleness/ratio_mean": 1.1}
 
 
 class Installs:
@@ -61,8 +68,8 @@ class Installs:
 
 
 class Trainer:
-    def __init__(self, datamodule):
-        self.datamodule = datamodule
+    def __init__(self, datamodule, log_dir=None):
+        self.datamodule, self.log_dir, self.global_step = datamodule, log_dir, 0
 
 
 class DM:
@@ -81,10 +88,10 @@ def test_setup_installs_the_weighting_with_the_default_bound():
 
 def test_state_roundtrip_and_key():
     mon = StalenessMonitor(initial_lag_bound=4)
-    mon.max_lag_bound, mon.low_streak = 2, 1
+    mon.max_lag_bound, mon.low_streak, mon.skipped_steps = 2, 1, 3
     other = StalenessMonitor(initial_lag_bound=4)
     other.load_state_dict(mon.state_dict())
-    assert (other.max_lag_bound, other.low_streak, other.freshness.lag_bound) == (2, 1, 2)
+    assert (other.max_lag_bound, other.low_streak, other.freshness.lag_bound, other.skipped_steps) == (2, 1, 2, 3)
     assert mon.state_key == "StalenessMonitor{'lag_cap': 8, 'tau_rho': 0.1, 'tau_chi': 0.1, 'alpha': 4.0, 'beta': 1.0}"
 
 
@@ -97,6 +104,59 @@ def test_bad_arguments_name_the_value():
         StalenessMonitor(patience=0)
     with pytest.raises(ValueError, match="tau_rho=0"):
         StalenessMonitor(tau_rho=0)
+    with pytest.raises(ValueError, match="init_args.mode='dry': choose control"):
+        StalenessMonitor(mode="dry")
+    with pytest.raises(ValueError, match="init_args.score='age'"):
+        StalenessMonitor(score="age")
+
+
+def _plan(weighting, lags, groups, drift):
+    """The weighting's plan of a one-turn batch (tests/losses/test_freshness.py's ``_batch``), one process."""
+    batch, student = _batch(lags=lags, groups=groups, drift=drift)
+    return weighting.plan(10 - batch.behaviour_version, student, batch.behaviour_logprobs[:, 1:],
+                          batch.loss_mask[:, 1:], batch.turn_index[:, 1:], batch.group_id, lambda x: x)
+
+
+def test_heavy_dropping_does_not_loosen_the_bound():
+    """Issue 18: drifts 0 / 0.8 / 0.8 / 0.8 nats drop 3 of 4 samples; the survivors' mean (0.982) loosened the
+    bound 4 -> 5. The mean over all four samples, 0.2465 < low_freshness, starts a low streak instead."""
+    mon = StalenessMonitor(initial_lag_bound=4)
+    _plan(mon.freshness, [0, 0, 0, 0], [0, 1, 2, 3], [0.0, 0.8, 0.8, 0.8])
+    report = mon.freshness.report()
+    assert report.keep.tolist() == [True, False, False, False]
+    mon.on_train_batch_end(None, Logs(), {"freshness": report}, None, 0)
+    assert (mon.max_lag_bound, mon.low_streak, mon.freshness.lag_bound) == (4, 1, 4)
+
+
+def test_measure_mode_applies_nothing_and_moves_no_bound(tmp_path):
+    mon = StalenessMonitor(mode="measure", initial_lag_bound=4, truncated_ratio=True)
+    w = mon.freshness
+    assert (w.weighting, w.filtering, w.truncated_ratio, w.needs_learner_logprobs) == (False, False, False, True)
+    mon.setup(Trainer(DM(), log_dir=str(tmp_path)), Installs(), "fit")
+    plan = _plan(w, [0, 1, 5, 0], [0, 1, 2, 3], [0.0, 0.1, 0.0, 0.8])
+    assert plan.keep is None and plan.sample_weight is None
+    logs = Logs()
+    for _ in range(3):  # f̄ = 0.7 would move nothing anyway; 0.9 thrice would raise a controlling monitor's bound
+        mon.on_train_batch_end(Trainer(DM()), logs, {"freshness": FreshnessReport(stats={"freshness_mean": 0.9})},
+                               None, 0)
+    assert mon.max_lag_bound == w.lag_bound == 4 and mon.low_streak == 0
+    trainer = Trainer(DM())
+    trainer.global_step = 7
+    mon.on_train_batch_end(trainer, logs, {"freshness": w.report()}, None, 0)
+    assert logs.logged["staleness/would_drop_samples"] == 2.0 and logs.logged["staleness/dropped_samples"] == 0.0
+    rows = [json.loads(line) for line in (tmp_path / "staleness_samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["lag"], r["kept"]) for r in rows] == [(7, 0.0, True), (7, 1.0, True), (7, 5.0, True),
+                                                                  (7, 0.0, True)]
+    assert [r["rho"] for r in rows] == pytest.approx([0.0, 0.1, 0.0, 0.8])
+    assert rows[1]["score"] == pytest.approx(2 / 8 + 1 / 3) and rows[1]["chi"] == 0.0
+    assert rows[1]["freshness"] == pytest.approx(1 / (1 + math.exp(4 * (2 / 8 + 1 / 3 - 1))))
+
+
+def test_counts_and_logs_skipped_steps():
+    mon, logs = StalenessMonitor(initial_lag_bound=4, adaptive_lag=False), Logs()
+    for skipped in (True, False, True):
+        mon.on_train_batch_end(None, logs, {"freshness": None, "skipped_update": skipped}, None, 0)
+    assert mon.skipped_steps == 2 and logs.logged["staleness/skipped_steps"] == 2.0
 
 
 class Spy(StalenessMonitor):
@@ -122,3 +182,76 @@ def test_lag_zero_invariant_on_a_synchronous_fit(model_dirs):
     for fresh, keep in spy.history:
         assert fresh.min().item() >= 0.95 and keep.all()
     assert spy.max_lag_bound == 7  # f̄ > 0.8 three times: 4 -> 7
+
+
+class DropAt(L.Callback):
+    """At batch ``at``: snapshot weights and optimizer state, then make the filter drop every sample
+    (min_freshness above any lag-0 freshness); afterwards record whether the step changed them."""
+
+    def __init__(self, monitor, at=1):
+        self.monitor, self.at, self.changed = monitor, at, {}
+
+    @staticmethod
+    def _state(trainer, module):
+        opt = trainer.optimizers[0]
+        moments = {k: v.clone() if torch.is_tensor(v) else v for p in module.student.parameters()
+                   for k, v in [(f"{id(p)}/{name}", t) for name, t in opt.state[p].items()]}
+        return {n: p.detach().clone() for n, p in module.student.named_parameters()}, moments
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.before = self._state(trainer, module)
+        self.monitor.freshness.min_freshness = 0.999 if trainer.global_step == self.at else 0.05
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        weights, moments = self._state(trainer, module)
+        same_weights = all(torch.equal(weights[n], self.before[0][n]) for n in weights)
+        same_moments = moments.keys() == self.before[1].keys() and all(
+            torch.equal(torch.as_tensor(moments[k]), torch.as_tensor(self.before[1][k])) for k in moments)
+        self.changed[trainer.global_step - 1] = (not same_weights, not same_moments, outputs.get("skipped_update"),
+                                   trainer.global_step, module.policy_version)
+
+
+@pytest.mark.timeout(300)
+def test_all_dropped_step_changes_nothing_and_the_run_ends(model_dirs):
+    """Issue 18 / §1.5: at step 1 the filter drops every sample; weights and AdamW's exp_avg, exp_avg_sq and
+    step are bit-identical across it; it still counts for max_steps and the policy version (a rollout
+    iteration), and the monitor logs it."""
+    mon = StalenessMonitor(adaptive_lag=False)
+    spy = DropAt(mon, at=1)
+    model = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"])
+    dm = RolloutDataModule(env=KeywordEnvFactory(need=2), episodes_per_step=4, max_turns=3, max_new_tokens=4)
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[mon, spy])
+    trainer.fit(model, datamodule=dm)
+    # (weights changed, optimizer state changed, skipped, global_step, policy_version) after each step
+    assert spy.changed == {0: (True, True, False, 1, 1), 1: (False, False, True, 2, 2),
+                           2: (True, True, False, 3, 3)}
+    assert trainer.global_step == 3 and mon.skipped_steps == 1
+    assert trainer.callback_metrics["staleness/skipped_steps"].item() == 1.0
+
+
+@pytest.mark.timeout(300)
+def test_measure_mode_update_equals_a_run_without_the_monitor(model_dirs):
+    """mode="measure": the trained weights are bit-identical to a run without any monitor, and the staleness/*
+    diagnostics are logged."""
+    def fit(callbacks):
+        L.seed_everything(0)
+        model = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"])
+        dm = RolloutDataModule(env=KeywordEnvFactory(need=2), episodes_per_step=4, max_turns=3, max_new_tokens=4,
+                               forced_lag=1)
+        trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            callbacks=callbacks)
+        trainer.fit(model, datamodule=dm)
+        return {n: p.detach().clone() for n, p in model.student.named_parameters()}, trainer.callback_metrics
+
+    plain, plain_logs = fit([])
+    measured, logs = fit([StalenessMonitor(mode="measure", min_freshness=0.9, initial_lag_bound=1,
+                                           truncated_ratio=True)])
+    assert plain.keys() == measured.keys() and all(torch.equal(plain[n], measured[n]) for n in plain)
+    assert not any(k.startswith("staleness/") for k in plain_logs)
+    assert logs["staleness/lag_max"].item() == 1.0 and 0.0 < logs["staleness/freshness_mean"].item() <= 1.0
+    assert logs["staleness/dropped_samples"].item() == 0.0 and logs["staleness/max_lag_bound"].item() == 1.0
+    start = AutoModelForCausalLM.from_pretrained(model_dirs["student"]).model.embed_tokens.weight
+    assert not torch.equal(plain["model.embed_tokens.weight"], start)  # the runs did train

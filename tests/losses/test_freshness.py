@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -37,9 +38,52 @@ def test_diagnostics_worked_by_hand():
 def test_score_and_freshness_worked_by_hand():
     student, behaviour, mask, turns = _sample()
     diag = staleness_diagnostics(torch.tensor([2]), student, behaviour, mask, turns, lag_cap=8)
+    # default balance w = (2, 1/3, 1/3): s = 2 * 0.25 + (2.6 + 0.5) / 3
     s, f = freshness_score(diag, tau_rho=0.1, tau_chi=0.1, alpha=4.0, beta=1.0)
-    assert s.item() == pytest.approx((0.25 + 2.6 + 0.5) / 3)
-    assert f.item() == pytest.approx(1 / (1 + math.exp(4 * (3.35 / 3 - 1))))
+    assert s.item() == pytest.approx(0.5 + 3.1 / 3)
+    assert f.item() == pytest.approx(1 / (1 + math.exp(4 * (0.5 + 3.1 / 3 - 1))))
+    # §1.4's equal thirds: (0.25 + 2.6 + 0.5) / 3
+    s, _ = freshness_score(diag, lag_weight=1 / 3, rho_weight=1 / 3, chi_weight=1 / 3)
+    assert s.item() == pytest.approx(3.35 / 3)
+    # weights 1, 0.5, 2 and tolerances 0.2, 0.05: 0.25 + 0.5 * 0.26 / 0.2 + 2 * 0.05 / 0.05
+    s, _ = freshness_score(diag, tau_rho=0.2, tau_chi=0.05, lag_weight=1.0, rho_weight=0.5, chi_weight=2.0)
+    assert s.item() == pytest.approx(0.25 + 0.65 + 2.0)
+
+
+@pytest.mark.parametrize(("lag", "expect"), [
+    (0, 1 / (1 + math.exp(-4))),  # s = 0: 0.982
+    (1, 1 / (1 + math.exp(-3))),  # s = 2/8 = 0.25: 0.953
+    (4, 0.5),  # half the cap: s = 1 = beta
+    (8, 1 / (1 + math.exp(4))),  # the cap: s = 2, f = 0.018 < min_freshness 0.05
+])
+def test_default_balance_lag_alone(lag, expect):
+    """No drift: f = sigmoid(4 - lag) with w_δ = 2 (§1.5); with §1.4's equal thirds lag 8 scored 0.935."""
+    diag = staleness_diagnostics(torch.tensor([lag]), torch.full((1, 3), -1.0), torch.full((1, 3), -1.0),
+                                 torch.ones(1, 3), torch.zeros(1, 3, dtype=torch.long))
+    assert freshness_score(diag)[1].item() == pytest.approx(expect)
+    if lag == 8:
+        assert expect < 0.05
+        old = freshness_score(diag, lag_weight=1 / 3, rho_weight=1 / 3, chi_weight=1 / 3)[1].item()
+        assert old == pytest.approx(1 / (1 + math.exp(-8 / 3)))  # 0.935: the issue's "lag barely counts"
+
+
+def test_age_only_ignores_the_drifts():
+    student, behaviour, mask, turns = _sample()  # rho = 0.26, chi = 0.05: large drifts
+    diag = staleness_diagnostics(torch.tensor([2]), student, behaviour, mask, turns, lag_cap=8)
+    s, f = freshness_score(diag, score="age_only")
+    assert s.item() == pytest.approx(0.5) and f.item() == pytest.approx(1 / (1 + math.exp(-2)))  # 0.881
+    s, _ = freshness_score(diag, score="age_only", lag_weight=1.0)
+    assert s.item() == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"score": "drift_only"}, "init_args.score='drift_only': choose one of full, age_only"),
+    ({"rho_weight": -0.5}, "init_args.rho_weight=-0.5 must be >= 0"),
+    ({"tau_chi": 0.0}, "init_args.tau_chi=0.0 must be > 0"),
+])
+def test_bad_score_knobs_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FreshnessWeighting(**kwargs)
 
 
 def test_synchronous_sample_is_fresh():
@@ -84,7 +128,7 @@ def _batch(lags, groups, drift, version=10, tokens=4):
 
 
 def _fresh(lag, rho, cap=8, tau=0.1, alpha=4.0, beta=1.0):
-    s = (min(lag / cap, 1.0) + rho / tau) / 3
+    s = 2 * min(lag / cap, 1.0) + rho / tau / 3  # the default balance w = (2, 1/3, 1/3), single turn (chi = 0)
     return 1 / (1 + math.exp(alpha * (s - beta)))
 
 
@@ -100,7 +144,7 @@ def _plan(weighting, batch, student, version=10):
     plan = weighting.plan(lag, student, batch.behaviour_logprobs[:, 1:], batch.loss_mask[:, 1:], batch.turn_index[:, 1:],
                           batch.group_id, reduce_sum)
     # exactly one all-reduce per batch when measuring (F19: the same on every rank); none otherwise (configuration)
-    assert calls == ([(4,)] if student is not None else [])
+    assert calls == ([(6,)] if student is not None else [])
     return plan
 
 
@@ -143,3 +187,39 @@ def test_m3_truncated_ratio_per_token():
     assert mon.report().stats == {"ratio_mean": 8.5 / 8, "ratio_clip_frac": 1 / 8}
     _plan(mon, batch, None)  # the next step starts a new report
     assert mon.report().stats == {}
+
+
+def test_bound_input_is_the_mean_over_all_samples_before_filtering():
+    """Issue 18: drifts 0 / 0.8 / 0.8 / 0.8 nats at lag 0, three samples dropped. f̄ for the adaptive bound is
+    the token-weighted mean over all four samples (equal token counts: the plain mean), not the survivor's."""
+    mon = FreshnessWeighting(lag_bound=4)
+    batch, student = _batch(lags=[0, 0, 0, 0], groups=[0, 1, 2, 3], drift=[0.0, 0.8, 0.8, 0.8])
+    plan = _plan(mon, batch, student)
+    fresh, stale = 1 / (1 + math.exp(-4)), 1 / (1 + math.exp(4 * (0.8 / 0.1 / 3 - 1)))  # 0.982, 0.00127
+    assert plan.keep.tolist() == [True, False, False, False]
+    assert plan.stats["freshness_mean"] == pytest.approx((fresh + 3 * stale) / 4)  # 0.2465
+    assert plan.stats["freshness_kept_mean"] == pytest.approx(fresh)  # M1's f̄: the kept sample
+    assert plan.stats["kept_tokens"] == 4.0 and plan.stats["would_drop_samples"] == 3.0
+    torch.testing.assert_close(plan.sample_weight[0].double(), torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_measure_only_weighting_decides_nothing_but_reports_what_m2_would_drop():
+    mon = FreshnessWeighting(weighting=False, filtering=False, measure=True, lag_bound=4)
+    batch, student = _batch(lags=[0, 5, 0, 0], groups=[0, 1, 2, 3], drift=[0.0, 0.0, 0.8, 0.0])
+    plan = _plan(mon, batch, student)
+    assert plan.keep is None and plan.sample_weight is None
+    assert plan.stats["dropped_samples"] == 0.0 and plan.stats["would_drop_samples"] == 2.0
+    report = mon.report()
+    assert report.keep.all() and report.diagnostics.lag.tolist() == [0.0, 5.0, 0.0, 0.0]
+    torch.testing.assert_close(report.diagnostics.rho, torch.tensor([0.0, 0.0, 0.8, 0.0], dtype=torch.float64))
+    assert report.score[1].item() == pytest.approx(2 * 5 / 8)
+
+
+def test_no_kept_token_anywhere_reports_zero_kept_tokens():
+    mon = FreshnessWeighting(lag_bound=1)
+    batch, student = _batch(lags=[2, 3], groups=[0, 1], drift=[0.0, 0.0])
+    plan = _plan(mon, batch, student)
+    assert plan.keep.tolist() == [False, False] and plan.stats["kept_tokens"] == 0.0
+    assert math.isnan(plan.stats["freshness_kept_mean"])
+    # s = 2 * 2/8 = 0.5 and 2 * 3/8 = 0.75: f = sigmoid(2), sigmoid(1); the bound still reads the step's mean
+    assert plan.stats["freshness_mean"] == pytest.approx((1 / (1 + math.exp(-2)) + 1 / (1 + math.exp(-1))) / 2)
