@@ -12,27 +12,32 @@ well its gradient agrees with the fresh-batch gradient?
    seeds. A separate fresh reference batch (``--reference`` 16 episodes, lag 0, other tasks) gives G.
 3. At θ_v: per sample i, the gradient g_i of the module's OPD loss (``OPDModule.backward_step``: signal
    recomputed at learner time, token-mean over the sample) w.r.t. the student's parameters (all of them by
-   default; ``--last-blocks K``: only the last K decoder blocks, the final norm and the embeddings/LM head, the
-   others frozen for the measurement), and G, the gradient of the reference batch's loss (token-mean over the
-   batch). Recorded: cos(g_i, G) (streamed: only G and the current g_i are held), and the sample's freshness
-   f_i (the ``StalenessMonitor``'s own ``FreshnessWeighting``, default settings; more score variants with
-   ``--variant NAME='{"monitor_kwarg": value}'``) with its components from ``staleness_diagnostics``: lag Δ
-   (versions), rollout drift ρ and supervision drift χ (nats), score s.
+   default; ``--last-blocks K``: only the last K decoder blocks, the final norm and the LM head if it is not
+   tied to the input embeddings, the others frozen meanwhile so the backward pass stops at block L-K), and G,
+   the gradient of the reference batch's loss (token-mean over the batch). Recorded: cos(g_i, G) (streamed:
+   only G and the current g_i are held, in float64), and the sample's freshness f_i (the ``StalenessMonitor``'s
+   own ``FreshnessWeighting``, default settings; more score variants with ``--variant
+   NAME='{"monitor_kwarg": value}'``) with its components from ``staleness_diagnostics``: lag Δ (versions),
+   rollout drift ρ and supervision drift χ (nats), score s.
 4. Printed and saved (benchmarks/results/freshness_gradient.json, keyed by the settings, and the markdown table
    benchmarks/results/freshness_gradient.md): Spearman rank correlation of f_i (each variant), lag, ρ, χ and s
    with cos_i over all samples, each with a bootstrap 95% CI (samples resampled, ``--bootstrap`` 2000 times);
    per lag the means of cos, f, ρ and χ; seconds per phase and the machine (cores, threads).
 
-Expected signs if freshness measures what it claims: ρ(f, cos) > 0 and ρ(lag, cos), ρ(ρ, cos), ρ(χ, cos) < 0. An
-age-only freshness (a decreasing function of the lag alone) has exactly the rank correlation of -lag.
+Expected signs if freshness measures what it claims: Spearman(f, cos) > 0; Spearman(lag, cos), Spearman(ρ, cos)
+and Spearman(χ, cos) < 0. An age-only freshness (a decreasing function of the lag alone) has exactly minus the
+lag's Spearman correlation (same ties).
 
 Deliberate simplifications: the HF backend samples (no vLLM); one reference batch estimates the fresh gradient
 (its own sampling noise bounds how high any cos can go); versions come from the first v steps of one run.
 
 Run: .venv/bin/python -m benchmarks.freshness_gradient   (needs `make prepare teacher`)
-Cost (2 CPU cores, defaults): about 4 x 40 s of training, 80 episodes of up to 8 turns generated and 65 student
-backward passes over whole episodes at 135M parameters (all of them): roughly 25-40 minutes. Smoke test:
-``--versions 2 --lags 0 1 --samples-per-lag 2 --reference 2 --max-turns 2`` (a few minutes).
+Cost, measured on 2 shared CPU cores with 1 torch thread (2 versions, lags 0 and 1, 2 samples each, 2 reference
+episodes, 8 turns: 12 min wall, 5.4 min CPU): about 25-30 s per 8-turn episode for its gradient and freshness
+passes over all 135M parameters, so the default run (4 steps of 4 episodes, 64 samples + 16 reference episodes
+generated and differentiated) takes roughly 1-1.5 hours on 2 idle cores; memory about 6 GB (5 weight copies,
+G and g_i in float64). Smoke test (about 2.5 min): ``--versions 2 --lags 0 1 2 --samples-per-lag 2
+--reference 2 --max-turns 2``.
 """
 
 from __future__ import annotations
@@ -216,9 +221,10 @@ def make_samples(dm: RolloutDataModule, snapshots: Mapping[int, Mapping[str, tor
 
 
 def measured_parameters(student: torch.nn.Module, last_blocks: int | None) -> list[tuple[str, torch.nn.Parameter]]:
-    """The student's parameters the gradients are taken over: all (``last_blocks=None``), or every parameter
-    that is not in a decoder block before the last ``last_blocks`` (so: the last blocks, the final norm and the
-    embeddings / LM head). Tied weights appear once.
+    """The student's parameters the gradients are taken over: all (``last_blocks=None``), or the last
+    ``last_blocks`` decoder blocks, the final norm and the LM head, unless the head is tied to the input
+    embeddings (SmolLM2): then the shared matrix is left out, since its gradient would need a backward pass
+    through every block, which is what the subset saves. Tied weights appear once.
 
     Raises:
         ValueError: ``last_blocks < 1``.
@@ -231,7 +237,9 @@ def measured_parameters(student: torch.nn.Module, last_blocks: int | None) -> li
     block = re.compile(r"\.layers\.(\d+)\.")
     n_layers = 1 + max((int(m.group(1)) for n, _ in named if (m := block.search(n))), default=-1)
     first = n_layers - last_blocks
-    return [(n, p) for n, p in named if not ((m := block.search(n)) and int(m.group(1)) < first)]
+    embeddings = student.get_input_embeddings().weight
+    return [(n, p) for n, p in named
+            if p is not embeddings and not ((m := block.search(n)) and int(m.group(1)) < first)]
 
 
 def loss_gradient(module: OPDModule, batch: RolloutBatch, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
@@ -419,7 +427,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-turns", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--last-blocks", type=int, default=None,
-                   help="gradients over the last K decoder blocks + final norm + embeddings/head only (default: all)")
+                   help="gradients over the last K decoder blocks + final norm (+ an untied LM head) only "
+                        "(default: all)")
     p.add_argument("--variant", type=_variant, action="append", default=[],
                    help="extra freshness score: NAME='{\"StalenessMonitor kwarg\": value}' (repeatable)")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs")
