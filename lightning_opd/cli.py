@@ -49,6 +49,7 @@ HELPERS = {  # name -> one-line description (the dispatcher's table is at the en
     "report": "report.png + report.html of one run (per-turn KL, success, controllers)",
     "evaluate": "greedy success, Avg@k and teacher-trajectory KL of exported students or checkpoints",
     "compare": "paired bootstrap confidence intervals between `evaluate` outputs",
+    "calibrate-freshness": "f-OPD tau_rho, tau_chi from a measure-only run's per-sample records (YAML lines)",
 }
 UNSUPPORTED = {"predict": "`lightning-opd predict` is not supported: a policy is judged by playing episodes. Use "
                           "`lightning-opd validate` / `test` (held-out success through the DataModule) or "
@@ -497,10 +498,16 @@ def _compare(argv: list[str]) -> None:
     compare_main(argv)
 
 
+def _calibrate_freshness(argv: list[str]) -> None:
+    from lightning_opd.evaluation.freshness_calibration import main as calibrate_main
+
+    calibrate_main(argv)
+
+
 COMMANDS: dict[str, Callable[[list[str]], object]] = {
     "prepare-model": _prepare_model, "make-games": _make_games, "make-search-qa": _make_search_qa,
     "merge-adapter": _merge_adapter, "results": _results, "report": _report, "evaluate": _evaluate,
-    "compare": _compare}
+    "compare": _compare, "calibrate-freshness": _calibrate_freshness}
 assert set(COMMANDS) == set(HELPERS)
 
 

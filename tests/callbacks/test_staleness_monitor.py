@@ -232,7 +232,7 @@ def test_all_dropped_step_changes_nothing_and_the_run_ends(model_dirs):
 
 
 @pytest.mark.timeout(300)
-def test_measure_mode_update_equals_a_run_without_the_monitor(model_dirs):
+def test_measure_mode_update_equals_a_run_without_the_monitor(model_dirs, tmp_path):
     """mode="measure": the trained weights are bit-identical to a run without any monitor, and the staleness/*
     diagnostics are logged."""
     def fit(callbacks):
@@ -242,7 +242,7 @@ def test_measure_mode_update_equals_a_run_without_the_monitor(model_dirs):
                                forced_lag=1)
         trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                            callbacks=callbacks)
+                            callbacks=callbacks, default_root_dir=tmp_path)
         trainer.fit(model, datamodule=dm)
         return {n: p.detach().clone() for n, p in model.student.named_parameters()}, trainer.callback_metrics
 
@@ -251,6 +251,7 @@ def test_measure_mode_update_equals_a_run_without_the_monitor(model_dirs):
                                            truncated_ratio=True)])
     assert plain.keys() == measured.keys() and all(torch.equal(plain[n], measured[n]) for n in plain)
     assert not any(k.startswith("staleness/") for k in plain_logs)
+    assert len((tmp_path / "staleness_samples.jsonl").read_text().splitlines()) == 3 * 4  # 3 steps x 4 samples
     assert logs["staleness/lag_max"].item() == 1.0 and 0.0 < logs["staleness/freshness_mean"].item() <= 1.0
     assert logs["staleness/dropped_samples"].item() == 0.0 and logs["staleness/max_lag_bound"].item() == 1.0
     start = AutoModelForCausalLM.from_pretrained(model_dirs["student"]).model.embed_tokens.weight
