@@ -254,3 +254,50 @@ def test_real_fit_and_evaluate_on_the_tiny_models(model_dirs, tmp_path):
     assert (tmp_path / "results" / "tiny" / "compare.md").is_file()
     summary = (tmp_path / "results" / "tiny" / "summary.md").read_text()
     assert "### Same-Step: iteration 3" in summary and "| opd | 3 | " in summary
+
+
+EXPERIMENTS = sorted((ROOT / "benchmarks" / "experiments").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+def test_shipped_experiments_parse(path):
+    """Every experiment file loads (known keys, valid values) and names config files that exist."""
+    exp = load_experiment(path)
+    assert exp.name == path.stem and len(exp.seeds) >= 2
+    for arm in exp.arms:
+        for config in arm.configs:
+            assert (ROOT / config).is_file(), f"{path.name}: arm {arm.name!r} names a missing config {config}"
+
+
+@pytest.mark.slow  # one `lightning-opd fit --print_config` process per arm (imports torch, Lightning, transformers)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+def test_shipped_experiment_arms_build(path, tmp_path):
+    """Each arm's fit configuration parses with the runner's overlay (``fit ... --print_config``) and passes the
+    runner's checks; turnopd_quest3's arms differ only in their controllers (same loss, games, turns)."""
+    exp = load_experiment(path, results=tmp_path)
+    runner = Runner(exp, cwd=ROOT, echo=lambda *_: None)
+    configs = {}
+    for arm in exp.arms:
+        d = exp.run_dir(arm, exp.seeds[0])
+        d.mkdir(parents=True)
+        cmd = (exp.fit_command + [a for c in arm.configs for a in ("--config", c)]
+               + ["--config", str(runner._write_overlay(d, arm))] + arm.overrides + [f"--seed_everything={exp.seeds[0]}"])
+        configs[arm.name] = runner._resolved_config(d, cmd)
+        runner._check_steps(configs[arm.name], arm)
+    if path.stem == "turnopd_quest3":
+        def without_controllers(config):
+            config = json.loads(json.dumps(config))
+            config["trainer"]["callbacks"] = [c for c in config["trainer"]["callbacks"]
+                                              if c["class_path"].rsplit(".", 1)[-1] in ("Timer", "StepCheckpoint")]
+            for key in ("default_root_dir", "logger"):
+                config["trainer"].pop(key)
+            for c in config["trainer"]["callbacks"]:
+                c["init_args"].pop("dirpath", None)
+            config["model"]["init_args"].pop("export_dir")
+            return config
+        stripped = {name: without_controllers(c) for name, c in configs.items()}
+        assert all(c == stripped["vanilla"] for c in stripped.values())
+        assert configs["vanilla"]["model"]["init_args"]["loss"]["class_path"] == \
+            "lightning_opd.losses.TeacherTopKRenormalizedReverseKL"
+        assert configs["vanilla"]["data"]["init_args"]["max_turns"] == 12
