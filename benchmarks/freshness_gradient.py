@@ -16,17 +16,17 @@ well its gradient agrees with the fresh-batch gradient?
    tied to the input embeddings, the others frozen meanwhile so the backward pass stops at block L-K), and G,
    the gradient of the reference batch's loss (token-mean over the batch). Recorded: cos(g_i, G) (streamed:
    only G and the current g_i are held, in float64), and the sample's freshness f_i (the ``StalenessMonitor``'s
-   own ``FreshnessWeighting``, default settings; more score variants with ``--variant
-   NAME='{"monitor_kwarg": value}'``) with its components from ``staleness_diagnostics``: lag Δ (versions),
-   rollout drift ρ and supervision drift χ (nats), score s.
+   own ``FreshnessWeighting``: as shipped (``default``), each other score variant of the component (``age_only``)
+   and any ``--variant NAME='{"monitor_kwarg": value}'``) with its components from ``staleness_diagnostics``: lag
+   Δ (versions), rollout drift ρ and supervision drift χ (nats), score s.
 4. Printed and saved (benchmarks/results/freshness_gradient.json, keyed by the settings, and the markdown table
    benchmarks/results/freshness_gradient.md): Spearman rank correlation of f_i (each variant), lag, ρ, χ and s
    with cos_i over all samples, each with a bootstrap 95% CI (samples resampled, ``--bootstrap`` 2000 times);
    per lag the means of cos, f, ρ and χ; seconds per phase and the machine (cores, threads).
 
 Expected signs if freshness measures what it claims: Spearman(f, cos) > 0; Spearman(lag, cos), Spearman(ρ, cos)
-and Spearman(χ, cos) < 0. An age-only freshness (a decreasing function of the lag alone) has exactly minus the
-lag's Spearman correlation (same ties).
+and Spearman(χ, cos) < 0. The ``age_only`` freshness (a decreasing function of the lag alone) has exactly minus
+the lag's Spearman correlation (same ties).
 
 Deliberate simplifications: the HF backend samples (no vLLM); one reference batch estimates the fresh gradient
 (its own sampling noise bounds how high any cos can go); versions come from the first v steps of one run.
@@ -62,7 +62,7 @@ from lightning_opd.data import RolloutDataModule
 from lightning_opd.envs.base import EnvFactory
 from lightning_opd.learner import OPDModule
 from lightning_opd.losses.divergences import FullVocabReverseKL
-from lightning_opd.losses.freshness import staleness_diagnostics
+from lightning_opd.losses.freshness import SCORES, staleness_diagnostics
 from lightning_opd.rollout.batch import RolloutBatch, collate_trajectories
 from lightning_opd.rollout.types import Trajectory
 
@@ -316,6 +316,24 @@ def freshness_of(module: OPDModule, batch: RolloutBatch, variants: Mapping[str, 
     return out
 
 
+def score_variants(extra: list[tuple[str, dict]] = ()) -> dict[str, StalenessMonitor]:
+    """The freshness scores measured: ``default`` (a ``StalenessMonitor()`` as shipped), one per other score
+    variant of the component (:data:`~lightning_opd.losses.freshness.SCORES`, e.g. ``age_only``) with the
+    monitor's other defaults, then ``extra`` (name, ``StalenessMonitor`` keyword arguments).
+
+    Raises:
+        ValueError: a name used twice.
+    """
+    default = StalenessMonitor()
+    variants = {"default": default}
+    variants.update({s: StalenessMonitor(score=s) for s in SCORES if s != default.freshness.score})
+    for name, kwargs in extra:
+        if name in variants:
+            raise ValueError(f"--variant {name}: the name is taken (measured: {', '.join(variants)})")
+        variants[name] = StalenessMonitor(**kwargs)
+    return variants
+
+
 # ----------------------------------------------------------------------------------------- the run
 
 
@@ -359,7 +377,7 @@ def measure(args, env: EnvFactory) -> dict:
     t1 = time.perf_counter()
     samples, ref = make_samples(dm, snapshots, args.lags, args.samples_per_lag, args.reference)
     t2 = time.perf_counter()
-    variants = {"default": StalenessMonitor(), **{name: StalenessMonitor(**kw) for name, kw in args.variant}}
+    variants = score_variants(args.variant)
     kept = [(lag, t) for lag, t in samples if collate(dm, [t], "cpu").loss_mask[:, 1:].sum() > 0]
     batches = [collate(dm, [t], device) for _, t in kept]
     params = [p for _, p in measured_parameters(module.student, args.last_blocks)]

@@ -128,13 +128,16 @@ def test_measure_end_to_end_tiny(model_dirs):
     assert sorted({r["lag"] for r in records}) == [0, 1]
     for r in records:
         assert -1 <= r["cos"] <= 1 and 0 < r["f_default"] < 1 and r["tokens"] > 0
+        assert r["f_age_only"] == pytest.approx(1 / (1 + math.exp(4.0 * (2.0 * r["lag"] / 8 - 1.0))))  # w_δ δ only
         assert r["delta"] == pytest.approx(r["lag"] / 8)  # the monitor's default Δ_cap
         if r["lag"] == 0:  # sampled by exactly θ_v: no rollout drift, freshness of a synchronous sample
             assert r["rho"] < 1e-4 and r["f_default"] > 0.95
         else:
             assert r["rho"] > 1e-3 and r["f_tight"] < r["f_default"]
     s = out["summary"]
-    assert set(s["spearman_with_cos"]) == {"f_default", "f_tight", "s_default", "s_tight", "lag", "rho", "chi"}
+    corr = s["spearman_with_cos"]
+    assert set(corr) == {f"{k}_{v}" for k in "fs" for v in ("default", "age_only", "tight")} | {"lag", "rho", "chi"}
+    assert corr["f_age_only"]["spearman"] == pytest.approx(-corr["lag"]["spearman"])  # a function of the lag alone
     assert set(s["per_lag"]) == {"0", "1"} and s["n"] == len(records)
     student = AutoModelForCausalLM.from_pretrained(model_dirs["student"])
     assert out["measured_parameters"] == sum(p.numel() for p in student.parameters())  # all by default
