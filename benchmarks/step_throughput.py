@@ -78,6 +78,8 @@ def run(workload: str, args, machine: Machine) -> dict:
     """Fit ``--warmup + --steps`` steps of ``workload``; returns the timed steps' means and rooflines."""
     L.seed_everything(0, verbose=False)
     model_kw = {} if args.micro_batch_size is None else {"micro_batch_size": args.micro_batch_size}
+    if args.micro_batch_tokens is not None:
+        model_kw = {"micro_batch_tokens": args.micro_batch_tokens}
     model = OPDModule(student=args.model, teacher=args.teacher, log_text_every_n_steps=0, **model_kw)
     turns = 1 if workload == "single" else args.turns
     generator = make_generator(args.backend, args.vllm_block_size)
@@ -138,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="model.init_args.micro_batch_size (default: the module's)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="model.init_args.micro_batch_tokens (token budget per micro-batch; replaces --micro-batch-size)")
     p.add_argument("--vllm-block-size", type=int, default=None,
                    help="KV block size of the vLLM engine (the prefix cache reuses whole blocks; CPU default 128)")
     p.add_argument("--results", default="step_throughput", help="result file name under benchmarks/results")
@@ -150,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     m = results["machine"]
     machine = Machine(m["matmul_flops"], m["bandwidth"])
     mb = "" if a.micro_batch_size is None else f"/mb{a.micro_batch_size}"
+    mb = mb if a.micro_batch_tokens is None else f"/mbt{a.micro_batch_tokens}"
     mb += "" if a.vllm_block_size is None or a.backend != "vllm" else f"/bs{a.vllm_block_size}"
     keys = {w: f"{a.backend}/{w}/e{a.episodes}/n{a.max_new_tokens}/t{1 if w == 'single' else a.turns}/s{a.steps}{mb}"
             for w in a.workloads}

@@ -14,6 +14,22 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engin
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
+@pytest.fixture(autouse=True)
+def _auto_generator_is_hf(request, monkeypatch):
+    """``data.init_args.generator: auto`` (conf/textworld/opd.yaml) resolves to HF in tests whether or not vLLM is
+    installed, so fits built from the shipped configs keep their speed and their samples; tests of the choice
+    itself request ``real_auto_generator``."""
+    if "real_auto_generator" not in request.fixturenames:
+        import lightning_opd.rollout.vllm as backend
+
+        monkeypatch.setattr(backend, "vllm_importable", lambda: (False, "tests pin HF: tests/conftest.py"))
+
+
+@pytest.fixture
+def real_auto_generator():
+    """Opt out of ``_auto_generator_is_hf``: ``generator: auto`` decides by the real import."""
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

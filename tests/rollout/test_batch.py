@@ -55,6 +55,14 @@ def test_empty_trajectories_are_left_out_of_tensors_but_counted():
     assert rollout_stats(batch.trajectories)["env_errors"] == 1.0
 
 
+def test_rollout_stats_report_prefilled_and_cached_prompt_tokens_per_episode():
+    a, b = _traj([2, 2]), _traj([3])
+    a.turn_prefill_tokens, a.turn_cached_tokens = [3, 3], [0, 5]  # turn 2 reuses turn 1's 5 tokens
+    b.turn_prefill_tokens, b.turn_cached_tokens = [3], [0]
+    stats = rollout_stats([a, b, Trajectory(task_id="broken", env_error=True)])
+    assert stats["prefill_tokens"] == pytest.approx(9 / 3) and stats["cached_prompt_tokens"] == pytest.approx(5 / 3)
+
+
 def test_split_trims_each_micro_batch_to_its_longest_row():
     batch = collate_trajectories([_traj([2]), _traj([2, 5, 5])], SamplingParams(), pad_id=PAD)
     short, long = batch.split(1)
