@@ -143,3 +143,22 @@ def test_ctrl_c_and_errors_stop_the_producer(model_dirs, exc):
     assert time.time() - t0 < 120
     assert not dm.producer.running
     assert not any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.timeout(180)
+def test_staleness_monitor_falls_back_to_synchronous_generation(model_dirs):
+    """Producer-side control end to end (docs/algorithms.md §1.5.1): max_lag 2, a floor no step can reach
+    (fallback after step 0, never back). Batches up to 3 may be made under the lead of 2 (batch 3 needs
+    version 1, pushed before the monitor lowers the lead); from batch 4 on each is sampled by its own version."""
+    from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
+
+    model = RecordingOPD(student=model_dirs["student"], teacher=model_dirs["teacher"])
+    dm = _dm(mode="async", max_lag=2)
+    monitor = StalenessMonitor(fallback_freshness=1.0, low_freshness=1.0, high_freshness=1.0, patience=1)
+    trainer = _trainer(6)
+    trainer.callbacks.append(monitor)
+    trainer.fit(model, datamodule=dm)
+    assert [v for v, _ in model.seen] == list(range(6))
+    assert all(b == [v, v] for v, b in model.seen[4:]), model.seen
+    assert monitor.sync_fallback.active and dm.producer_lead == 0 and dm.max_allowed_lag == 2
+    assert not dm.producer.running

@@ -35,7 +35,9 @@ module runs one extra no-grad student forward per step while this callback is on
 Logged (``staleness/``, per step): ``lag_mean``, ``lag_max`` (versions), ``delta``, ``rho``, ``chi``
 (nats), ``score``, ``freshness_mean``, ``freshness_kept_mean``, ``freshness_min``, ``kept_tokens``,
 ``dropped_samples``, ``dropped_groups``, ``would_drop_samples``, ``max_lag_bound`` (versions),
-``skipped_steps`` (cumulative), and with M3 ``ratio_mean``, ``ratio_clip_frac``.
+``skipped_steps`` (cumulative), with M3 ``ratio_mean``, ``ratio_clip_frac``, and async with producer-side
+control (§1.5.1: Δ_max caps the producer's lead; synchronous fallback) ``producer_lead`` (versions) and
+``sync_fallback`` (1 while generating synchronously).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_opd.losses.freshness import FreshnessReport, FreshnessWeighting
+from lightning_opd.rollout.lag_control import SyncFallback
 
 
 class StalenessMonitor(Callback):
@@ -75,6 +78,12 @@ class StalenessMonitor(Callback):
             per-sample records written, nothing applied: ``weighting``, ``filtering``, ``truncated_ratio`` and
             ``adaptive_lag`` are ignored).
         sample_records: write the per-sample JSON lines also in ``control`` mode (``None``: only in ``measure``).
+        producer_control: async (``data.init_args.mode=async``): hand Δ_max to the producer's lag gate after
+            every step (``RolloutDataModule.set_lag_limit``: lead ``min(max_lag, max(0, Δ_max -
+            weight_sync_interval + 1))``, §1.5.1); no effect in sync mode or with ``forced_lag``.
+        fallback_freshness: async with ``producer_control``: after ``patience`` consecutive steps with f̄ below
+            it, generate synchronously (lag limit 0, Δ_max held at 1) until ``patience`` consecutive steps reach
+            ``low_freshness`` (:class:`~lightning_opd.rollout.lag_control.SyncFallback`, §1.5.1); ``None``: never.
 
     Raises:
         ValueError: a bound out of range or a bad score knob (named in the message); ``max_lag`` given; an
@@ -88,7 +97,8 @@ class StalenessMonitor(Callback):
                  adaptive_lag: bool = True, low_freshness: float = 0.5, high_freshness: float = 0.8,
                  patience: int = 3, max_lag: int | None = None, lag_weight: float = 2.0, rho_weight: float = 1 / 3,
                  chi_weight: float = 1 / 3, score: str = "full", mode: str = "control",
-                 sample_records: bool | None = None) -> None:
+                 sample_records: bool | None = None, producer_control: bool = True,
+                 fallback_freshness: float | None = 0.2) -> None:
         if max_lag is not None:
             raise ValueError(f"StalenessMonitor init_args.max_lag={max_lag}: renamed init_args.initial_lag_bound "
                              "(the starting lag bound; data.init_args.max_lag is the async producer's lead)")
@@ -116,6 +126,12 @@ class StalenessMonitor(Callback):
         self.max_lag_bound: int | None = initial_lag_bound
         self.low_streak = 0
         self.skipped_steps = 0
+        #: producer-side control (§1.5.1); acts only when setup finds an async DataModule with set_lag_limit
+        self.producer_control = producer_control and not measure
+        self.sync_fallback = (SyncFallback(fallback_freshness, low_freshness, patience)
+                              if self.producer_control and fallback_freshness is not None else None)
+        self.controls_producer = False
+        self.producer_lead: int | None = None
 
     @property
     def state_key(self) -> str:
@@ -133,6 +149,9 @@ class StalenessMonitor(Callback):
             self.max_lag_bound = min(self.lag_cap, max(4, allowed))
         self.freshness.set_lag_bound(self.max_lag_bound)
         pl_module.configure_freshness(self.freshness)
+        dm = trainer.datamodule
+        self.controls_producer = (self.producer_control and getattr(dm, "mode", None) == "async"
+                                  and hasattr(dm, "set_lag_limit"))
         log_dir = getattr(trainer, "log_dir", None)
         if self.sample_records and log_dir is not None:
             world, rank = int(getattr(trainer, "world_size", 1)), int(getattr(trainer, "global_rank", 0))
@@ -147,22 +166,41 @@ class StalenessMonitor(Callback):
         report = report if report is not None else FreshnessReport()
         if outputs.get("skipped_update"):
             self.skipped_steps += 1
-        self.update_bound(report.stats.get("freshness_mean"))
+        freshness_mean = report.stats.get("freshness_mean")
+        fallback = self.sync_fallback if self.controls_producer else None
+        was_synchronous = fallback is not None and fallback.active
+        if fallback is not None and (fallback.update(freshness_mean) or was_synchronous):
+            # §1.5.1: entering, during and on leaving the fallback Δ_max is held at 1 (lag-0 batches say nothing
+            # about lag >= 1); the adaptive rule moves it again from the next step
+            self.max_lag_bound, self.low_streak = 1, 0
+            self.freshness.set_lag_bound(1)
+        else:
+            self.update_bound(freshness_mean)
+        self.hand_over_lag_limit(trainer)
         self._log(pl_module, report)
         if self.records_path is not None and report.freshness is not None:
             self.write_records(self.records_path, report, int(getattr(trainer, "global_step", batch_idx)),
                                int(getattr(trainer, "global_rank", 0)))
 
     @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.hand_over_lag_limit(trainer)  # also after a resume, before the producer starts
+
+    @override
     def state_dict(self) -> dict[str, Any]:
-        return {"max_lag_bound": self.max_lag_bound, "low_streak": self.low_streak,
-                "skipped_steps": self.skipped_steps}
+        state = {"max_lag_bound": self.max_lag_bound, "low_streak": self.low_streak,
+                 "skipped_steps": self.skipped_steps}
+        if self.sync_fallback is not None:
+            state["sync_fallback"] = self.sync_fallback.state_dict()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.max_lag_bound = state_dict.get("max_lag_bound", self.max_lag_bound)
         self.low_streak = int(state_dict.get("low_streak", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        if self.sync_fallback is not None:
+            self.sync_fallback.load_state_dict(state_dict.get("sync_fallback", {}))
         self.freshness.set_lag_bound(self.max_lag_bound)
 
     # ------------------------------------------------------------------------------------- the decision
@@ -184,10 +222,22 @@ class StalenessMonitor(Callback):
                 self.max_lag_bound = min(self.lag_cap, int(self.max_lag_bound) + 1)
         self.freshness.set_lag_bound(self.max_lag_bound)
 
+    def hand_over_lag_limit(self, trainer: L.Trainer) -> None:
+        """Async with producer control: the producer's lag limit, Δ_max or 0 while generating synchronously,
+        handed to ``trainer.datamodule.set_lag_limit`` (§1.5.1), which returns the lead now in use."""
+        if not self.controls_producer or self.max_lag_bound is None:
+            return
+        fallback = self.sync_fallback
+        limit = fallback.lag_limit(self.max_lag_bound) if fallback is not None else int(self.max_lag_bound)
+        self.producer_lead = int(trainer.datamodule.set_lag_limit(limit))
+
     def _log(self, pl_module, report: FreshnessReport) -> None:
         values = {k: v for k, v in report.stats.items() if not k.startswith("ratio_")}
         values["max_lag_bound"] = float(self.max_lag_bound or 0)
         values["skipped_steps"] = float(self.skipped_steps)
+        if self.controls_producer:
+            values["producer_lead"] = float(self.producer_lead if self.producer_lead is not None else -1)
+            values["sync_fallback"] = float(self.sync_fallback is not None and self.sync_fallback.active)
         values.update({k: v for k, v in report.stats.items() if k.startswith("ratio_")})
         for key, value in values.items():
             pl_module.log(f"staleness/{key}", value, batch_size=1)

@@ -1,0 +1,94 @@
+"""StalenessMonitor's producer-side control (PROPOSED, docs/algorithms.md §1.5.1): after every step it hands
+Δ_max, or 0 during the synchronous fallback, to ``datamodule.set_lag_limit`` (async only), on a hand-made
+sequence of the step's mean freshness."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
+from lightning_opd.losses.freshness import FreshnessReport
+from lightning_opd.rollout.weight_sync import SyncConfig
+
+
+class FakeDataModule:
+    """Records the lag limits handed over; the lead is SyncConfig's (max_lag 3, pushes every version)."""
+
+    def __init__(self, mode: str):
+        self.mode, self.max_allowed_lag, self.limits = mode, 3, []
+        self.sync = SyncConfig(mode, 3) if mode == "async" else SyncConfig()
+
+    def set_lag_limit(self, limit: int) -> int:
+        self.limits.append(limit)
+        return self.sync.lead_for(limit)
+
+
+class FakeModule:
+    def __init__(self):
+        self.logged: dict[str, float] = {}
+
+    def configure_freshness(self, weighting):
+        self.freshness = weighting
+
+    def log(self, key, value, batch_size=1):
+        self.logged[key] = value
+
+
+def _run(dm_mode: str, means: list[float], **kw):
+    args = dict(initial_lag_bound=4, patience=2, low_freshness=0.5, high_freshness=0.8, fallback_freshness=0.2)
+    monitor = StalenessMonitor(**{**args, **kw})
+    dm, module = FakeDataModule(dm_mode), FakeModule()
+    trainer = SimpleNamespace(datamodule=dm, log_dir=None, global_step=0, global_rank=0, world_size=1)
+    monitor.setup(trainer, module, "fit")
+    monitor.on_train_start(trainer, module)
+    bounds, leads, fallback = [], [], []
+    for f in means:
+        monitor.on_train_batch_end(trainer, module, {"freshness": FreshnessReport(stats={"freshness_mean": f})}, None, 0)
+        bounds.append(monitor.max_lag_bound)
+        leads.append(module.logged.get("staleness/producer_lead"))
+        fallback.append(module.logged.get("staleness/sync_fallback"))
+    return monitor, dm, bounds, leads, fallback
+
+
+MEANS = [0.9, 0.1, 0.1, 0.95, 0.95, 0.95, 0.95]
+
+
+def test_async_bound_caps_the_producer_and_collapse_falls_back_to_synchronous_generation():
+    # 0.9: bound 4 -> 5; 0.1 twice (< floor 0.2, patience 2): fallback, bound held at 1, limit 0;
+    # 0.95 twice (>= low_freshness 0.5): back, still held at 1 on the step it leaves; then the adaptive rule: 2, 3
+    monitor, dm, bounds, leads, fallback = _run("async", MEANS)
+    assert dm.limits == [4, 5, 5, 0, 0, 1, 2, 3]  # the first at train start
+    assert bounds == [5, 5, 1, 1, 1, 2, 3]
+    assert leads == [3, 3, 0, 0, 1, 2, 3]  # min(max_lag 3, limit - (1 - 1))
+    assert fallback == [0, 0, 1, 1, 0, 0, 0]
+    assert monitor.state_dict()["sync_fallback"] == {"active": False, "streak": 0}
+
+
+def test_sync_and_forced_lag_runs_keep_the_plain_adaptive_rule():
+    """No producer to control: nothing handed over, no fallback; the bound moves as before (two low steps
+    lower it by one)."""
+    _, dm, bounds, leads, fallback = _run("sync", MEANS)
+    assert dm.limits == [] and set(leads) == {None} and set(fallback) == {None}
+    assert bounds == [5, 5, 4, 5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("kw", [dict(producer_control=False), dict(mode="measure")])
+def test_switched_off_or_measure_only_changes_nothing(kw):
+    _, dm, _, _, _ = _run("async", MEANS, **kw)
+    assert dm.limits == []
+
+
+def test_fallback_off_still_caps_the_lead():
+    _, dm, _, _, fallback = _run("async", MEANS, fallback_freshness=None)
+    assert dm.limits == [4, 5, 5, 4, 5, 6, 7, 8] and set(fallback) == {0.0}
+
+
+def test_fallback_state_survives_a_checkpoint():
+    monitor, _, _, _, _ = _run("async", MEANS[:4])  # in the fallback, one recovered step counted
+    state = monitor.state_dict()
+    assert state["sync_fallback"] == {"active": True, "streak": 1} and state["max_lag_bound"] == 1
+    other = StalenessMonitor(initial_lag_bound=4, patience=2, fallback_freshness=0.2)
+    other.load_state_dict(state)
+    assert other.sync_fallback.state_dict() == {"active": True, "streak": 1} and other.max_lag_bound == 1
