@@ -320,6 +320,18 @@ class Summary:
     markdown: str
     data: dict = field(default_factory=dict)
 
+    def to_json(self) -> str:
+        """``data`` as JSON text, non-finite floats (a turn without tokens) written as ``null``."""
+        def finite(x):
+            if isinstance(x, float) and not math.isfinite(x):
+                return None
+            if isinstance(x, dict):
+                return {k: finite(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return [finite(v) for v in x]
+            return x
+        return json.dumps(finite(self.data), indent=1)
+
 
 def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = None,
               targets: Sequence[float] = (), resamples: int = 10_000, seed: int = 0) -> Summary:

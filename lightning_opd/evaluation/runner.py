@@ -405,8 +405,7 @@ class Runner:
     def summarise_curves(self) -> str | None:
         """The summary over every evaluated checkpoint (:mod:`.curves`), printed and written to ``summary.md``
         and ``summary.json``; ``None`` (and a line saying why) when there is nothing to summarise yet."""
-        from lightning_opd.evaluation.curves import load_runs, summarise
-        from lightning_opd.evaluation.evaluate import write_json_atomic
+        from lightning_opd.evaluation.curves import load_runs, summarise  # numpy and yaml only, no torch
 
         runs = load_runs(self.exp.root, [a.name for a in self.exp.arms], self.exp.seeds)
         try:
@@ -415,7 +414,7 @@ class Runner:
             self.echo(f"no summary: {err}")
             return None
         write_atomic(self.exp.root / "summary.md", summary.markdown + "\n")
-        write_json_atomic(self.exp.root / "summary.json", summary.data)
+        write_atomic(self.exp.root / "summary.json", summary.to_json())
         self.echo(summary.markdown)
         return summary.markdown
 

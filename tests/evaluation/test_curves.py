@@ -124,6 +124,8 @@ def test_per_turn_kl_is_token_weighted_over_seeds():
     # failed: turn 0 only seed 0's 4 tokens (1.0), turn 1 seed 1's 6 tokens (2.0); mean (4 + 12) / 10 = 1.6
     assert kl["failed"]["per_turn"] == pytest.approx([1.0, 2.0]) and kl["failed"]["mean"] == pytest.approx(1.6)
     assert kl["failed"]["episodes"] == 5
+    assert json.loads(summarise({"x": {0: [point("x", 0, 1, 1, [1], own_kl=b)]}}, resamples=20).to_json())[
+        "own_traj_kl"]["x"]["won"]["per_turn"] == [0.5]
     empty = per_turn_kl([point("x", 0, 1, 1, [1])])
     assert empty["won"]["episodes"] == 0 and math.isnan(empty["won"]["mean"])
     s = summarise({"x": {0: [point("x", 0, 1, 1, [1], own_kl=a)]}, "y": {0: [point("y", 0, 1, 1, [0], own_kl=b)]}},
