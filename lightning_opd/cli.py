@@ -102,6 +102,9 @@ def cause_first(message: str) -> str:
     key = ".".join(reversed(keys)).replace(".init_args.init_args.", ".init_args.")
     where = f" (class {classes[0]})" if classes else ""
     cause = " ".join(ln.strip() for ln in lines[at:at + 1])
+    if cause.startswith("- "):  # an alternative of an optional knob (``int | None``): say what was given
+        given = next((ln.strip()[13:] for ln in lines[at:] if ln.strip().startswith("Given value: ")), None)
+        cause = cause[2:] + (f". Got value: {given}" if given is not None else "")
     return f"{key}: {cause}{where}\n\nfull parser message:\n{message}"
 
 
