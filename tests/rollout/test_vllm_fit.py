@@ -29,17 +29,13 @@ class Probe(OPDModule):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.steps: list[dict] = []
-        self.start_weights = None
-
-    def on_train_start(self):
-        self.start_weights = copy.deepcopy(self.student).eval()
-        super().on_train_start()
+        self.weights: dict[int, torch.nn.Module] = {}  # version -> a copy of the student at that version
 
     def _check_on_policy(self, batch):
         gen = self.trainer.datamodule.generator
+        self.weights[self.policy_version] = copy.deepcopy(self.student).eval()
         self.steps.append({"version": self.policy_version, "engine": gen.engine_version, "batch": batch,
-                           "now": self.student_logprobs(batch),
-                           "start": self._sampled_logprobs(self.start_weights, batch)})
+                           "scores": {v: self._sampled_logprobs(m, batch) for v, m in self.weights.items()}})
         return super()._check_on_policy(batch)
 
 
@@ -47,7 +43,10 @@ def _mean_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float(((a - b).abs() * mask).sum() / mask.sum())
 
 
-def test_sync_fit_samples_with_vllm_pushed_every_step(real_auto_generator, tmp_path, tokenizer):
+@pytest.mark.parametrize("forced_lag", [0, 1])
+def test_sync_fit_samples_with_vllm_pushed_every_step(real_auto_generator, tmp_path, tokenizer, forced_lag):
+    """``forced_lag=0``: the engine serves the weights being trained; ``forced_lag=1`` (the staleness studies):
+    the weights of version ``max(0, v - 1)``, pushed by the weight sync."""
     dirs = {}
     for name, seed in (("student", 0), ("teacher", 1)):  # head size 64: what vLLM's CPU attention supports
         dirs[name] = str(save_hf_atomic(make_model(tokenizer, seed=seed, hidden=128, heads=2, kv_heads=1), tokenizer,
@@ -55,7 +54,7 @@ def test_sync_fit_samples_with_vllm_pushed_every_step(real_auto_generator, tmp_p
     model = Probe(student=dirs["student"], teacher=dirs["teacher"], grad_clip_norm=None,
                   optimizer=lambda p: torch.optim.SGD(p, lr=2.0), max_logged_turns=2, log_text_every_n_steps=0)
     dm = RolloutDataModule(KeywordEnvFactory(need=2), generator="auto", episodes_per_step=4, max_turns=2,
-                           max_new_tokens=6, max_context_tokens=512, eval_batch_size=2, seed=0)
+                           max_new_tokens=6, max_context_tokens=512, eval_batch_size=2, forced_lag=forced_lag, seed=0)
     gen = dm.generator
     assert isinstance(gen, VLLMGenerator)  # vLLM imports here: auto chose it
     gen.kv_cache_memory_bytes = 64 << 20  # (the engine starts at the first rollout)
@@ -71,22 +70,23 @@ def test_sync_fit_samples_with_vllm_pushed_every_step(real_auto_generator, tmp_p
         return outs
 
     gen.generate = recording
-    L.Trainer(accelerator="cpu", max_steps=2, val_check_interval=2, check_val_every_n_epoch=None,
+    steps = 2 + forced_lag
+    L.Trainer(accelerator="cpu", max_steps=steps, val_check_interval=steps, check_val_every_n_epoch=None,
               limit_val_batches=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False).fit(model, datamodule=dm)
 
-    assert [(s["version"], s["engine"]) for s in model.steps] == [(0, 0), (1, 1)]  # F09: pushed before sampling
-    for s in model.steps:
+    behaviour = [max(0, v - forced_lag) for v in range(steps)]  # the version each step samples with
+    assert [(s["version"], s["engine"]) for s in model.steps] == list(zip(range(steps), behaviour))  # F09: pushed
+    for s, b in zip(model.steps, behaviour):
         batch = s["batch"]
-        assert batch.behaviour_version.tolist() == [s["version"]] * batch.size
+        assert batch.behaviour_version.tolist() == [b] * batch.size
         for t in batch.trajectories:  # F08: the ids trained on are the ids the engine sampled
             assert [i for i, m in zip(t.token_ids, t.assistant_mask) if m] == sampled[(t.task_id, t.seed)]
         mask = batch.loss_mask[:, 1:]
-        s["engine_vs_now"] = _mean_abs(batch.behaviour_logprobs[:, 1:], s["now"], mask)
-        s["engine_vs_start"] = _mean_abs(batch.behaviour_logprobs[:, 1:], s["start"], mask)
-        assert s["engine_vs_now"] < 1e-3, s["engine_vs_now"]  # F02: the engine scores like the trainer
-    late = model.steps[1]
-    assert late["engine_vs_start"] > 20 * max(late["engine_vs_now"], 1e-5), late  # ... and not like the old weights
-    # held-out evaluation inside fit: greedy, through the same engine, at the trained version
-    assert [v for greedy, v in played if greedy] and all(v == 2 for greedy, v in played if greedy)
-    assert [v for greedy, v in played if not greedy] and {v for greedy, v in played if not greedy} == {0, 1}
+        gaps = {v: _mean_abs(batch.behaviour_logprobs[:, 1:], lp, mask) for v, lp in s["scores"].items()}
+        assert gaps[b] < 1e-3, gaps  # F02: the engine scores like the trainer's weights of that version ...
+        assert all(gap > 20 * max(gaps[b], 1e-5) for v, gap in gaps.items() if v != b), gaps  # ... and no other
+    # held-out evaluation inside fit: greedy, through the same engine, at the trained version. (With forced_lag the
+    # engine still holds the last lagged copy there, version steps - 2 here: not asserted, reported in issue 17.)
+    greedy = {v for g, v in played if g}
+    assert greedy and (greedy == {steps} or forced_lag) and {v for g, v in played if not g} == set(behaviour)
