@@ -61,6 +61,13 @@ def format_observation(observation: str, admissible: list[str], goal: str | None
     return "\n".join(lines)
 
 
+def _check_observation_chars(value: int) -> None:
+    """Raises ValueError naming the config key when ``value`` (characters) is not positive."""
+    if value < 1:
+        raise ValueError(f"data.init_args.env.init_args.max_observation_chars={value} must be >= 1 (characters of "
+                         "observation text kept per turn; 600 is the default)")
+
+
 def parse_action(reply: str) -> str:
     """The action in a reply: the first line that still has text once prefixes (``>``, ``-``, ``*``,
     ``Command:``, ``Action:``), surrounding quotes/backticks and trailing ``.``/``!`` are removed
@@ -88,6 +95,7 @@ class TextWorldEnv:
     """
 
     def __init__(self, game_file: str | Path, max_observation_chars: int = 600, repeat_goal: bool = True) -> None:
+        _check_observation_chars(max_observation_chars)
         self.game_file = str(game_file)
         self.max_observation_chars = max_observation_chars
         self.repeat_goal = repeat_goal
@@ -166,6 +174,10 @@ class TextWorldEnvFactory(EnvFactory):
 
     def __init__(self, games_dir: str = "artifacts/games/quest3", max_observation_chars: int = 600,
                  num_train: int | None = None, num_eval: int | None = None, repeat_goal: bool = True) -> None:
+        _check_observation_chars(max_observation_chars)
+        for key, value in (("num_train", num_train), ("num_eval", num_eval)):
+            if value is not None and value < 0:
+                raise ValueError(f"data.init_args.env.init_args.{key}={value} must be >= 0 (games; null = all)")
         self.games_dir = Path(games_dir)
         self.repeat_goal = repeat_goal
         self.max_observation_chars = max_observation_chars

@@ -457,3 +457,20 @@ def test_make_games_keeps_the_games_it_made_when_the_budget_runs_out(tmp_path, m
     assert all((partial / g["file"]).is_file() and g["split"] == "eval" for g in manifest["games"])
     assert (out / "mine.txt").read_text() == "kept"  # --force replaces out only with a complete set
     assert TextWorldEnvFactory(str(partial)).eval_tasks() == [f"eval-s{s:05d}" for s in held_out]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"max_observation_chars": -5}, r"data.init_args.env.init_args.max_observation_chars=-5 must be >= 1"),
+    ({"max_observation_chars": 0}, r"max_observation_chars=0 must be >= 1"),
+    ({"num_train": -1}, r"data.init_args.env.init_args.num_train=-1 must be >= 0"),
+    ({"num_eval": -2}, r"data.init_args.env.init_args.num_eval=-2 must be >= 0"),
+])
+def test_bad_env_knobs_are_refused_at_construction_naming_the_key(tmp_path, kwargs, match):
+    """Checked before the manifest is read: the folder does not even need games."""
+    with pytest.raises(ValueError, match=match):
+        TextWorldEnvFactory(str(tmp_path), **kwargs)
+
+
+def test_textworld_env_refuses_a_non_positive_observation_limit(tmp_path):
+    with pytest.raises(ValueError, match="max_observation_chars=-1 must be >= 1"):
+        TextWorldEnv(tmp_path / "game.z8", max_observation_chars=-1)
