@@ -21,7 +21,9 @@ Token weightings (f-OPD freshness, TurnOPD's turn blend) are loss-side component
 fixed order (:mod:`lightning_opd.losses.weighting`), installed by their callbacks through
 :meth:`OPDModule.configure_freshness` and :meth:`OPDModule.configure_turn_blend`.
 
-``training_step`` returns ``{"loss": ..., "turn_stats": TurnStats, "freshness": FreshnessReport | None}``:
+``training_step`` returns ``{"loss": ..., "turn_stats": TurnStats, "skipped_update": bool,
+"freshness": FreshnessReport | None}`` (``skipped_update``: the freshness filter dropped every sample, so
+no optimizer step was taken, docs/algorithms.md §1.5):
 Lightning hands that dict to every callback's ``on_train_batch_end`` as ``outputs``; ``turn_stats``
 (:class:`~lightning_opd.metrics.turn_stats.TurnStats`) holds the step's per-sample, per-turn sums on this
 rank (what the rollout-depth controller reads), ``freshness`` what the freshness weighting measured (what
