@@ -120,9 +120,11 @@ def test_prepare_hybrid_stats_and_tdur_weights(model_dirs, batch):
     torch.testing.assert_close(out.old_logprobs[:, 1:], module.student_logprobs(batch))
     st = module._step_stats
     assert st["grpo/groups"] == 2.0 and st["grpo/equal_reward_groups"] == 0.0 and st["grpo/reward_mean"] == 1.125
+    assert st["grpo/equal_reward_share"] == 0.0
     assert 0 < st["tdur/mean_weight"] <= 1
     equal = module.prepare_hybrid(replace(batch, success=torch.ones(4), rewards=torch.ones(4)))
     assert torch.equal(equal.advantage, torch.zeros(4)) and module._step_stats["grpo/equal_reward_groups"] == 2.0
+    assert module._step_stats["grpo/equal_reward_share"] == 1.0  # 2 of 2 groups
 
 
 def test_staleness_filter_drops_whole_groups_and_kept_advantages_are_unchanged(model_dirs, batch):
@@ -308,7 +310,7 @@ def test_fit_with_several_updates_per_batch_is_one_policy_version_per_batch(mode
         assert groups[0] == groups[1] != groups[2] == groups[3]
         assert not torch.equal(ids[0], ids[1]) and not torch.equal(ids[2], ids[3])
     for key in ("ppo/clip_frac", "ppo/ratio_mean", "ppo/ratio_min", "ppo/ratio_max", "ppo/updates",
-                "grpo/equal_reward_groups", "grpo/groups", "grpo/reward_mean", "tdur/mean_weight", "train/kappa",
+                "grpo/equal_reward_groups", "grpo/equal_reward_share", "grpo/groups", "grpo/reward_mean", "tdur/mean_weight", "train/kappa",
                 "train/rho", "train/loss"):
         assert key in trainer.callback_metrics, key
     assert trainer.callback_metrics["ppo/updates"].item() == 4.0

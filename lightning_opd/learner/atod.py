@@ -316,6 +316,7 @@ class ATODModule(OPDModule):
         finite = torch.isfinite(rewards)
         stats = {"grpo/reward_mean": float(rewards[finite].mean()) if bool(finite.any()) else 0.0,
                  "grpo/groups": float(groups.groups), "grpo/equal_reward_groups": float(groups.equal_groups),
+                 "grpo/equal_reward_share": groups.equal_groups / max(groups.groups, 1),
                  "grpo/invalid_rewards": float(groups.invalid_rewards), "grpo/invalid_groups": float(groups.invalid_groups)}
         out = replace(batch, advantage=groups.advantage.to(batch.input_ids.device))
         if self.needs_old_logprobs:

@@ -21,6 +21,7 @@ Metric glossary (logged every step):
 | ``train/kappa``, ``train/rho`` | - | ATODModule only: the coefficients the step trained with |
 | ``grpo/reward_mean`` | reward units | mean episode reward of the batch (this rank) |
 | ``grpo/groups``, ``grpo/equal_reward_groups`` | groups | groups in the batch / of them with all rewards equal (advantage 0) |
+| ``grpo/equal_reward_share`` | fraction | ``equal_reward_groups / groups``: the share of groups with no GRPO signal |
 | ``grpo/invalid_rewards``, ``grpo/invalid_groups`` | episodes, groups | non-finite rewards and their groups (advantage 0, F13 fallback) |
 | ``ppo/clip_frac`` | fraction | supervised tokens in the clipped region, over all updates of the step |
 | ``ppo/ratio_mean``, ``ppo/ratio_min``, ``ppo/ratio_max`` | - | importance ratio pi_theta/pi_old over the same tokens |
