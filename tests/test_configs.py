@@ -273,7 +273,7 @@ def check_fopd_async(cli, tmp):
 
 def check_rollout_depth(cli, tmp):
     (ctrl,) = [c for c in cli.trainer.callbacks if isinstance(c, RolloutDepthController)]
-    assert (ctrl.h_min, ctrl.warmup, ctrl.probe_interval, ctrl.window, ctrl.cdf) == (2, 3, 8, 4, "success")
+    assert (ctrl.h_min, ctrl.warmup, ctrl.probe_interval, ctrl.window, ctrl.cdf, ctrl.solved_floor) == (2, 3, 8, 4, "full", True)
     assert ctrl.h_max is None  # read from data.max_turns at setup, not typed twice
 
 

@@ -20,7 +20,9 @@ PROPOSED in docs/algorithms.md, not from the paper: ε = 1e-8; completion depth 
 the last turn (``num_turns - 1``), the unit of t; pooling the successes of the last ``window`` = 4 probe
 batches; H_cov unset until the first refresh (H_eff alone until then); H_max read once at setup from the
 DataModule's configured ``max_turns``; the ``cdf="full"`` fallback (all probe trajectories, quantile
-``full_quantile``, used while too few successes are pooled); ``round`` = round half up.
+``full_quantile``, used while too few successes are pooled), the default since the success-only CDF let the
+cap collapse to 3 turns on quest-5 games that need 5 when no episode won; the solved-depth floor (the cap
+never drops below the turns the deepest successful probe in the window needed); ``round`` = round half up.
 
 Ranks: every step all ranks sum one vector (per-turn KL and token sums, survivors, probe rows, and
 histograms of completion depths) with ``trainer.strategy.reduce(..., "sum")``; a histogram over
@@ -98,9 +100,12 @@ class RolloutDepthController(Callback):
         window: W, probe batches whose successes are pooled (batches).
         ema: α_ema in H̄ ← (1 - α) H̄ + α H_ctrl.
         eps: ε in q_t.
-        cdf: ``"success"`` (paper) or ``"full"``: while fewer than ``min_successes`` successes are pooled,
-            refresh H_cov from all pooled probe trajectories instead (PROPOSED fallback).
+        cdf: ``"full"`` (default) or ``"success"``: with ``"full"``, while fewer than ``min_successes``
+            successes are pooled, H_cov is refreshed from all pooled probe trajectories instead (PROPOSED
+            fallback; the paper's setting, where successes are scarce); ``"success"`` never falls back.
         full_quantile: p of the full-population CDF (the paper suggests 0.4-0.6).
+        solved_floor: the cap is at least ``d + 1`` turns, ``d`` the deepest completion depth of a successful
+            probe in the window (PROPOSED: a cap below it would cut episodes the student can already solve).
 
     Raises:
         ValueError: an argument out of range (named in the message); at setup, ``h_min`` above the
@@ -110,7 +115,7 @@ class RolloutDepthController(Callback):
 
     def __init__(self, h_min: int = 2, warmup: int = 3, probe_interval: int = 8, quantile: float = 0.8,
                  min_successes: int = 8, window: int = 4, ema: float = 0.3, eps: float = 1e-8,
-                 cdf: str = "success", full_quantile: float = 0.5) -> None:
+                 cdf: str = "full", full_quantile: float = 0.5, solved_floor: bool = True) -> None:
         for name, value, low in (("h_min", h_min, 1), ("warmup", warmup, 0), ("probe_interval", probe_interval, 1),
                                  ("min_successes", min_successes, 1), ("window", window, 1)):
             if value < low:
@@ -124,7 +129,7 @@ class RolloutDepthController(Callback):
             raise ValueError(f"cdf={cdf!r}: use one of {CDFS}")
         self.h_min, self.warmup, self.probe_interval = h_min, warmup, probe_interval
         self.quantile, self.min_successes, self.window, self.ema, self.eps = quantile, min_successes, window, ema, eps
-        self.cdf, self.full_quantile = cdf, full_quantile
+        self.cdf, self.full_quantile, self.solved_floor = cdf, full_quantile, solved_floor
         # state (plain numbers and lists; persisted)
         self.h_max: int | None = None  # read once at setup
         self.cap: int | None = None  # Ĥ
@@ -241,7 +246,10 @@ class RolloutDepthController(Callback):
             h_cov = depth_quantile(every, self.full_quantile)
         h_ctrl = h_eff if h_cov is None else max(h_eff, h_cov)
         h_bar = float(h_ctrl) if self.h_bar is None else (1 - self.ema) * self.h_bar + self.ema * h_ctrl
-        cap = min(max(round_half_up(h_bar) + 1, self.h_min), self.h_max)
+        floor = self.h_min
+        if self.solved_floor and any(success):
+            floor = max(floor, max(d for d, n in enumerate(success) if n) + 1)  # turns the deepest win needed
+        cap = min(max(round_half_up(h_bar) + 1, floor), self.h_max)
         return h_eff, h_cov, h_bar, cap
 
     def _log(self, pl_module: L.LightningModule) -> None:

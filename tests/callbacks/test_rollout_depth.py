@@ -160,7 +160,7 @@ TABLE = [
 
 
 def test_table_centroid_quantile_pooling_ema_clip_and_censoring(tokenizer):
-    ctrl, dm, module, trainer = _setup(tokenizer)
+    ctrl, dm, module, trainer = _setup(tokenizer, cdf="success", solved_floor=False)  # the paper's rule alone
     for i, (rows, (h_eff, h_cov, h_bar, cap), pooled) in enumerate(TABLE):
         got = _step(ctrl, trainer, module, rows)
         assert got[:2] == (h_eff, h_cov) and got[2] == pytest.approx(h_bar) and got[3] == cap, i
@@ -185,6 +185,26 @@ def test_no_success_keeps_h_cov_unset_unless_full_cdf(tokenizer, cdf, expected):
     assert got[:2] == expected[:2] and got[2] == pytest.approx(expected[2]) and got[3] == expected[3]
 
 
+def test_defaults_fall_back_to_the_full_cdf_and_keep_the_solved_floor():
+    ctrl = RolloutDepthController()
+    assert ctrl.cdf == "full" and ctrl.solved_floor is True
+
+
+def test_cap_never_drops_below_the_turns_the_deepest_win_needed(tokenizer):
+    """The quest-5 collapse (issue 19): one win at 5 turns (depth 4), the KL all on turn 0 (H_eff = 0), too few
+    successes for H_cov. The paper's rule alone: H̄ = 0, cap clip(0 + 1, 2, 8) = 2, below the 5 turns the win
+    took; with the floor the cap is 4 + 1 = 5. Next batch, failures only: the win is still in the window (W = 4),
+    H̄ = 0 stays, cap 5; after W more failure batches the win leaves the window and the cap may fall to 2."""
+    batch = [row(5, True), row(8), row(8), row(8)]
+    plain, _, m0, t0 = _setup(tokenizer, cdf="success", solved_floor=False)
+    assert _step(plain, t0, m0, batch) == (0, None, 0.0, 2)
+    ctrl, dm, module, trainer = _setup(tokenizer, cdf="success")
+    assert _step(ctrl, trainer, module, batch) == (0, None, 0.0, 5) and dm.max_turns == 5
+    for _ in range(3):
+        assert _step(ctrl, trainer, module, FAIL8)[3] == 5  # the win is pooled for W = 4 probe batches
+    assert _step(ctrl, trainer, module, FAIL8) == (0, None, 0.0, 2)  # window of 4 failure batches: no floor
+
+
 def test_ranks_are_reduced_exactly(tokenizer):
     """Rows split over two ranks (different row counts) give the decision of one rank holding them all."""
     rows = [row(5, True), row(5, True), row(6, True), row(6, True), row(3, True), row(3, True), row(4, True),
@@ -202,12 +222,13 @@ def test_ranks_are_reduced_exactly(tokenizer):
 
 
 def test_state_dict_round_trip_continues_identically(tokenizer):
-    ctrl, _, module, trainer = _setup(tokenizer)
+    paper = {"cdf": "success", "solved_floor": False}  # TABLE's hand-worked caps
+    ctrl, _, module, trainer = _setup(tokenizer, **paper)
     for rows, _, _ in TABLE[:4]:
         _step(ctrl, trainer, module, rows)
     state = ctrl.state_dict()
     assert set(state) == {"h_max", "cap", "h_bar", "h_cov", "h_eff", "pool"}
-    resumed, dm, module2, trainer2 = _setup(tokenizer, max_turns=6)  # configured differently: H_max comes back
+    resumed, dm, module2, trainer2 = _setup(tokenizer, max_turns=6, **paper)  # configured differently: H_max comes back
     resumed.load_state_dict(state)
     resumed.on_train_start(trainer2, module2)
     assert dm.probe_schedule == (3, 8, 8) and dm.max_turns == ctrl.cap == 4
