@@ -312,3 +312,33 @@ def test_bad_module_arguments_fail_at_construction(model_dirs, monkeypatch, kwar
     monkeypatch.setattr(opd_mod, "load_causal_lm", no_load)
     with pytest.raises(ValueError, match=message):
         OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], **kwargs)
+
+
+# ------------------------------------------------------------------------------- §0.5 per-sequence option
+def test_sequence_aggregation_is_the_mean_of_row_means_and_layout_independent(model_dirs, tokenizer):
+    """``aggregation="sequence"``: the step loss is the mean over rows of each row's token-mean loss, the
+    gradient is the same for micro-batch sizes 4, 2 and 1 (F07), and differs from the token mean's."""
+    batch = make_batch(tokenizer)
+    results = {}
+    for mbs in (4, 2, 1):
+        module = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=FullVocabReverseKL(),
+                           micro_batch_size=mbs, aggregation="sequence")
+        module.configure_model()
+        denom = module.loss_denominator(batch, module.reduce_sum(batch.loss_mask[:, 1:].sum()))
+        assert int(denom) == batch.size  # every episode has supervised tokens
+        results[mbs] = step_grads(module, batch, step_tokens=denom)
+    out, mask, _ = module.token_losses(batch)
+    keep = (mask > 0).float()
+    rows = (out.loss.detach() * keep).sum(1) / keep.sum(1)
+    torch.testing.assert_close(results[4][0]["loss"], rows.mean())
+    token = step_grads(make_module(model_dirs, FullVocabReverseKL, 4), batch)
+    assert not torch.allclose(token[0]["loss"], rows.mean())  # rows of different lengths: the two means differ
+    for mbs in (2, 1):
+        torch.testing.assert_close(results[mbs][0]["loss"], results[4][0]["loss"])
+        for name, g in results[4][1].items():
+            torch.testing.assert_close(results[mbs][1][name], g, atol=1e-6, rtol=1e-5)
+
+
+def test_unknown_aggregation_is_refused_naming_the_key(model_dirs):
+    with pytest.raises(ValueError, match=r"model.init_args.aggregation='sample'"):
+        OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], aggregation="sample")

@@ -93,7 +93,9 @@ class ATODModule(OPDModule):
     Args:
         student, teacher, optimizer, lr_scheduler, micro_batch_size, micro_batch_tokens, grad_clip_norm, dtype,
             teacher_dtype, max_logged_turns, log_text_every_n_steps, strict_on_policy, trust_remote_code, export_dir,
-            gradient_checkpointing, fsdp_mixed_precision: see :class:`~lightning_opd.learner.opd.OPDModule`.
+            gradient_checkpointing, fsdp_mixed_precision, aggregation: see
+            :class:`~lightning_opd.learner.opd.OPDModule` (``aggregation="sequence"``: the paper's per-sequence
+            mean, docs/algorithms.md §0.5's option; each PPO mini-batch divides by its own sequences).
         loss: the clipped surrogate (default ``ClippedSurrogate()``, clip ε 0.2).
         kappa: κ, coefficient of the OPD term of the hybrid advantage (§3.1); 1 with ``rho = 0`` and one
             update per batch = the sampled-token OPD loss.
@@ -119,7 +121,7 @@ class ATODModule(OPDModule):
                  gradient_checkpointing: bool = False, kappa: float = 1.0, rho: float = 0.0, ppo_epochs: int = 1,
                  ppo_mini_batches: int = 1, tdur: bool = False, reward: EpisodeReward | None = None,
                  advantage_eps: float = 1e-6, fsdp_mixed_precision: str | None = None,
-                 micro_batch_tokens: int | None = None) -> None:
+                 micro_batch_tokens: int | None = None, aggregation: str = "token") -> None:
         self.ppo = PPOUpdates(ppo_epochs, ppo_mini_batches)
         if advantage_eps < 0:
             raise ValueError(f"model.advantage_eps={advantage_eps} must be >= 0")
@@ -130,7 +132,8 @@ class ATODModule(OPDModule):
                          teacher_dtype=teacher_dtype, max_logged_turns=max_logged_turns,
                          log_text_every_n_steps=log_text_every_n_steps, strict_on_policy=strict_on_policy,
                          trust_remote_code=trust_remote_code, export_dir=export_dir,
-                         gradient_checkpointing=gradient_checkpointing, fsdp_mixed_precision=fsdp_mixed_precision)
+                         gradient_checkpointing=gradient_checkpointing, fsdp_mixed_precision=fsdp_mixed_precision,
+                         aggregation=aggregation)
         self.kappa, self.rho, self.tdur = kappa, rho, tdur
         self.reward_fn = reward if reward is not None else EpisodeReward()
         self.advantage_eps = advantage_eps

@@ -42,7 +42,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lightning_opd.learner.policy import PolicyModule, check_dtype, check_optimizer
 from lightning_opd.learner.step_metrics import StepMetrics, StepRecord
-from lightning_opd.losses.aggregation import aggregate_token_loss
+from lightning_opd.losses.aggregation import aggregate_token_loss, sequence_token_weights, supervised_sequences
 from lightning_opd.losses.chunked import chunked_sampled_logprobs
 from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss
 from lightning_opd.losses.grpo import ClippedSurrogate
@@ -86,6 +86,9 @@ def micro_batch_layout(micro_batch_size: int | None, micro_batch_tokens: int | N
     return micro_batch_size, micro_batch_tokens
 
 
+AGGREGATIONS = ("token", "sequence")
+
+
 def _default_optimizer(params):
     return torch.optim.AdamW(params, lr=5e-5, weight_decay=0.0)
 
@@ -114,6 +117,9 @@ class OPDModule(PolicyModule):
         strict_on_policy: raise :class:`OffPolicyBatchError` when a batch's lag exceeds the connected
             weight sync's ``max_allowed_lag`` (0 in synchronous mode).
         trust_remote_code, export_dir, gradient_checkpointing, fsdp_mixed_precision: see :class:`PolicyModule`.
+        aggregation: ``"token"`` (default, docs/algorithms.md §0.5: the mean over the step's supervised tokens)
+            or ``"sequence"`` (§0.5's option, ATOD as published: the mean over the step's sequences of each
+            sequence's token mean); both are independent of micro-batching and ranks (F07).
 
     Raises:
         TokenizerMismatchError: at setup, when the teacher's tokenizer differs from the student's.
@@ -121,7 +127,7 @@ class OPDModule(PolicyModule):
             chunked head path cannot reproduce (F20, :mod:`lightning_opd.models.logits`).
         ValueError: a non-positive ``micro_batch_size``, ``micro_batch_tokens``, ``max_logged_turns`` or learning
             rate; both ``micro_batch_size`` and ``micro_batch_tokens`` set; an unknown
-            ``dtype`` or ``teacher_dtype`` (at construction, before any weights load); ``loss: ClippedSurrogate``
+            ``dtype``, ``teacher_dtype`` or ``aggregation`` (at construction, before any weights load); ``loss: ClippedSurrogate``
             (ATOD's objective: use ``ATODModule``).
     """
 
@@ -131,10 +137,15 @@ class OPDModule(PolicyModule):
                  teacher_dtype: str | None = None, max_logged_turns: int = 16, log_text_every_n_steps: int = 10,
                  strict_on_policy: bool = True, trust_remote_code: bool = False, export_dir: str | None = None,
                  gradient_checkpointing: bool = False, fsdp_mixed_precision: str | None = None,
-                 micro_batch_tokens: int | None = None) -> None:
+                 micro_batch_tokens: int | None = None, aggregation: str = "token") -> None:
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"model.init_args.aggregation={aggregation!r}: use one of {AGGREGATIONS} (token: the "
+                             "mean over the step's supervised tokens, docs/algorithms.md §0.5; sequence: the mean "
+                             "over sequences of each sequence's token mean, §0.5's option)")
         super().__init__(student=student, dtype=dtype, trust_remote_code=trust_remote_code, export_dir=export_dir,
                          gradient_checkpointing=gradient_checkpointing, fsdp_mixed_precision=fsdp_mixed_precision)
         self.micro_batch_size, self.micro_batch_tokens = micro_batch_layout(micro_batch_size, micro_batch_tokens)
+        self.aggregation = aggregation
         if teacher_dtype is not None:
             check_dtype(teacher_dtype, "model.init_args.teacher_dtype")
         self.automatic_optimization = False
@@ -508,6 +519,14 @@ class OPDModule(PolicyModule):
     def on_train_start(self) -> None:
         self._notify_policy_update()  # version 0 (or the restored version) reaches the generator
 
+    def loss_denominator(self, batch: RolloutBatch, step_tokens: torch.Tensor) -> torch.Tensor:
+        """What :meth:`backward_step` divides by (§0.5): ``step_tokens`` (supervised tokens of ``batch`` on all
+        ranks) with ``aggregation="token"``; with ``"sequence"`` the rows of ``batch`` holding a supervised token,
+        summed over ranks (0-d tensor, sequences)."""
+        if self.aggregation == "token":
+            return step_tokens
+        return self.reduce_sum(supervised_sequences(batch.loss_mask[:, 1:]).to(self.device))
+
     def backward_step(self, batch: RolloutBatch, step_tokens: torch.Tensor, backward: Callable[[torch.Tensor], None],
                       world_size: int = 1) -> tuple[dict[str, torch.Tensor], TurnStats]:
         """Forward and backward over ``batch`` in micro-batches; gradients accumulate in the student.
@@ -532,6 +551,9 @@ class OPDModule(PolicyModule):
         for i, mb in enumerate(micro):
             out, mask, turns = self.token_losses(mb)
             weights = self.token_weights(mb, out)
+            if self.aggregation == "sequence":  # §0.5's option: step_tokens is then the step's sequence count
+                seq_w = sequence_token_weights(mask).to(out.loss.dtype)
+                weights = seq_w if weights is None else weights * seq_w
             loss = aggregate_token_loss(out.loss, mask, step_tokens, weights) * world_size
             backward(loss)
             keep = mask > 0
@@ -585,7 +607,8 @@ class OPDModule(PolicyModule):
         for epoch, part in self.updates(batch):
             part_tokens = step_tokens if part is batch else self.reduce_sum(
                 part.loss_mask[:, 1:].sum().to(self.device))  # §0.5 per update: its own tokens
-            sums, stats = self.backward_step(part, part_tokens, self.manual_backward, self.trainer.world_size)
+            sums, stats = self.backward_step(part, self.loss_denominator(part, part_tokens), self.manual_backward,
+                                             self.trainer.world_size)
             norm = torch.nn.utils.clip_grad_norm_(self.student.parameters(), clip)
             norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
             if self.freshness is not None and self.freshness.filtering and int(part_tokens) == 0:

@@ -6,6 +6,14 @@
 default), and the denominator is the number of supervised tokens of the *whole optimizer step* (all
 micro-batches, all data-parallel ranks), so the gradient does not depend on how the step is split
 (F07) and an all-masked micro-batch adds exactly 0 (F06).
+
+Option (docs/algorithms.md §0.5, for reproducing ATOD as published): the per-sequence mean
+
+    L = sum_seq (1 / |M_seq|) sum_{i in seq} m_i w_i l_i / (sequences in the step, all ranks)
+
+computed by the same function with per-token weights :func:`sequence_token_weights` (``1 / |M_seq|``) and
+the step's sequence count as the denominator; a sequence never spans micro-batches, so it keeps the same
+split invariance.
 """
 
 from __future__ import annotations
@@ -38,3 +46,21 @@ def aggregate_token_loss(token_loss: torch.Tensor, mask: torch.Tensor, step_toke
     values = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
     denom = torch.as_tensor(step_tokens, dtype=values.dtype, device=values.device).clamp(min=1.0)
     return values.sum() / denom
+
+
+def sequence_token_weights(mask: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` per-token weights ``m_i / |M_seq|`` (0 where masked; a row without supervised tokens gets 0).
+
+    With :func:`aggregate_token_loss` and the step's number of sequences (rows with at least one supervised
+    token, all micro-batches and ranks) as ``step_tokens``, the loss is the per-sequence mean of §0.5's option.
+
+    Args:
+        mask: ``(B, T)`` 1 on supervised tokens, 0 elsewhere.
+    """
+    keep = (mask > 0).to(torch.float32)
+    return keep / keep.sum(dim=-1, keepdim=True).clamp(min=1.0)
+
+
+def supervised_sequences(mask: torch.Tensor) -> torch.Tensor:
+    """Number of rows of ``mask`` ``(B, T)`` with at least one supervised token (a 0-d integer tensor)."""
+    return (mask > 0).any(dim=-1).sum()

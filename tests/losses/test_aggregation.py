@@ -42,3 +42,20 @@ def test_split_invariance():
 def test_shape_mismatch_names_shapes():
     with pytest.raises(ValueError, match=r"loss \(2, 3\), mask \(2, 4\)"):
         aggregate_token_loss(torch.zeros(2, 3), torch.zeros(2, 4), 1.0)
+
+
+def test_sequence_mean_by_hand():
+    """§0.5's option. Rows with per-token losses (4) and (1, 2, 3): token mean (4 + 1 + 2 + 3) / 4 = 2.5;
+    sequence mean (4/1 + 6/3) / 2 = 3.0. A row with no supervised token gets weight 0 and is not counted."""
+    from lightning_opd.losses.aggregation import sequence_token_weights, supervised_sequences
+
+    loss = torch.tensor([[4.0, 9.0, 9.0], [1.0, 2.0, 3.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    w = sequence_token_weights(mask)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0, 0], [1 / 3, 1 / 3, 1 / 3], [0, 0, 0]]))
+    assert int(supervised_sequences(mask)) == 2
+    assert aggregate_token_loss(loss, mask, 4).item() == pytest.approx(2.5)
+    assert aggregate_token_loss(loss, mask, supervised_sequences(mask), w).item() == pytest.approx(3.0)
+    # split into two micro-batches (rows 0 | 1-2): the shares add up to the same sequence mean
+    parts = [aggregate_token_loss(loss[r], mask[r], 2, sequence_token_weights(mask[r])) for r in (slice(0, 1), slice(1, 3))]
+    assert sum(p.item() for p in parts) == pytest.approx(3.0)
