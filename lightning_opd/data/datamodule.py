@@ -391,6 +391,8 @@ class RolloutDataModule(L.LightningDataModule):
         with fewer tasks plays an empty last batch), as collective generation needs."""
         if self.loop is None:
             raise RuntimeError("RolloutDataModule is not connected to a policy")
+        # forced_lag: evaluate the trained weights, not the lagged copy of the last training batch
+        self.weight_sync.before_evaluation(int(self._policy.policy_version), self._policy.policy_state_dict)
         every = self.env.eval_tasks()
         tasks = every[self.rank::self.world_size]
         most = -(-len(every) // self.world_size)  # the largest share

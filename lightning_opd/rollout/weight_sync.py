@@ -183,6 +183,18 @@ class WeightSync:
                                    "on_policy_update must run for every version")
             self.push(self._snapshots[target], target)
 
+    def before_evaluation(self, learner_version: int, state: StateFn) -> None:
+        """Before held-out evaluation: with ``forced_lag``, the generator must play the learner's current weights,
+        not the lagged copy the last training batch used, so push version ``learner_version`` (from its copy, or
+        ``state()`` when there is none, e.g. ``validate`` before any update); the next training batch's
+        :meth:`before_batch` pushes its lagged copy again. Plain sync follows the live student already; async
+        evaluation plays what the generator holds (the last push, at most the producer lead behind)."""
+        if not self.config.forced_lag:
+            return
+        version = int(learner_version)
+        if self.pushed_version != version:
+            self.push(self._snapshots[version] if version in self._snapshots else state(), version)
+
     def before_producer_start(self, learner_version: int, state: StateFn, generator_version: int | None) -> None:
         """Async, before the producer (re)starts at ``learner_version``: push the learner's exact weights unless
         that version was pushed since attach/restore or the generator already holds it (its lag gate counts

@@ -110,6 +110,29 @@ def test_forced_lag_keeps_copies_and_pushes_the_lagged_one():
     assert gen.pushed == [(2, 2), (2, 2)]
 
 
+def test_forced_lag_evaluation_plays_the_current_weights():
+    """Learner at 4 with forced lag 2: training batches sample version 2, held-out evaluation version 4 (its
+    copy); the next batch pushes 2 again. Without a copy (validate before any update) the live state is pushed."""
+    ws, gen = WeightSync(SyncConfig("sync", forced_lag=2)), Recorder()
+    ws.attach(gen)
+    for v in range(5):
+        ws.on_policy_update(v, _state(v)[0])
+    ws.before_batch(4)
+    live, calls = _state(99)
+    ws.before_evaluation(4, live)
+    ws.before_evaluation(4, live)  # already held: nothing more
+    ws.before_batch(4)
+    assert gen.pushed == [(2, 2), (4, 4), (2, 2)] and calls == []
+    fresh = WeightSync(SyncConfig("sync", forced_lag=2))
+    fresh.attach(gen)
+    fresh.before_evaluation(0, live)
+    assert gen.pushed[-1] == (0, 99) and calls == [99]
+    plain = WeightSync(SyncConfig())
+    plain.attach(gen)
+    plain.before_evaluation(3, live)  # plain sync follows the live student: no push
+    assert len(gen.pushed) == 4
+
+
 def test_plain_sync_never_pushes_or_gathers():
     ws, gen = WeightSync(SyncConfig()), Recorder()
     ws.attach(gen)
