@@ -6,6 +6,7 @@ knowledge bases), below both in the package layers.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -39,3 +40,15 @@ def write_dir_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def json_safe(x):
+    """``x`` with every non-finite float (NaN, +-inf, e.g. the KL of a turn without tokens) replaced by ``None``,
+    recursing into dicts, lists and tuples (tuples become lists), so ``json.dumps`` writes strict JSON (``null``)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x

@@ -42,6 +42,7 @@ from typing import Sequence
 import yaml
 
 from lightning_opd.evaluation.compare import Comparison, Key, paired_bootstrap
+from lightning_opd.files import json_safe
 
 _EVAL = re.compile(r"^step=(\d+)\.json$")
 
@@ -322,15 +323,7 @@ class Summary:
 
     def to_json(self) -> str:
         """``data`` as JSON text, non-finite floats (a turn without tokens) written as ``null``."""
-        def finite(x):
-            if isinstance(x, float) and not math.isfinite(x):
-                return None
-            if isinstance(x, dict):
-                return {k: finite(v) for k, v in x.items()}
-            if isinstance(x, (list, tuple)):
-                return [finite(v) for v in x]
-            return x
-        return json.dumps(finite(self.data), indent=1)
+        return json.dumps(json_safe(self.data), indent=1)
 
 
 def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = None,

@@ -62,6 +62,7 @@ from typing import Sequence
 
 import torch
 
+from lightning_opd.files import json_safe
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
 from lightning_opd.rollout.generator import Generator, SamplingParams
 from lightning_opd.rollout.types import Trajectory
@@ -432,19 +433,9 @@ def write_json_atomic(path: str | os.PathLike, data: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(_finite(data), indent=1))
+    tmp.write_text(json.dumps(json_safe(data), indent=1))
     tmp.replace(path)
     return path
-
-
-def _finite(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
 
 
 def format_summary(result: dict) -> str:
