@@ -41,6 +41,9 @@ Per (arm, seed), in ``<results>/<name>/<arm>/seed<k>/``:
    ``eval/step=N.json`` (atomically; an existing file is not redone);
 4. ``done.json``, written last and atomically: a pair with it is never run again.
 
+Pairs run seed by seed (every arm of the first seed, in the file's order, then the next seed), so a run
+stopped part-way already holds paired (task, seed) evaluations of every arm it reached.
+
 Child processes die with the runner (Linux ``PR_SET_PDEATHSIG``), and a lock file stops two runners
 from working on one experiment at once. At the end the runner prints ``lightning-opd compare`` of the
 last evaluated checkpoint of every arm (all seeds merged, paired by (task, seed)) and writes it to
@@ -256,8 +259,8 @@ class Runner:
             except BlockingIOError:
                 raise RuntimeError(f"another runner is working on {self.exp.root} (lock held)") from None
             done = {}
-            for arm in self.exp.arms:
-                for seed in self.exp.seeds:
+            for seed in self.exp.seeds:  # seed by seed: a stopped run already pairs every arm on its first seeds
+                for arm in self.exp.arms:
                     done[(arm.name, seed)] = self.run_pair(arm, seed)
             self.summarise(done)
             return done

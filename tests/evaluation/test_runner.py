@@ -58,12 +58,13 @@ def test_killed_runner_skips_finished_pairs_and_resumes_the_unfinished_fit(tmp_p
     spec(tmp_path, 0.3)
     runs = tmp_path / "results" / "exp"
     proc = start(tmp_path, 0.3)
-    wait_for(runs / "a" / "seed1" / "checkpoints" / "step=2.ckpt", proc)  # (a, 0) done, (a, 1) half-way
+    wait_for(runs / "b" / "seed0" / "checkpoints" / "step=2.ckpt", proc)  # (a, 0) done, (b, 0) half-way: seed by seed
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert (runs / "a" / "seed0" / "done.json").is_file() and not (runs / "a" / "seed1" / "done.json").exists()
+    assert (runs / "a" / "seed0" / "done.json").is_file() and not (runs / "b" / "seed0" / "done.json").exists()
+    assert not (runs / "a" / "seed1").exists()  # seed 1 waits for every arm of seed 0
     time.sleep(1.5)  # two more fake steps (0.6 s) would have written step=4: the fit died with the runner
-    assert not (runs / "a" / "seed1" / "checkpoints" / "step=4.ckpt").exists()
+    assert not (runs / "b" / "seed0" / "checkpoints" / "step=4.ckpt").exists()
     before = calls(tmp_path)
 
     proc = start(tmp_path, 0.0)
@@ -73,9 +74,9 @@ def test_killed_runner_skips_finished_pairs_and_resumes_the_unfinished_fit(tmp_p
     fits = [c for c in new if c["cmd"] == "fit"]
     assert not any(c["dir"].endswith("a/seed0") for c in new if c["cmd"] == "fit")  # finished pair: not rerun
     assert not any("/a/seed0/" in c["out"] for c in new if c["cmd"] == "evaluate")
-    (resumed,) = [c for c in fits if c["dir"].endswith("a/seed1")]
-    assert resumed["ckpt_path"].endswith("a/seed1/checkpoints/last.ckpt") and resumed["start"] == 2
-    assert {c["dir"][-7:] for c in fits} == {"a/seed1", "b/seed0", "b/seed1"}
+    (resumed,) = [c for c in fits if c["dir"].endswith("b/seed0")]
+    assert resumed["ckpt_path"].endswith("b/seed0/checkpoints/last.ckpt") and resumed["start"] == 2
+    assert [c["dir"][-7:] for c in fits] == ["b/seed0", "a/seed1", "b/seed1"]  # seed by seed
     assert all(c["seed"] == c["data_seed"] for c in fits)  # the DataModule gets the seed too
     assert "[a seed 0] done, skipped" in output and "resuming fit" in output
     for arm in "ab":
