@@ -60,6 +60,8 @@ class Point:
         own_kl: the student's ``summary.own_traj_kl`` (per-turn KL by outcome) or ``None``.
         teacher: ``{(task, seed): success}`` of the teacher's greedy episodes, or ``None``.
         path: the evaluate JSON.
+        rollouts: ``{"generated", "used"}`` episodes up to the checkpoint (``OPDModule.log_rollout_counts``),
+            or ``None`` (a file without them).
     """
 
     arm: str
@@ -72,6 +74,7 @@ class Point:
     own_kl: dict | None = None
     teacher: dict[Key, float] | None = None
     path: str = ""
+    rollouts: dict[str, int] | None = None
 
     @property
     def success(self) -> float:
@@ -110,7 +113,8 @@ def point_from_evaluation(data: dict, arm: str, seed: int, step: int, updates_pe
     teacher = (data.get("teacher") or {}).get("episodes")
     return Point(arm=arm, seed=seed, step=step, iteration=step // updates_per_batch, seconds=s.get("train_seconds"),
                  greedy=table(s["greedy"]), sampled=table(s.get("sampled")),
-                 own_kl=(s.get("summary") or {}).get("own_traj_kl"), teacher=table(teacher), path=path)
+                 own_kl=(s.get("summary") or {}).get("own_traj_kl"), teacher=table(teacher), path=path,
+                 rollouts=s.get("rollouts"))
 
 
 def updates_per_batch(config: dict) -> int:
@@ -271,16 +275,20 @@ def _ci(value: float, ci: tuple[float, float], signed: bool = False) -> str:
 
 
 def selection_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[str, dict]:
-    """Markdown table of a selection (one point per run): iterations and seconds per seed, greedy success and
-    Avg@k with CIs and each arm's difference to the first arm; and its JSON form."""
+    """Markdown table of a selection (one point per run): iterations and seconds per seed, rollouts generated /
+    used (episodes, summed over seeds; "-" when a point has no counts), greedy success and Avg@k with CIs and
+    each arm's difference to the first arm; and its JSON form."""
     greedy = compare_selection(selection, "greedy", **kwargs)
     sampled = compare_selection(selection, "sampled", **kwargs)
-    lines = ["| arm | iteration per seed | training s per seed | greedy success [95% CI] | - first arm [95% CI] "
-             "| Avg@k [95% CI] | - first arm [95% CI] |", "|---|---|---|---|---|---|---|"]
+    lines = ["| arm | iteration per seed | training s per seed | rollouts generated / used | greedy success [95% CI] "
+             "| - first arm [95% CI] | Avg@k [95% CI] | - first arm [95% CI] |", "|---|---|---|---|---|---|---|---|"]
     for i, (arm, chosen) in enumerate(selection.items()):
         its = ", ".join(str(p.iteration) for p in chosen.values())
         secs = ", ".join("-" if p.seconds is None else f"{p.seconds:.0f}" for p in chosen.values())
-        cells = []
+        counts = [p.rollouts for p in chosen.values()]
+        rollouts = ("-" if any(c is None for c in counts) else
+                    f"{sum(c['generated'] for c in counts)} / {sum(c['used'] for c in counts)}")
+        cells = [rollouts]
         for cmp in (greedy, sampled):
             if cmp is None:
                 cells += ["-", "-"]
@@ -291,7 +299,8 @@ def selection_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[s
                          f"{_ci(cmp.differences[i - 1].difference, cmp.differences[i - 1].ci, True)} "
                          f"{cmp.differences[i - 1].verdict}")
         lines.append(f"| {arm} | {its} | {secs} | " + " | ".join(cells) + " |")
-    data = {"points": {arm: {str(s): {"step": p.step, "iteration": p.iteration, "seconds": p.seconds, "path": p.path}
+    data = {"points": {arm: {str(s): {"step": p.step, "iteration": p.iteration, "seconds": p.seconds, "path": p.path,
+                                      "rollouts": p.rollouts}
                              for s, p in chosen.items()} for arm, chosen in selection.items()},
             "greedy": None if greedy is None else greedy.to_dict(),
             "sampled": None if sampled is None else sampled.to_dict()}

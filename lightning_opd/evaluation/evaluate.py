@@ -34,6 +34,7 @@ Output (``--out``, written atomically at the end)::
                  "episodes": [{"task_id", "seed", "success", ...}]} | null,
      "students": [{"name", "path", "kind": "hf" | "ckpt", "policy_version", "global_step",
                    "train_seconds",       # a .ckpt's training seconds (its Timer), else null
+                   "rollouts",            # a .ckpt's {"generated", "used"} episodes so far, else null
                    "seconds",
                    "greedy": [{"task_id", "seed", "success", "turns", "invalid_actions", "reward", ...}],
                    "sampled": [{... , "sample", "episode_seed"}],
@@ -186,6 +187,7 @@ class LoadedStudent:
     policy_version: int | None = None
     global_step: int | None = None
     train_seconds: float | None = None
+    rollouts: dict[str, int] | None = None  # a .ckpt's rollout_totals: {"generated", "used"} episodes
 
 
 def parse_student(spec: str) -> tuple[str, str]:
@@ -208,7 +210,8 @@ def load_student(name: str, path: str, base: str | None, dtype: str, device: tor
     A ``.ckpt`` is read with ``torch.load(weights_only=True)`` (F15); its ``state_dict`` entries
     ``student.*`` are loaded (strict) into the model at ``base`` (the ``model.init_args.student`` the run
     started from), whose tokenizer is used; its training seconds come from its ``Timer`` state
-    (:func:`~.checkpointing.train_seconds`).
+    (:func:`~.checkpointing.train_seconds`), its rollouts generated and used so far from ``rollout_totals``
+    (``OPDModule.log_rollout_counts``).
 
     Raises:
         FileNotFoundError: ``path`` is neither a model directory nor a file.
@@ -236,7 +239,8 @@ def load_student(name: str, path: str, base: str | None, dtype: str, device: tor
     model.to(device).eval()
     return LoadedStudent(name, str(p), "ckpt", model, load_tokenizer(base), engine_path=str(base),
                          policy_version=ckpt.get("policy_version"), global_step=ckpt.get("global_step"),
-                         train_seconds=train_seconds(ckpt))
+                         train_seconds=train_seconds(ckpt),
+                         rollouts=({k: int(v) for k, v in ckpt["rollout_totals"].items()} if "rollout_totals" in ckpt else None))
 
 
 # ------------------------------------------------------------------------------------------ generators
@@ -398,7 +402,7 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
             handle = PolicyHandle(student.tokenizer, student.model, student.engine_path)
             entry = {"name": name, "path": student.path, "kind": student.kind,
                      "policy_version": student.policy_version, "global_step": student.global_step,
-                     "train_seconds": student.train_seconds}
+                     "train_seconds": student.train_seconds, "rollouts": student.rollouts}
             records, own_trajs = evaluate_student(backends.loop(env, handle, student.engine_path), tasks, settings)
             entry |= records
             if teacher_trajs is not None:

@@ -102,7 +102,7 @@ def test_summary_tables_and_values():
     assert s.data["time_to_target"]["vanilla"]["0.75"] == {"0": None, "1": None}
     md = s.markdown
     assert "### Same-Step: iteration 9" in md and "### Least-Time: 250 training s" in md
-    assert "| vanilla | 10, 9 | 260, 255 | 0.38 [" in md  # the Least-Time row: finals at their true seconds
+    assert "| vanilla | 10, 9 | 260, 255 | - | 0.38 [" in md  # the Least-Time row: finals at their true seconds; no counts
     assert "| vanilla | 0.75 | not reached (best 0.50) | not reached (best 0.50) |" in md
     assert "| turnopd | 0.75 | 180 s (iteration 12) | 210 s (iteration 12) |" in md
     assert "selected on the same held-out games it is scored on, so it is optimistic" in md
@@ -134,9 +134,9 @@ def test_per_turn_kl_is_token_weighted_over_seeds():
     assert "| y | failed | 3 | 2.000 | - | 2.000 |" in s.markdown
 
 
-def write_eval(path, seed, step, wins, seconds, teacher_wins=None, sampled=None):
+def write_eval(path, seed, step, wins, seconds, teacher_wins=None, sampled=None, rollouts=None):
     greedy = [{"task_id": f"t{i}", "seed": seed, "success": w} for i, w in enumerate(wins)]
-    student = {"name": "arm", "global_step": step, "train_seconds": seconds, "greedy": greedy,
+    student = {"name": "arm", "global_step": step, "train_seconds": seconds, "greedy": greedy, "rollouts": rollouts,
                "sampled": None if sampled is None else [{"task_id": f"t{i}", "seed": seed, "success": v, "sample": j}
                                                         for i, vs in enumerate(sampled) for j, v in enumerate(vs)],
                "summary": {}}
@@ -174,3 +174,16 @@ def test_summary_needs_a_seed_every_arm_has():
         summarise({})
     runs["b"][0] = [point("b", 0, 1, 1, [0])]
     assert "Left out (not evaluated in every arm): b seed 1." in summarise(runs, resamples=20).markdown
+
+
+def test_final_table_sums_rollouts_generated_and_used_over_seeds(tmp_path):
+    """f-OPD's filter drops samples: the table shows episodes generated / used up to each final checkpoint,
+    summed over seeds (8 + 8 generated, 5 + 7 used), and "-" for an arm whose files carry no counts."""
+    for seed, used in ((0, 5), (1, 7)):
+        write_eval(tmp_path / "fopd" / f"seed{seed}" / "eval" / "step=2.json", seed, 2, [1, 0], 10.0,
+                   rollouts={"generated": 8, "used": used})
+        write_eval(tmp_path / "old" / f"seed{seed}" / "eval" / "step=2.json", seed, 2, [0, 0], 10.0)
+    s = summarise(load_runs(tmp_path, ["fopd", "old"], [0, 1]), resamples=20)
+    assert "| fopd | 2, 2 | 10, 10 | 16 / 12 | 0.50 [" in s.markdown
+    assert "| old | 2, 2 | 10, 10 | - | 0.00 [" in s.markdown
+    assert s.data["final"]["points"]["fopd"]["1"]["rollouts"] == {"generated": 8, "used": 7}

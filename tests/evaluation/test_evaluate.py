@@ -84,13 +84,15 @@ def test_checkpoint_students_load_their_own_weights(model_dirs, tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step=4.ckpt"
     ckpt.parent.mkdir(parents=True)
     torch.save({"state_dict": {f"student.{k}": v for k, v in teacher.state_dict().items()}, "policy_version": 4,
-                "global_step": 4, "callbacks": {"Timer": {"time_elapsed": {"train": 42.5, "validate": 3.0}}}}, ckpt)
+                "global_step": 4, "callbacks": {"Timer": {"time_elapsed": {"train": 42.5, "validate": 3.0}}},
+                "rollout_totals": {"generated": 16, "used": 11}}, ckpt)
     res = run(tmp_path, "--students", str(ckpt), "--base", model_dirs["student"], "--teacher", model_dirs["teacher"],
               "--avg-k", "0")
     (student,) = res["students"]
     assert student["name"] == "run/step=4" and student["kind"] == "ckpt" and student["policy_version"] == 4
     assert student["summary"]["teacher_traj_kl"]["mean"] == 0.0 and student["sampled"] is None
     assert student["train_seconds"] == 42.5  # the checkpoint's Timer: training seconds, validation not counted
+    assert student["rollouts"] == {"generated": 16, "used": 11}  # OPDModule's rollout_totals, passed through
     with pytest.raises(ValueError, match="--base DIR"):
         run(tmp_path, "--students", str(ckpt), "--avg-k", "0")
 
