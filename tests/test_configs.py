@@ -354,6 +354,20 @@ def test_callback_overlays_append_instead_of_replacing(build_cli, tmp_path):
     assert sorted(m.lag_cap for m in _monitors(cli)) == [6, 8]
 
 
+def test_monitor_overlays_merge_into_one_monitor(build_cli):
+    """fopd_lag2's f-OPD arms: the recipe's tolerances, then (age-only arm) the score, each merge into the one
+    monitor of staleness_monitor.yaml and keep its other values."""
+    mon_files = (BASE, CONF / "callbacks/staleness_monitor.yaml", CONF / "callbacks/staleness_sampled_tolerances.yaml")
+    cli, _, _ = build_cli(*mon_files)
+    (mon,) = _monitors(cli)
+    f = mon.freshness
+    assert (f.tau_rho, f.tau_chi, f.score, f.lag_weight) == (0.2036, 0.176, "full", 2.0)
+    cli, _, _ = build_cli(*mon_files, CONF / "callbacks/staleness_age_only.yaml")
+    (mon,) = _monitors(cli)
+    f = mon.freshness
+    assert (f.tau_rho, f.tau_chi, f.score, f.lag_weight) == (0.2036, 0.176, "age_only", 2.0)
+
+
 def test_turnopd_overlays_compose(build_cli):
     """Full TurnOPD = both controller overlays on the base experiment: each appends its callback."""
     cli, _, _ = build_cli(BASE, CONF / "callbacks/rollout_depth.yaml", CONF / "callbacks/turn_loss_blend.yaml")
