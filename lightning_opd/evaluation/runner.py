@@ -18,6 +18,7 @@ An experiment (a YAML file, see :func:`load_experiment`)::
         checkpoint_every: 10         # optional, per arm (e.g. 2 optimizer updates per rollout batch)
     evaluate: [--avg-k, "4", --temperature, "0.7"]   # extra `lightning-opd evaluate` flags
     evaluate_final: []               # flags for the final checkpoint only, after `evaluate` (e.g. Avg@4 there only)
+    keep_checkpoints: true           # false: delete a pair's checkpoints/ and student/ once it is evaluated
 
 Run it with ``python -m benchmarks.experiment EXPERIMENT.yaml``; it can be stopped at any moment (Ctrl-C,
 ``kill -9``, a reboot) and run again with the same command to continue.
@@ -60,6 +61,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,6 +106,9 @@ class Experiment:
         evaluate_final: further arguments for the final checkpoint only (after ``evaluate``; e.g. ``--avg-k 4``
             there and greedy-only learning curves, which costs a fifth of Avg@4 at every checkpoint).
         teacher_kl: pass the run's teacher to ``evaluate`` (``--teacher``: teacher-trajectory KL).
+        keep_checkpoints: ``False`` deletes a pair's ``checkpoints/`` and exported ``student/`` once its
+            ``done.json`` is written (a 135M-parameter student's checkpoints with AdamW state are about 1.5 GB
+            each); the evaluations, logs and configs stay.
         seed_keys: config keys set to the seed besides ``--seed_everything``.
         results: results root (default ``benchmarks/results``).
         fit_command, evaluate_command: how to launch ``fit`` / ``evaluate`` (tests swap in fakes).
@@ -124,6 +129,7 @@ class Experiment:
     evaluate: list[str] = field(default_factory=list)
     evaluate_final: list[str] = field(default_factory=list)
     teacher_kl: bool = True
+    keep_checkpoints: bool = True
     seed_keys: list[str] = field(default_factory=lambda: ["data.init_args.seed"])
     results: Path = DEFAULT_RESULTS
     fit_command: list[str] = field(default_factory=lambda: LOPD + ["fit"])
@@ -170,7 +176,7 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
     """
     data = yaml.safe_load(Path(path).read_text()) or {}
     known = {"name", "arms", "seeds", "checkpoint_every", "evaluate_checkpoints", "max_time", "targets", "evaluate",
-             "evaluate_final", "teacher_kl", "seed_keys", "results", "fit_command", "evaluate_command"}
+             "evaluate_final", "teacher_kl", "keep_checkpoints", "seed_keys", "results", "fit_command", "evaluate_command"}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -294,6 +300,9 @@ class Runner:
         record = {"arm": arm.name, "seed": seed, "run_dir": str(d), "evaluations": [str(p) for p in evals],
                   "fit": json.loads((d / "fit.done").read_text()), "seconds_this_session": round(time.time() - t0, 1)}
         write_atomic(marker, json.dumps(record, indent=1))
+        if not self.exp.keep_checkpoints:
+            for sub in ("checkpoints", "student"):
+                shutil.rmtree(d / sub, ignore_errors=True)
         return record
 
     # ---------------------------------------------------------------------------------------- pieces

@@ -192,9 +192,25 @@ def test_final_step_is_checkpointed_and_a_time_budget_stops_every_run(tmp_path, 
     summary = (runs / "summary.md").read_text()
     # Least-Time: both runs ended at 50 s >= the 45 s budget, so both are read at 45 s and their finals compared
     assert "### Least-Time: 45 training s" in summary
-    assert "| a | 5 | 50 | 0.50 [" in summary and "| b | 5 | 50 | 1.00 [" in summary
+    assert "| a | 5 | 50 | - | 0.50 [" in summary and "| b | 5 | 50 | - | 1.00 [" in summary  # "-": no rollout counts
     # time to 0.75: a never (0.50 at every checkpoint), b at its first evaluated checkpoint (step 3, 30 s)
     assert "| a | 0.75 | not reached (best 0.50) |" in summary and "| b | 0.75 | 30 s (iteration 3) |" in summary
+
+
+def test_keep_checkpoints_false_deletes_a_pairs_checkpoints_once_it_is_done(tmp_path, monkeypatch):
+    """Evaluations, logs and the done marker stay; the checkpoints (GBs for a real student) go, and a rerun skips
+    the pair without needing them."""
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
+    exp = load_experiment(spec(tmp_path, 0, seeds=[0], keep_checkpoints=False), results=tmp_path / "r")
+    Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    for arm in exp.arms:
+        d = exp.run_dir(arm, 0)
+        assert (d / "done.json").is_file() and not (d / "checkpoints").exists()
+        assert sorted(p.name for p in (d / "eval").iterdir()) == ["step=2.json", "step=4.json"]
+    n = len(calls(tmp_path))
+    Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    assert len(calls(tmp_path)) == n  # nothing rerun
+    assert load_experiment(spec(tmp_path, 0)).keep_checkpoints  # the default keeps them
 
 
 TINY = """\
