@@ -93,6 +93,11 @@ def test_checkpoint_students_load_their_own_weights(model_dirs, tmp_path):
     assert student["summary"]["teacher_traj_kl"]["mean"] == 0.0 and student["sampled"] is None
     assert student["train_seconds"] == 42.5  # the checkpoint's Timer: training seconds, validation not counted
     assert student["rollouts"] == {"generated": 16, "used": 11}  # OPDModule's rollout_totals, passed through
+    assert "own_traj_kl" in student["summary"]  # by default, with --teacher
+    res = run(tmp_path, "--students", str(ckpt), "--base", model_dirs["student"], "--teacher", model_dirs["teacher"],
+              "--avg-k", "0", "--no-own-traj-kl")
+    summary = res["students"][0]["summary"]
+    assert "own_traj_kl" not in summary and summary["teacher_traj_kl"]["mean"] == 0.0  # only the own-KL skipped
     with pytest.raises(ValueError, match="--base DIR"):
         run(tmp_path, "--students", str(ckpt), "--avg-k", "0")
 
