@@ -302,6 +302,17 @@ def test_shipped_experiment_arms_build(path, tmp_path):
                + ["--config", str(runner._write_overlay(d, arm))] + arm.overrides + [f"--seed_everything={exp.seeds[0]}"])
         configs[arm.name] = runner._resolved_config(d, cmd)
         runner._check_steps(configs[arm.name], arm)
+    if path.stem == "fopd_lag2":  # one loss and step size for every arm; lag 2 in all but sync; the recipe's tolerances
+        for name, c in configs.items():
+            init = c["model"]["init_args"]
+            assert init["loss"]["class_path"] == "lightning_opd.losses.SampledTokenReverseKL", name
+            assert init["optimizer"]["init_args"]["lr"] == 1e-4, name
+            assert c["data"]["init_args"]["forced_lag"] == (0 if name == "sync" else 2), name
+            monitors = [m["init_args"] for m in c["trainer"]["callbacks"] if m["class_path"].endswith("StalenessMonitor")]
+            assert len(monitors) == (1 if name in ("lag2_fopd", "lag2_age_only") else 0), name
+            for m in monitors:
+                assert (m["tau_rho"], m["tau_chi"], m["score"]) == (0.2036, 0.176, "age_only" if "age" in name else "full")
+        assert configs["lag2_vanilla"]["model"]["init_args"]["loss"]["init_args"]["signal"] == "behaviour"
     if path.stem == "turnopd_quest3":
         def without_controllers(config):
             config = json.loads(json.dumps(config))
