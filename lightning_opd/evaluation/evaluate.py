@@ -416,17 +416,15 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
                     check_head_path(teacher_model, vocab, f"--teacher {teacher}")
                     teacher_checked = True
                 pad = student.tokenizer.pad_token_id
-                kl = trajectory_kl(student.model, teacher_model, teacher_trajs, vocab,
-                                   int(pad if pad is not None else student.tokenizer.eos_token_id))
+                pad_id = int(pad if pad is not None else student.tokenizer.eos_token_id)
+                kl = trajectory_kl(student.model, teacher_model, teacher_trajs, vocab, pad_id)
                 entry["teacher_traj_kl"] = [
                     {"task_id": t, "seed": seed, "kl": v["kl_sum"] / v["tokens"], "tokens": v["tokens"]}
                     for seed in settings.seeds for t, v in kl.per_task.items() if v["tokens"]]
                 entry["summary"]["teacher_traj_kl"] = {"mean": kl.mean, "per_turn": kl.per_turn,
                                                        "tokens_per_turn": kl.tokens_per_turn, "tokens": kl.tokens}
                 if settings.own_traj_kl:
-                    entry["summary"]["own_traj_kl"] = kl_by_outcome(
-                        student.model, teacher_model, own_trajs, vocab,
-                        int(pad if pad is not None else student.tokenizer.eos_token_id))
+                    entry["summary"]["own_traj_kl"] = kl_by_outcome(student.model, teacher_model, own_trajs, vocab, pad_id)
             entry["seconds"] = round(time.perf_counter() - t0, 1)
             result["students"].append(entry)
             del student
