@@ -92,7 +92,10 @@ class EvalSettings:
         backend: ``--backend``: ``auto`` (vLLM if importable, else HF), ``hf`` or ``vllm``.
         device: ``--device``: ``auto`` (cuda if available), ``cpu``, ``cuda``, ...: where HF models run.
         dtype: ``--dtype``: parameter dtype of every model (HF and vLLM).
-        vllm_kv_cache_bytes: ``--vllm-kv-cache-bytes``: KV cache of a vLLM engine (bytes).
+        vllm_kv_cache_bytes: ``--vllm-kv-cache-bytes``: KV cache of a vLLM engine (bytes); ``None``: room for
+            ``batch_size x max_context_tokens`` tokens of the engine's model, at least 1 GiB
+            (:meth:`kv_cache_bytes`), so the prefix cache keeps every episode's earlier turns (a smaller cache
+            re-prefills whole contexts every turn: benchmarks/eval_kv_cache.py).
         own_traj_kl: ``--no-own-traj-kl`` sets it ``False``: no own-trajectory KL by outcome (with ``--teacher``).
 
     Raises:
@@ -109,7 +112,7 @@ class EvalSettings:
     backend: str = "auto"
     device: str = "auto"
     dtype: str = "float32"
-    vllm_kv_cache_bytes: int = 1 << 30
+    vllm_kv_cache_bytes: int | None = None
     own_traj_kl: bool = True
 
     def __post_init__(self) -> None:
@@ -125,6 +128,18 @@ class EvalSettings:
                 raise ValueError(f"{flag} {value} must be >= 1")
         if self.backend not in ("auto", "hf", "vllm"):
             raise ValueError(f"--backend {self.backend!r}: use auto, hf or vllm")
+        if self.vllm_kv_cache_bytes is not None and self.vllm_kv_cache_bytes < 1:
+            raise ValueError(f"--vllm-kv-cache-bytes {self.vllm_kv_cache_bytes} must be >= 1 (or leave it unset: "
+                             "sized for --batch-size x --max-context-tokens)")
+
+    def kv_cache_bytes(self, engine_path: str) -> int:
+        """The vLLM KV cache size (bytes) for an engine of ``engine_path``: ``vllm_kv_cache_bytes`` if set,
+        else enough for ``batch_size x max_context_tokens`` tokens in ``dtype``, at least 1 GiB."""
+        if self.vllm_kv_cache_bytes is not None:
+            return self.vllm_kv_cache_bytes
+        from lightning_opd.rollout.vllm import kv_cache_bytes_for
+
+        return max(1 << 30, kv_cache_bytes_for(engine_path, self.batch_size * self.max_context_tokens, self.dtype))
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -284,7 +299,7 @@ class Backends:
         from lightning_opd.rollout.vllm import VLLMGenerator
 
         s = self.settings
-        self._engine = VLLMGenerator(model=engine_path, dtype=s.dtype, kv_cache_memory_bytes=s.vllm_kv_cache_bytes,
+        self._engine = VLLMGenerator(model=engine_path, dtype=s.dtype, kv_cache_memory_bytes=s.kv_cache_bytes(engine_path),
                                      max_model_len=s.max_context_tokens)
         self._engine_path = engine_path
         return self._engine
@@ -514,7 +529,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="where the teacher's trajectories are cached")
     p.add_argument("--device", default="auto", help="device of the HF models (auto: cuda if available)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--vllm-kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--vllm-kv-cache-bytes", type=int, default=None,
+                   help="KV cache of the vLLM engine (bytes); default: room for every episode of a batch at the "
+                        "context limit (--batch-size x --max-context-tokens tokens), at least 1 GiB")
     p.add_argument("--no-own-traj-kl", dest="own_traj_kl", action="store_false",
                    help="skip the teacher's KL on each student's own greedy episodes (by outcome); it costs a student "
                         "and a teacher forward over every greedy episode")

@@ -50,6 +50,34 @@ def vllm_importable() -> tuple[bool, str]:
     return True, f"vllm {getattr(vllm, '__version__', '?')} imports"
 
 
+def kv_cache_bytes_for(model: str | os.PathLike, tokens: int, dtype: str | torch.dtype = "float32") -> int:
+    """Bytes of KV cache that hold ``tokens`` tokens of ``model`` (a Hugging Face directory) in ``dtype``:
+    ``tokens * 2 (K and V) * num_hidden_layers * num_key_value_heads * head_dim * bytes per element``
+    (SmolLM2-135M in float32: 46,080 bytes per token, so 1 GiB holds 23,301 tokens; vLLM reports 23,296 after
+    rounding to whole blocks). Used to size an engine that must keep every episode of a batch cached between
+    turns (``tokens`` = episodes x context limit), otherwise the prefix cache evicts each episode's earlier
+    turns before its next turn and every turn prefills its whole context (benchmarks/eval_kv_cache.py).
+
+    Raises:
+        ValueError: ``tokens < 1``, or a config without ``num_hidden_layers``/``num_attention_heads``.
+    """
+    from transformers import AutoConfig
+
+    if tokens < 1:
+        raise ValueError(f"tokens={tokens}: the KV cache must hold at least one token")
+    cfg = AutoConfig.from_pretrained(str(model))
+    cfg = getattr(cfg, "text_config", None) or cfg
+    layers, heads = getattr(cfg, "num_hidden_layers", None), getattr(cfg, "num_attention_heads", None)
+    if not layers or not heads:
+        raise ValueError(f"{model}: its config gives num_hidden_layers={layers}, num_attention_heads={heads}; "
+                         "pass the KV cache size in bytes instead")
+    layers, heads = int(layers), int(heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    element = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+    return int(tokens) * 2 * layers * kv_heads * head_dim * element
+
+
 class VLLMWeightSync:
     """Pushes trainer weights into a running in-process vLLM engine (F09).
 
