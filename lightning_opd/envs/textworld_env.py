@@ -17,8 +17,14 @@ commands again, and the step is flagged ``invalid_action`` (counted as ``rollout
 The goal is repeated every turn by default, as verl-agent's ALFWorld prompts do: a 135M-parameter
 policy follows a goal in the current message far more reliably than one several turns back.
 
-Reward is the change in the game's score (TextWorld reports the points so far); ``won``/``lost`` come
-from the game; truncation (turn or context limit) is the agent loop's business and a separate flag.
+Reward (``reward``): ``"score"`` (default), the change in the game's score (TextWorld reports the points so
+far); ``"progress"``, the change in the share of the quest done, ``(L_{t-1} - L_t) / L_0`` with ``L_t`` the length of
+the game's own shortest remaining walkthrough after turn t (TextWorld's ``policy_commands``), so an episode's
+rewards add up to the share of the quest it completed (1 for a win; negative if it ends farther from the goal
+than it started). The games ``make-games`` writes have one quest worth 1 point (``max_score`` 1), so their score
+is the win and nothing else: ``"progress"`` is the partial credit GRPO/ATOD groups need when no episode wins
+(PROPOSED, docs/algorithms.md §3). ``won``/``lost`` come from the game; truncation (turn or context limit) is the
+agent loop's business and a separate flag.
 """
 
 from __future__ import annotations
@@ -68,6 +74,16 @@ def _check_observation_chars(value: int) -> None:
                          "observation text kept per turn; 600 is the default)")
 
 
+REWARDS = ("score", "progress")
+
+
+def _check_reward(value: str) -> None:
+    """Raises ValueError naming the config key when ``value`` is not one of :data:`REWARDS`."""
+    if value not in REWARDS:
+        raise ValueError(f"data.init_args.env.init_args.reward={value!r}: use 'score' (the game's points) or "
+                         "'progress' (share of the quest's walkthrough done)")
+
+
 def parse_action(reply: str) -> str:
     """The action in a reply: the first line that still has text once prefixes (``>``, ``-``, ``*``,
     ``Command:``, ``Action:``), surrounding quotes/backticks and trailing ``.``/``!`` are removed
@@ -92,10 +108,19 @@ class TextWorldEnv:
         game_file: compiled game (``.z8``/``.ulx``) made by ``lightning-opd make-games``.
         max_observation_chars: characters of observation text kept per turn.
         repeat_goal: show the goal in every user message (``False``: first message only).
+        reward: ``"score"`` (points) or ``"progress"`` (share of the quest; see the module docstring).
+
+    Raises:
+        ValueError: ``max_observation_chars < 1`` or an unknown ``reward`` (the message names the config key).
     """
 
-    def __init__(self, game_file: str | Path, max_observation_chars: int = 600, repeat_goal: bool = True) -> None:
+    def __init__(self, game_file: str | Path, max_observation_chars: int = 600, repeat_goal: bool = True,
+                 reward: str = "score") -> None:
         _check_observation_chars(max_observation_chars)
+        _check_reward(reward)
+        self.reward = reward
+        self._remaining = 0  # progress reward: length of the shortest remaining walkthrough
+        self._quest_length = 1
         self.game_file = str(game_file)
         self.max_observation_chars = max_observation_chars
         self.repeat_goal = repeat_goal
@@ -108,7 +133,7 @@ class TextWorldEnv:
         from textworld import EnvInfos
 
         return EnvInfos(admissible_commands=True, objective=True, won=True, lost=True, description=True,
-                        score=True, max_score=True)
+                        score=True, max_score=True, policy_commands=self.reward == "progress")
 
     def reset(self) -> str:
         import textworld.gym
@@ -119,6 +144,9 @@ class TextWorldEnv:
         _, infos = self._env.reset()
         self._admissible = list(infos["admissible_commands"])
         self._score = float(infos["score"])
+        if self.reward == "progress":
+            self._remaining = len(infos["policy_commands"] or [])
+            self._quest_length = max(1, self._remaining)
         obs = clean_feedback(infos["description"], self.max_observation_chars)
         self._goal = infos["objective"]
         return format_observation(obs, self._admissible, goal=self._goal)
@@ -142,6 +170,11 @@ class TextWorldEnv:
         obs, score, _done, infos = self._env.step(command)
         reward = float(score) - self._score
         self._score = float(score)
+        if self.reward == "progress":
+            # a won game has no walkthrough left; a lost one keeps its last length (TextWorld gives none)
+            remaining = 0 if infos["won"] else len(infos["policy_commands"] or []) or self._remaining
+            reward = (self._remaining - remaining) / self._quest_length
+            self._remaining = remaining
         self._admissible = list(infos["admissible_commands"])
         text = clean_feedback(obs, self.max_observation_chars)
         return StepResult(self._message(text), reward=reward,
@@ -163,18 +196,23 @@ class TextWorldEnvFactory(EnvFactory):
         num_train: use only the first ``num_train`` training games (``None``: all).
         num_eval: use only the first ``num_eval`` held-out games (``None``: all).
         repeat_goal: show the goal in every user message (``False``: first message only).
+        reward: ``"score"`` (the game's points: the win, for make-games' games) or ``"progress"`` (share of the
+            quest done: partial credit; see the module docstring).
 
     Raises:
         FileNotFoundError: no manifest in ``games_dir`` (run ``lightning-opd make-games``).
-        ValueError: the manifest is not valid JSON or lists no games (the message names its path), or its
-            train and held-out splits overlap (same game hash in both).
+        ValueError: the manifest is not valid JSON or lists no games (the message names its path), its
+            train and held-out splits overlap (same game hash in both), or an unknown ``reward``.
     """
 
     system_prompt = SYSTEM_PROMPT
 
     def __init__(self, games_dir: str = "artifacts/games/quest3", max_observation_chars: int = 600,
-                 num_train: int | None = None, num_eval: int | None = None, repeat_goal: bool = True) -> None:
+                 num_train: int | None = None, num_eval: int | None = None, repeat_goal: bool = True,
+                 reward: str = "score") -> None:
         _check_observation_chars(max_observation_chars)
+        _check_reward(reward)
+        self.reward = reward
         for key, value in (("num_train", num_train), ("num_eval", num_eval)):
             if value is not None and value < 0:
                 raise ValueError(f"data.init_args.env.init_args.{key}={value} must be >= 0 (games; null = all)")
@@ -220,7 +258,7 @@ class TextWorldEnvFactory(EnvFactory):
             raise KeyError(f"unknown TextWorld task id {task_id!r} in {self.games_dir}") from None
 
     def make(self, task_id: str) -> TextWorldEnv:
-        return TextWorldEnv(self.game_file(task_id), self.max_observation_chars, self.repeat_goal)
+        return TextWorldEnv(self.game_file(task_id), self.max_observation_chars, self.repeat_goal, self.reward)
 
     def expert_actions(self, task_id: str) -> list[str]:
         return list(self._games[task_id]["walkthrough"])

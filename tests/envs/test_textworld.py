@@ -261,6 +261,31 @@ def test_walkthrough_wins(factory, manifest, index):
     assert "Goal:" not in results[0].observation  # the goal is shown on the first turn only
 
 
+@pytest.mark.parametrize("index", range(NUM_TRAIN + NUM_EVAL))
+def test_progress_reward_is_the_share_of_the_quest_done(games_dir, manifest, index):
+    """reward="progress": each walkthrough step shortens the game's remaining walkthrough by one of its L
+    commands, so it earns exactly 1/L; "look" and an invalid action earn 0; the episode's rewards add up to 1
+    (the whole quest) where the score reward gives 0, ..., 0, 1."""
+    g = manifest["games"][index]
+    walkthrough = g["walkthrough"]
+    length = len(walkthrough)
+    env = TextWorldEnvFactory(str(games_dir), reward="progress").make(g["task_id"])
+    try:
+        env.reset()
+        assert env.step("xyzzy plugh").reward == 0.0
+        assert env.step("look").reward == 0.0  # a valid command that changes nothing
+        results = _play(env, walkthrough)
+    finally:
+        env.close()
+    assert [r.reward for r in results] == [1 / length] * length
+    assert results[-1].won and sum(r.reward for r in results) == pytest.approx(1.0)
+
+
+def test_unknown_reward_names_the_key(games_dir):
+    with pytest.raises(ValueError, match=r"env.init_args.reward='points'"):
+        TextWorldEnvFactory(str(games_dir), reward="points")
+
+
 def test_invalid_actions_are_observations_and_change_nothing(factory, manifest):
     """F11: empty, garbage and over-long actions come back as the adapter's own observation (not the
     game's reply), flagged invalid_action, with no reward and the same commands; the walkthrough then

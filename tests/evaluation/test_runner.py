@@ -329,3 +329,8 @@ def test_shipped_experiment_arms_build(path, tmp_path):
         assert configs["vanilla"]["model"]["init_args"]["loss"]["class_path"] == \
             "lightning_opd.losses.TeacherTopKRenormalizedReverseKL"
         assert configs["vanilla"]["data"]["init_args"]["max_turns"] == 12
+    if path.stem == "atod_quest5":  # partial credit: the quest's progress (the games' only point is the win)
+        for name, c in configs.items():
+            assert c["data"]["init_args"]["env"]["init_args"]["reward"] == "progress", name
+        for name in ("atod", "grpo"):
+            assert configs[name]["model"]["init_args"]["reward"]["init_args"]["score_weight"] == 0.5, name
