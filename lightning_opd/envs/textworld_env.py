@@ -23,7 +23,7 @@ the game's own shortest remaining walkthrough after turn t (TextWorld's ``policy
 rewards add up to the share of the quest it completed (1 for a win; negative if it ends farther from the goal
 than it started). The games ``make-games`` writes have one quest worth 1 point (``max_score`` 1), so their score
 is the win and nothing else: ``"progress"`` is the partial credit GRPO/ATOD groups need when no episode wins
-(PROPOSED, docs/algorithms.md §3). ``won``/``lost`` come from the game; truncation (turn or context limit) is the
+(PROPOSED, docs/algorithms.md §3.5). ``won``/``lost`` come from the game; truncation (turn or context limit) is the
 agent loop's business and a separate flag.
 """
 
