@@ -24,6 +24,8 @@ A *run* is one (arm, seed); a *point* one evaluated checkpoint of a run (:class:
   better/worse only when its CI excludes 0.
 * **time to target** ``x``: per run, the seconds (and iteration) of its first point with success ``>= x``;
   "not reached" otherwise (with the run's best success).
+* **contrasts**: named pairs ``(a, b)`` besides "each arm minus the first": ``a - b`` at the final checkpoints
+  (same pairing and CI), with the CI's half-width (what a "no difference detected" verdict can rule out).
 * **final**: each run's last point; **best**: each run's point with the highest greedy success (earliest on
   ties). Best is selected on the same held-out games it is scored on, so it is optimistic.
 * **own-trajectory KL by outcome**: the student's reverse KL to the teacher (nats/token) per turn on its
@@ -319,6 +321,30 @@ def teacher_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[str
     return "\n".join(lines), {arm: c.to_dict() for arm, c in cmps.items()}
 
 
+def contrast_table(selection: dict[str, dict[int, Point]], contrasts: Sequence[Sequence[str]],
+                   **kwargs) -> tuple[str, dict]:
+    """Markdown rows ``a - b`` (greedy success, paired by (task, seed), 95% CI, its half-width and the verdict)
+    for each named pair of arms in ``selection``; and the JSON form ``{"a - b": Difference dict + half_width}``.
+
+    Raises:
+        ValueError: a pair that is not two different arms of ``selection`` (named).
+    """
+    lines = ["| contrast | difference [95% CI] | CI half-width | paired episodes (tasks) | verdict |",
+             "|---|---|---|---|---|"]
+    data = {}
+    for pair in contrasts:
+        if len(pair) != 2 or pair[0] == pair[1] or any(a not in selection for a in pair):
+            raise ValueError(f"contrast {list(pair)}: give two different arms of {list(selection)}")
+        a, b = pair
+        cmp = compare_selection({b: selection[b], a: selection[a]}, "greedy", **kwargs)
+        d = cmp.differences[0]
+        half = (d.ci[1] - d.ci[0]) / 2
+        lines.append(f"| {a} - {b} | {_ci(d.difference, d.ci, True)} | {half:.2f} | {d.episodes} ({d.tasks}) | "
+                     f"{d.verdict} |")
+        data[f"{a} - {b}"] = {**cmp.to_dict()["differences"][0], "half_width": half}
+    return "\n".join(lines), data
+
+
 def _fmt(x: float | None, digits: int = 2) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
@@ -336,7 +362,8 @@ class Summary:
 
 
 def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = None,
-              targets: Sequence[float] = (), resamples: int = 10_000, seed: int = 0) -> Summary:
+              targets: Sequence[float] = (), contrasts: Sequence[Sequence[str]] = (), resamples: int = 10_000,
+              seed: int = 0) -> Summary:
     """The experiment's summary (module docstring) over the seeds every arm has evaluated.
 
     Args:
@@ -344,10 +371,11 @@ def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = No
         name: title.
         budget: the experiment's training time budget (seconds) or ``None``.
         targets: greedy success rates for the time-to-target table.
+        contrasts: pairs of arm names ``(a, b)``: ``a - b`` at the final checkpoints (:func:`contrast_table`).
         resamples, seed: of the bootstrap.
 
     Raises:
-        ValueError: no run, or no seed that every arm has evaluated.
+        ValueError: no run, no seed that every arm has evaluated, or a contrast that names an unknown arm.
     """
     if not runs:
         raise ValueError("no evaluated checkpoint found: nothing to summarise")
@@ -442,6 +470,9 @@ def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = No
         if vs is not None:
             md += ["", f"{label} against the teacher's own greedy episodes (same tasks, paired):", "", vs[0]]
             data[key]["teacher"] = vs[1]
+        if key == "final" and contrasts:
+            text, data["final"]["contrasts"] = contrast_table(chosen, contrasts, **kw)
+            md += ["", "Final checkpoint, named contrasts (paired on the same (task, seed) episodes):", "", text]
 
     finals = final(runs)
     kl = {arm: per_turn_kl(list(chosen.values())) for arm, chosen in finals.items()}

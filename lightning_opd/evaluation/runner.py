@@ -8,6 +8,7 @@ An experiment (a YAML file, see :func:`load_experiment`)::
     evaluate_checkpoints: last       # or: all (a learning curve)
     max_time: null                   # or seconds: every (arm, seed) gets this training wall-clock budget
     targets: [0.5]                   # time to reach these greedy success rates (summary; optional)
+    contrasts: [[opd_lr1e-4, opd]]   # a - b besides each arm minus the first (summary; optional)
     arms:
       opd:
         configs: [conf/textworld/opd.yaml]
@@ -102,6 +103,8 @@ class Experiment:
             Resumed fits continue the saved count. The fit then needs no in-fit validation
             (``--trainer.limit_val_batches=0``), which the budget would count.
         targets: greedy success rates whose time to reach the summary reports.
+        contrasts: pairs ``[a, b]`` of arm names whose difference ``a - b`` (final checkpoints, with its CI
+            half-width) the summary reports besides each arm minus the first (e.g. f-OPD minus plain lag 2).
         evaluate: extra ``lightning-opd evaluate`` arguments (after the runner's, so they win).
         evaluate_final: further arguments for the final checkpoint only (after ``evaluate``; e.g. ``--avg-k 4``
             there and greedy-only learning curves, which costs a fifth of Avg@4 at every checkpoint).
@@ -116,7 +119,7 @@ class Experiment:
     Raises:
         ValueError: no arms or seeds, a repeated arm name or seed, a name that is not a plain folder
             name, ``checkpoint_every < 1``, ``max_time <= 0``, a target outside [0, 1] or an unknown
-            ``evaluate_checkpoints``.
+            ``evaluate_checkpoints``, or a contrast that is not two different arm names.
     """
 
     name: str
@@ -126,6 +129,7 @@ class Experiment:
     evaluate_checkpoints: str = "last"
     max_time: int | None = None
     targets: list[float] = field(default_factory=list)
+    contrasts: list[list[str]] = field(default_factory=list)
     evaluate: list[str] = field(default_factory=list)
     evaluate_final: list[str] = field(default_factory=list)
     teacher_kl: bool = True
@@ -153,6 +157,11 @@ class Experiment:
         self.targets = [float(t) for t in self.targets]
         if any(not 0 <= t <= 1 for t in self.targets):
             raise ValueError(f"targets={self.targets}: success rates in [0, 1]")
+        for pair in self.contrasts:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2 or pair[0] == pair[1] or \
+                    any(a not in names for a in pair):
+                raise ValueError(f"contrast {pair!r}: give two different arm names of {names}, e.g. [{names[-1]}, "
+                                 f"{names[0]}]")
         if self.evaluate_checkpoints not in ("last", "all"):
             raise ValueError(f"evaluate_checkpoints={self.evaluate_checkpoints!r}: use 'last' or 'all'")
 
@@ -175,8 +184,8 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
         ValueError: an unknown key (named) or a missing one.
     """
     data = yaml.safe_load(Path(path).read_text()) or {}
-    known = {"name", "arms", "seeds", "checkpoint_every", "evaluate_checkpoints", "max_time", "targets", "evaluate",
-             "evaluate_final", "teacher_kl", "keep_checkpoints", "seed_keys", "results", "fit_command", "evaluate_command"}
+    known = {"name", "arms", "seeds", "checkpoint_every", "evaluate_checkpoints", "max_time", "targets", "contrasts",
+             "evaluate", "evaluate_final", "teacher_kl", "keep_checkpoints", "seed_keys", "results", "fit_command", "evaluate_command"}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -421,7 +430,8 @@ class Runner:
 
         runs = load_runs(self.exp.root, [a.name for a in self.exp.arms], self.exp.seeds)
         try:
-            summary = summarise(runs, name=self.exp.name, budget=self.exp.max_time, targets=self.exp.targets)
+            summary = summarise(runs, name=self.exp.name, budget=self.exp.max_time, targets=self.exp.targets,
+                                contrasts=self.exp.contrasts)
         except ValueError as err:
             self.echo(f"no summary: {err}")
             return None

@@ -111,6 +111,23 @@ def test_summary_tables_and_values():
     assert "| turnopd | 16 | 240 | 1 | 1.00 | - |" in md  # seed 0 only
 
 
+def test_named_contrasts_at_the_final_checkpoints():
+    # three one-seed arms on t0..t3; the reference "a" (first arm) is not part of the contrast
+    runs = {"a": {0: [point("a", 0, 4, 10, [0, 0, 0, 0])]},
+            "b": {0: [point("b", 0, 4, 10, [1, 1, 0, 0])]},
+            "c": {0: [point("c", 0, 4, 10, [0, 1, 0, 0])]}}
+    s = summarise(runs, contrasts=[["b", "c"]], resamples=10_000)
+    # b - c per task = [1, 0, 0, 0]: mean 0.25; a resampled mean is k/4 with k ~ Binomial(4, 1/4):
+    # P(k = 0) = 0.316 > 2.5%, so the 2.5th percentile is 0; P(k >= 3) = 0.051 > 2.5% and P(k = 4) = 0.004 < 2.5%,
+    # so the 97.5th is 0.75: CI [0, 0.75], half-width 0.375, no difference detected at n = 4
+    d = s.data["final"]["contrasts"]["b - c"]
+    assert d["difference"] == 0.25 and tuple(d["ci"]) == (0.0, 0.75) and d["half_width"] == 0.375
+    assert (d["label"], d["reference"], d["episodes"], d["tasks"]) == ("b", "c", 4, 4)
+    assert "| b - c | +0.25 [+0.00, +0.75] | 0.38 | 4 (4) | no difference detected at n = 4 |" in s.markdown
+    with pytest.raises(ValueError, match=r"contrast \['b', 'x'\]: give two different arms of \['a', 'b', 'c'\]"):
+        summarise(runs, contrasts=[["b", "x"]], resamples=100)
+
+
 def test_per_turn_kl_is_token_weighted_over_seeds():
     nan = None  # a turn without tokens is NaN in evaluate, null once written as JSON
     a = {"won": {"episodes": 1, "per_turn": [0.2, 0.4], "tokens_per_turn": [10, 5]},

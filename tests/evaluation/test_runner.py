@@ -148,6 +148,11 @@ def test_bad_experiments_are_errors(tmp_path):
         load_experiment(spec(tmp_path, 0, max_time=0))
     with pytest.raises(ValueError, match=r"targets=\[1.5\]"):
         load_experiment(spec(tmp_path, 0, targets=[1.5]))
+    two = {"a": {}, "b": {}}
+    for bad in (["a", "c"], ["a", "a"], ["a"], "a"):
+        with pytest.raises(ValueError, match="contrast .*: give two different arm names of \\['a', 'b'\\]"):
+            load_experiment(spec(tmp_path, 0, arms=two, contrasts=[bad]))
+    assert load_experiment(spec(tmp_path, 0, arms=two, contrasts=[["b", "a"]])).contrasts == [["b", "a"]]
     os.environ["FAKE_CALLS"] = str(tmp_path / "calls.jsonl")
     quiet = {"cwd": ROOT, "echo": lambda *_: None}
     exp = load_experiment(spec(tmp_path, 0, max_time=60), results=tmp_path / "r1")
