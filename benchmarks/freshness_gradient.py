@@ -3,7 +3,8 @@ well its gradient agrees with the fresh-batch gradient?
 
 1. Policy versions: ``--versions`` (v, default 4) real OPD steps from the student (the project's ``OPDModule``
    and ``RolloutDataModule`` under a Lightning ``Trainer``, conf/textworld/opd.yaml's recipe: analytic reverse
-   KL, AdamW ``--lr`` 5e-5, ``--episodes`` 4 episodes/step, gradient clipping 1.0), a CPU copy of the student's
+   KL (``--loss sampled``: the sampled-token reverse KL of conf/model/opd_sampled.yaml, issue 18's experiment
+   recipe with ``--lr 1e-4``), AdamW ``--lr`` 5e-5, ``--episodes`` 4 episodes/step, gradient clipping 1.0), a CPU copy of the student's
    weights kept at every version 0..v (:class:`VersionSnapshots`, through ``policy_state_dict``).
 2. Samples: for each lag l of ``--lags`` (0 1 2 4), ``--samples-per-lag`` (16) training episodes played by the
    weights of version v - l (the DataModule's generator, weights pushed with ``push_weights``, its agent loop and
@@ -61,7 +62,7 @@ from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.envs.base import EnvFactory
 from lightning_opd.learner import OPDModule
-from lightning_opd.losses.divergences import FullVocabReverseKL
+from lightning_opd.losses.divergences import FullVocabReverseKL, SampledTokenReverseKL
 from lightning_opd.losses.freshness import SCORES, staleness_diagnostics
 from lightning_opd.rollout.batch import RolloutBatch, collate_trajectories
 from lightning_opd.rollout.types import Trajectory
@@ -150,21 +151,28 @@ class VersionSnapshots(L.Callback):
         self._keep(pl_module)
 
 
+LOSSES = {"analytic": FullVocabReverseKL, "sampled": SampledTokenReverseKL}
+
+
 def make_versions(student: str, teacher: str, env: EnvFactory, versions: int, lr: float, episodes: int,
-                  max_turns: int, max_new_tokens: int, accelerator: str = "cpu",
-                  seed: int = 0) -> tuple[OPDModule, RolloutDataModule, dict[int, Mapping[str, torch.Tensor]]]:
-    """Run ``versions`` synchronous OPD steps (conf/textworld/opd.yaml's recipe) and return the module (student at
-    θ_v), the connected DataModule and the CPU weights of versions ``0..versions``.
+                  max_turns: int, max_new_tokens: int, accelerator: str = "cpu", seed: int = 0,
+                  loss: str = "analytic") -> tuple[OPDModule, RolloutDataModule, dict[int, Mapping[str, torch.Tensor]]]:
+    """Run ``versions`` synchronous OPD steps (conf/textworld/opd.yaml's recipe, with ``loss``: ``analytic``
+    full-vocabulary reverse KL or ``sampled``-token reverse KL, conf/model/opd_sampled.yaml, the loss issue 18's
+    experiment uses) and return the module (student at θ_v; its loss is also the one the per-sample gradients
+    differentiate), the connected DataModule and the CPU weights of versions ``0..versions``.
 
     Raises:
-        ValueError: ``versions < 1`` or ``lr <= 0``.
+        ValueError: ``versions < 1``, ``lr <= 0`` or an unknown ``loss``.
     """
+    if loss not in LOSSES:
+        raise ValueError(f"--loss={loss!r}: use one of {sorted(LOSSES)}")
     if versions < 1:
         raise ValueError(f"--versions={versions} must be >= 1 (OPD steps before the measurement)")
     if lr <= 0:
         raise ValueError(f"--lr={lr} must be > 0")
     L.seed_everything(seed, verbose=False)
-    module = OPDModule(student=student, teacher=teacher, loss=FullVocabReverseKL(), log_text_every_n_steps=0,
+    module = OPDModule(student=student, teacher=teacher, loss=LOSSES[loss](), log_text_every_n_steps=0,
                        optimizer=lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.0), micro_batch_size=1,
                        grad_clip_norm=1.0)
     dm = RolloutDataModule(env, episodes_per_step=episodes, max_turns=max_turns, max_new_tokens=max_new_tokens,
@@ -370,7 +378,8 @@ def measure(args, env: EnvFactory) -> dict:
     returns per-sample records, the summary, seconds per phase and the machine."""
     t0 = time.perf_counter()
     module, dm, snapshots = make_versions(args.model, args.teacher, env, args.versions, args.lr, args.episodes,
-                                          args.max_turns, args.max_new_tokens, args.accelerator, args.seed)
+                                          args.max_turns, args.max_new_tokens, args.accelerator, args.seed,
+                                          args.loss)
     device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
     module.to(device)  # Lightning moves the module back to the CPU after fit; the teacher is outside its tree
     module.teacher.to(device)
@@ -439,6 +448,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--versions", type=int, default=4, help="OPD steps before the measurement (v)")
     p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate of those steps (drift per step)")
     p.add_argument("--episodes", type=int, default=4, help="episodes per OPD step")
+    p.add_argument("--loss", choices=sorted(LOSSES), default="analytic",
+                   help="OPD loss of the steps and of the gradients: analytic (conf/textworld/opd.yaml) or sampled "
+                        "(conf/model/opd_sampled.yaml, issue 18's experiment)")
     p.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 4], help="lags measured (versions, <= v)")
     p.add_argument("--samples-per-lag", type=int, default=16)
     p.add_argument("--reference", type=int, default=16, help="fresh episodes of the reference batch (G)")
@@ -462,7 +474,8 @@ def main(argv: list[str] | None = None, env_factory: Callable[[str], EnvFactory]
         from lightning_opd.envs.textworld_env import TextWorldEnvFactory
 
         env_factory = TextWorldEnvFactory
-    key = (f"v{a.versions}/lr{a.lr}/e{a.episodes}/lags{'-'.join(map(str, a.lags))}/n{a.samples_per_lag}/"
+    loss = "" if a.loss == "analytic" else f"{a.loss}/"  # keys of earlier (analytic-only) results stay valid
+    key = (f"v{a.versions}/lr{a.lr}/e{a.episodes}/{loss}lags{'-'.join(map(str, a.lags))}/n{a.samples_per_lag}/"
            f"r{a.reference}/t{a.max_turns}/m{a.max_new_tokens}/p{a.last_blocks or 'all'}/s{a.seed}"
            + "".join(f"/{n}={json.dumps(kw, sort_keys=True)}" for n, kw in a.variant))
     results = ResultFile(a.results)

@@ -90,6 +90,24 @@ def test_gradient_of_a_sample_equal_to_the_reference_has_cos_one(fitted):
     assert all(p.grad is None for p in module.student.parameters())
 
 
+def test_sampled_loss_option_trains_and_differentiates_the_sampled_token_reverse_kl(model_dirs):
+    """``--loss sampled`` (issue 18's experiment recipe): the versions are trained with, and the per-sample
+    gradients are those of, SampledTokenReverseKL; a sample's gradient against itself has cos 1."""
+    from lightning_opd.losses.divergences import SampledTokenReverseKL
+
+    module, dm, snaps = make_versions(model_dirs["student"], model_dirs["teacher"], KeywordEnvFactory(), versions=1,
+                                      lr=1e-2, episodes=2, max_turns=2, max_new_tokens=4, loss="sampled")
+    assert isinstance(module.loss_fn, SampledTokenReverseKL) and sorted(snaps) == [0, 1]
+    samples, _ = make_samples(dm, snaps, lags=[0], per_lag=2, reference=1)
+    batches = [b for b in (collate(dm, [t], "cpu") for _, t in samples) if b.loss_mask[:, 1:].sum() > 0]
+    params = [p for _, p in measured_parameters(module.student, None)]
+    cos, _, _ = gradient_cosines(module, batches, batches[0], params)
+    assert cos[0] == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError, match="--loss='forward': use one of \\['analytic', 'sampled'\\]"):
+        make_versions(model_dirs["student"], model_dirs["teacher"], KeywordEnvFactory(), versions=1, lr=1e-2,
+                      episodes=2, max_turns=2, max_new_tokens=4, loss="forward")
+
+
 def test_parameter_subset_freezes_the_others_only_meanwhile(fitted):
     module, dm, snaps = fitted
     names = [n for n, _ in measured_parameters(module.student, 1)]
