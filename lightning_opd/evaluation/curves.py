@@ -12,8 +12,12 @@ A *run* is one (arm, seed); a *point* one evaluated checkpoint of a run (:class:
 * **success** of a point: mean greedy success over its (task, seed) episodes; **Avg@k** the mean of the
   sampled episodes. An arm's value at a selection of points (one per seed) is the mean over all their
   episodes, tasks x seeds.
-* **Same-Step**: ``S`` = the largest iteration every run reached (min over runs of their last iteration);
-  each run contributes its latest point at or before ``S``.
+* **Same-Step**: ``S`` = the largest iteration at which every run has an evaluated checkpoint; each run
+  contributes its point at ``S``, so all arms are compared after exactly the same rollout iterations. (Taking
+  ``S`` as the smallest last iteration, a budget-stopped run's off-grid final, and the other runs at their
+  latest point at or before it would give the runs with longer steps up to ``checkpoint_every - 1`` fewer
+  iterations.) Without such an iteration (checkpoint grids that never meet), the fallback is that rule: ``S``
+  = the smallest last iteration, each run's latest point at or before it, and the table says so.
 * **Least-Time**: ``T`` = the largest training time every run reached (min over runs of their last
   point's seconds); each run contributes its latest point at or before ``T``. With a time budget ``B``
   (the experiment's ``max_time``) seconds are read as ``min(seconds, B)``: every fit stops at the first
@@ -22,8 +26,9 @@ A *run* is one (arm, seed); a *point* one evaluated checkpoint of a run (:class:
 * Comparisons: :func:`~.compare.paired_bootstrap` of the selected points, tasks x seeds paired by
   (task, seed), 95% percentile CIs over tasks, differences to the first arm; a difference is called
   better/worse only when its CI excludes 0.
-* **time to target** ``x``: per run, the seconds (and iteration) of its first point with success ``>= x``;
-  "not reached" otherwise (with the run's best success).
+* **time to target** ``x``: per run, the seconds (and iteration) of its first point with success ``>= x``, and
+  the seconds of the point before it (below ``x``): the crossing lies between the two, so an arm with sparser
+  checkpoints is not read as slower than it is; "not reached" otherwise (with the run's best success).
 * **contrasts**: named pairs ``(a, b)`` besides "each arm minus the first": ``a - b`` at the final checkpoints
   (same pairing and CI), with the CI's half-width (what a "no difference detected" verdict can rule out).
 * **final**: each run's last point; **best**: each run's point with the highest greedy success (earliest on
@@ -161,15 +166,20 @@ def _select(runs: Runs, ok, where: str) -> dict[str, dict[int, Point]]:
     return out
 
 
-def same_step(runs: Runs) -> tuple[int, dict[str, dict[int, Point]]]:
-    """``(S, {arm: {seed: point}})``: the largest iteration every run reached and each run's latest point at
-    or before it (module docstring).
+def same_step(runs: Runs) -> tuple[int, dict[str, dict[int, Point]], bool]:
+    """``(S, {arm: {seed: point}}, exact)``: the largest iteration at which every run has a point and each run's
+    point there (``exact``); without a common iteration, the smallest last iteration and each run's latest point
+    at or before it (``exact`` False). Module docstring.
 
     Raises:
-        ValueError: a run without a point at or before ``S`` (names it).
+        ValueError: (fallback) a run without a point at or before ``S`` (names it).
     """
+    common = set.intersection(*({p.iteration for p in points} for seeds in runs.values() for points in seeds.values()))
+    if common:
+        s = max(common)
+        return s, _select(runs, lambda p: p.iteration == s, f"iteration {s}"), True
     s = min(points[-1].iteration for seeds in runs.values() for points in seeds.values())
-    return s, _select(runs, lambda p: p.iteration <= s, f"iteration {s}")
+    return s, _select(runs, lambda p: p.iteration <= s, f"iteration {s}"), False
 
 
 def least_time(runs: Runs, budget: float | None = None) -> tuple[float, dict[str, dict[int, Point]]]:
@@ -419,14 +429,16 @@ def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = No
                                             for s in common) + " |")
 
     try:
-        s, chosen = same_step(runs)
+        s, chosen, exact = same_step(runs)
     except ValueError as err:
         md += ["", f"### Same-Step: not available ({err})"]
     else:
         text, data["same_step"] = selection_table(chosen, **kw)
-        data["same_step"]["iteration"] = s
-        md += ["", f"### Same-Step: iteration {s} (the largest every run reached; each run's checkpoint at or before "
-                   "it)", "", text]
+        data["same_step"]["iteration"], data["same_step"]["exact"] = s, exact
+        how = ("the largest at which every run has an evaluated checkpoint" if exact else
+               "no iteration has a checkpoint in every run: the smallest last iteration, each run's latest checkpoint "
+               "at or before it")
+        md += ["", f"### Same-Step: iteration {s} ({how})", "", text]
     try:
         t, chosen = least_time(runs, budget)
     except ValueError as err:
@@ -440,7 +452,8 @@ def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = No
                    f"before it{how})", "", text]
 
     if targets:
-        md += ["", "### Time to target (first checkpoint whose greedy success >= target)", "",
+        md += ["", "### Time to target (first checkpoint whose greedy success >= target; the target was crossed between "
+                   "the previous checkpoint and it)", "",
                "| arm | target | " + " | ".join(f"seed {s}" for s in common) + " |", "|---|---|" + "---|" * len(common)]
         data["time_to_target"] = {}
         for arm, seeds in runs.items():
@@ -452,9 +465,13 @@ def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = No
                         top = max(q.success for q in seeds[sd])
                         cells.append(f"not reached (best {top:.2f})")
                         rec[str(sd)] = None
-                    else:
-                        cells.append(f"{_fmt(p.seconds, 0)} s (iteration {p.iteration})")
-                        rec[str(sd)] = {"seconds": p.seconds, "iteration": p.iteration, "success": p.success}
+                    else:  # the crossing lies between the previous checkpoint (below target) and this one
+                        before = [q for q in seeds[sd] if q.step < p.step]
+                        prev = before[-1].seconds if before else None
+                        cells.append(f"{_fmt(p.seconds, 0)} s (iteration {p.iteration}; "
+                                     + ("first checkpoint)" if not before else f"below at {_fmt(prev, 0)} s)"))
+                        rec[str(sd)] = {"seconds": p.seconds, "iteration": p.iteration, "success": p.success,
+                                        "previous_seconds": prev}
                 md.append(f"| {arm} | {x:.2f} | " + " | ".join(cells) + " |")
                 data["time_to_target"].setdefault(arm, {})[f"{x:g}"] = rec
 

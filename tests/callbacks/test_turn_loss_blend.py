@@ -58,8 +58,8 @@ class FakeModule:
 
 
 class FakeTrainer:
-    def __init__(self, max_steps):
-        self.max_steps = max_steps
+    def __init__(self, max_steps, callbacks=()):
+        self.max_steps, self.callbacks = max_steps, list(callbacks)
 
 
 def _blend(k, total=10, **kw):
@@ -129,6 +129,31 @@ def test_k_counts_rollout_iterations_with_several_updates_per_batch():
     cb = TurnLossBlend()
     cb.setup(FakeTrainer(8), module, "fit")
     assert cb.horizon == 4 and cb.alpha_at(2) == 0.5
+
+
+def test_time_horizon_reads_progress_from_the_timer_budget(monkeypatch):
+    """horizon='time': progress = training seconds / the Timer's budget, whatever the step count: with a 100 s
+    budget and a window s = 0.2, e = 0.6, 25 s spent gives (0.25 - 0.2) / 0.4 = 0.125, 50 s 0.75, 70 s 1."""
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import Timer
+
+    timer = Timer(duration=timedelta(seconds=100))
+    cb, module = TurnLossBlend(start=0.2, end=0.6, horizon="time"), FakeModule(version=1)
+    cb.setup(FakeTrainer(-1, [timer]), module, "fit")  # no max_steps needed
+    assert module.turn_blend is cb.weighting and cb.timer is timer
+    for spent, alpha in ((0.0, 0.0), (25.0, 0.125), (50.0, 0.75), (70.0, 1.0), (130.0, 1.0)):
+        monkeypatch.setattr(timer, "time_elapsed", lambda stage="train", s=spent: s)
+        cb.on_train_batch_start(None, module, None, 0)
+        assert cb.weighting.alpha == pytest.approx(alpha)
+        cb.on_train_batch_end(None, module, None, None, 0)
+        assert module.logged["turn_blend/alpha"] == pytest.approx(alpha)  # the α the batch trained with
+    with pytest.raises(ValueError, match=r"horizon='time'\) needs a lightning.pytorch.callbacks.Timer with a duration"):
+        TurnLossBlend(horizon="time").setup(FakeTrainer(8, [Timer()]), FakeModule(), "fit")  # Timer without budget
+    with pytest.raises(ValueError, match="horizon='hours'"):
+        TurnLossBlend(horizon="hours")
+    with pytest.raises(ValueError, match="total_steps=5 with horizon='time'"):
+        TurnLossBlend(total_steps=5, horizon="time")
 
 
 def test_weighting_refuses_alpha_outside_unit_interval():

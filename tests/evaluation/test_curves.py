@@ -45,10 +45,17 @@ def chosen(selection):
     return {arm: {seed: p.iteration for seed, p in seeds.items()} for arm, seeds in selection.items()}
 
 
-def test_same_step_takes_each_run_at_or_before_the_smallest_last_iteration():
-    s, sel = same_step(RUNS)
-    assert s == 9  # last iterations 10, 9, 17, 15
-    assert chosen(sel) == {"vanilla": {0: 8, 1: 9}, "turnopd": {0: 8, 1: 8}}
+def test_same_step_is_the_largest_iteration_every_run_has_evaluated():
+    s, sel, exact = same_step(RUNS)
+    assert (s, exact) == (8, True)  # iterations {4, 8, 10}, {4, 8, 9}, {4, 8, 12, 16, 17}, {4, 8, 12, 15}: common 4, 8
+    assert chosen(sel) == {"vanilla": {0: 8, 1: 8}, "turnopd": {0: 8, 1: 8}}
+
+
+def test_same_step_without_a_common_iteration_falls_back_to_the_smallest_last_one():
+    runs = {"a": {0: [point("a", 0, 4, 10, [1]), point("a", 0, 9, 20, [1])]},
+            "b": {0: [point("b", 0, 6, 10, [0]), point("b", 0, 12, 20, [1])]}}
+    s, sel, exact = same_step(runs)  # no common iteration; last iterations 9 and 12
+    assert (s, exact) == (9, False) and chosen(sel) == {"a": {0: 9}, "b": {0: 6}}
 
 
 def test_least_time_without_and_with_a_budget():
@@ -94,17 +101,18 @@ def test_summary_tables_and_values():
     assert [a["rate"] for a in fin["arms"]] == [0.375, 0.875] and fin["differences"][0]["difference"] == 0.5
     # best: vanilla 2 + 2 = 4 of 8, turnopd 4 + 4 = 8 of 8
     assert [a["rate"] for a in s.data["best"]["greedy"]["arms"]] == [0.5, 1.0]
-    # Same-Step at iteration 9: vanilla 1 + 1 = 2 of 8, turnopd 2 + 2 = 4 of 8
-    assert s.data["same_step"]["iteration"] == 9
-    assert [a["rate"] for a in s.data["same_step"]["greedy"]["arms"]] == [0.25, 0.5]
+    # Same-Step at iteration 8 (the last every run has): vanilla 1 + 2 = 3 of 8, turnopd 2 + 2 = 4 of 8
+    assert s.data["same_step"]["iteration"] == 8 and s.data["same_step"]["exact"]
+    assert [a["rate"] for a in s.data["same_step"]["greedy"]["arms"]] == [0.375, 0.5]
     assert s.data["least_time"]["seconds"] == 250
-    assert s.data["time_to_target"]["turnopd"]["0.75"]["0"] == {"seconds": 180, "iteration": 12, "success": 0.75}
+    assert s.data["time_to_target"]["turnopd"]["0.75"]["0"] == {"seconds": 180, "iteration": 12, "success": 0.75,
+                                                                "previous_seconds": 120}
     assert s.data["time_to_target"]["vanilla"]["0.75"] == {"0": None, "1": None}
     md = s.markdown
-    assert "### Same-Step: iteration 9" in md and "### Least-Time: 250 training s" in md
+    assert "### Same-Step: iteration 8 (the largest at which every run has an evaluated checkpoint)" in md and "### Least-Time: 250 training s" in md
     assert "| vanilla | 10, 9 | 260, 255 | - | 0.38 [" in md  # the Least-Time row: finals at their true seconds; no counts
     assert "| vanilla | 0.75 | not reached (best 0.50) | not reached (best 0.50) |" in md
-    assert "| turnopd | 0.75 | 180 s (iteration 12) | 210 s (iteration 12) |" in md
+    assert "| turnopd | 0.75 | 180 s (iteration 12; below at 120 s) | 210 s (iteration 12; below at 140 s) |" in md
     assert "selected on the same held-out games it is scored on, so it is optimistic" in md
     # the learning curve: turnopd at iteration 12, both seeds: (180 + 210) / 2 s, (3 + 4) / 8 success
     assert "| turnopd | 12 | 195 | 2 | 0.88 | - |" in md
