@@ -46,8 +46,9 @@ Per (arm, seed), in ``<results>/<name>/<arm>/seed<k>/``:
 Pairs run seed by seed (every arm of the first seed, in the file's order, then the next seed), so a run
 stopped part-way already holds paired (task, seed) evaluations of every arm it reached.
 
-Child processes die with the runner (Linux ``PR_SET_PDEATHSIG``), and a lock file stops two runners
-from working on one experiment at once. At the end the runner prints ``lightning-opd compare`` of the
+Child processes die with the runner (Linux ``PR_SET_PDEATHSIG``); a lock file stops two runners from
+working on one experiment at once, and another (``<results>/.runner.lock``) two experiments under one results
+root (training seconds are only comparable on cores nothing else uses). At the end the runner prints ``lightning-opd compare`` of the
 last evaluated checkpoint of every arm (all seeds merged, paired by (task, seed)) and writes it to
 ``<results>/<name>/compare.json``, then the summary over every evaluated checkpoint (:mod:`.curves`:
 success vs rollout iterations and training seconds, Same-Step, Least-Time, time to target, final and best)
@@ -264,15 +265,29 @@ class Runner:
         """Every (arm, seed), then the comparison; returns ``{(arm, seed): done record}``.
 
         Raises:
-            RuntimeError: another runner holds the experiment's lock, or a fit/evaluate process failed
+            RuntimeError: another runner holds the experiment's lock or the results root's (another experiment is
+                running; the message names it), or a fit/evaluate process failed
                 (the message names its log file).
         """
         self.exp.root.mkdir(parents=True, exist_ok=True)
-        with open(self.exp.root / ".lock", "w") as lock:
+        with open(self.exp.root / ".lock", "w") as lock, open(self.exp.results / ".runner.lock", "a+") as machine:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise RuntimeError(f"another runner is working on {self.exp.root} (lock held)") from None
+            try:
+                fcntl.flock(machine, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                machine.seek(0)
+                raise RuntimeError(
+                    f"another experiment is running under {self.exp.results} ({machine.read().strip() or 'unknown'}): "
+                    "one at a time, since training seconds (Least-Time, time to target, max_time) mean something "
+                    "only on cores nothing else uses; wait for it, or give a separate --results root if the "
+                    "machine has room for both") from None
+            machine.seek(0)
+            machine.truncate()
+            machine.write(f"{self.exp.name}, pid {os.getpid()}\n")
+            machine.flush()
             done = {}
             for seed in self.exp.seeds:  # seed by seed: a stopped run already pairs every arm on its first seeds
                 for arm in self.exp.arms:

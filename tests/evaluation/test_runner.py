@@ -165,6 +165,23 @@ def test_bad_experiments_are_errors(tmp_path):
         Runner(exp, **quiet).run()
 
 
+def test_a_second_experiment_under_the_same_results_root_is_refused(tmp_path):
+    """Training seconds mean something only on cores nothing else uses: while one runner works, another
+    experiment under the same results root stops at once and names the running one."""
+    import fcntl
+
+    results = tmp_path / "results"
+    results.mkdir()
+    with open(results / ".runner.lock", "w") as held:
+        held.write("fopd_lag2, pid 123\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        exp = load_experiment(spec(tmp_path, 0), results=results)
+        with pytest.raises(RuntimeError, match=r"another experiment is running under .*results \(fopd_lag2, pid 123\)"):
+            Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    assert not (results / "exp" / "a").exists()  # nothing was started
+
+
 def test_final_step_is_checkpointed_and_a_time_budget_stops_every_run(tmp_path, monkeypatch):
     """checkpoint_every need not divide max_steps (the final step is saved too), and with max_time every run
     stops at the first step whose training seconds reach it (fake: 10 s per step); a resumed fit continues
