@@ -535,6 +535,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-own-traj-kl", dest="own_traj_kl", action="store_false",
                    help="skip the teacher's KL on each student's own greedy episodes (by outcome); it costs a student "
                         "and a teacher forward over every greedy episode")
+    p.add_argument("--own-traj-kl", dest="own_traj_kl", action="store_true",
+                   help="compute it (the default; after --no-own-traj-kl, e.g. the runner's evaluate_final turning "
+                        "it back on for the final checkpoint)")
     p.add_argument("--out", required=True, help="output JSON")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     a = p.parse_args(argv)

@@ -98,6 +98,9 @@ def test_checkpoint_students_load_their_own_weights(model_dirs, tmp_path):
               "--avg-k", "0", "--no-own-traj-kl")
     summary = res["students"][0]["summary"]
     assert "own_traj_kl" not in summary and summary["teacher_traj_kl"]["mean"] == 0.0  # only the own-KL skipped
+    res = run(tmp_path, "--students", str(ckpt), "--base", model_dirs["student"], "--teacher", model_dirs["teacher"],
+              "--avg-k", "0", "--no-own-traj-kl", "--own-traj-kl")  # the last flag wins (evaluate_final)
+    assert "own_traj_kl" in res["students"][0]["summary"]
     with pytest.raises(ValueError, match="--base DIR"):
         run(tmp_path, "--students", str(ckpt), "--avg-k", "0")
 

@@ -351,8 +351,25 @@ def test_shipped_experiment_arms_build(path, tmp_path):
         assert configs["vanilla"]["model"]["init_args"]["loss"]["class_path"] == \
             "lightning_opd.losses.TeacherTopKRenormalizedReverseKL"
         assert configs["vanilla"]["data"]["init_args"]["max_turns"] == 12
+        for name in ("turnopd", "blend_only"):  # the blend's progress is training s / max_time: alpha ends at 1
+            (blend,) = [c for c in configs[name]["trainer"]["callbacks"] if c["class_path"].endswith("TurnLossBlend")]
+            assert blend["init_args"]["horizon"] == "time", name
+        assert exp.keep_checkpoints is False and exp.max_time == 1500
     if path.stem == "atod_quest5":  # partial credit: the quest's progress (the games' only point is the win)
         for name, c in configs.items():
             assert c["data"]["init_args"]["env"]["init_args"]["reward"] == "progress", name
         for name in ("atod", "grpo"):
             assert configs[name]["model"]["init_args"]["reward"]["init_args"]["score_weight"] == 0.5, name
+        # one update rule for all three (ATODModule, same batches, updates, lr, student): only the advantage differs
+        coefficients = {name: (c["model"]["init_args"]["kappa"], c["model"]["init_args"]["rho"],
+                               c["model"]["init_args"]["tdur"],
+                               sorted(a["init_args"]["attribute"] for a in c["trainer"]["callbacks"]
+                                      if a["class_path"].endswith("AnnealingSchedule")))
+                        for name, c in configs.items()}
+        assert coefficients == {"opd": (1.0, 0.0, False, []), "atod": (1.0, 1.0, True, ["kappa", "rho"]),
+                                "grpo": (0.0, 1.0, False, [])}
+        for name, c in configs.items():
+            assert c["model"]["class_path"] == "lightning_opd.learner.ATODModule", name
+            assert c["model"]["init_args"]["student"] == "artifacts/models/student-opd", name
+            assert c["trainer"]["max_steps"] == 24 and c["model"]["init_args"]["optimizer"]["init_args"]["lr"] == 5e-5
+            assert (c["data"]["init_args"]["episodes_per_step"], c["data"]["init_args"]["group_size"]) == (8, 4), name
