@@ -21,7 +21,7 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: install install-vllm model games games-long teacher teacher-train teacher-eval prepare demo test test-fast clean-demo \
+.PHONY: install install-vllm model games games-long teacher teacher-train teacher-eval prepare demo student-opd test test-fast clean-demo \
 	search-qa teacher-search-qa teacher-search-qa-train demo-search-qa
 
 $(STAMP): pyproject.toml constraints.txt
@@ -98,12 +98,20 @@ prepare: model games
 # The main job: OPD (conf/textworld/opd.yaml, sampling with vLLM, student exported to $(STUDENT)), then the student before,
 # the teacher and the student after evaluated greedily on all 50 held-out games in one `evaluate`
 # process (with the teacher-trajectory KL), and the table printed by `compare` with paired 95% CIs.
+OPD_FIT = $(LOPD) fit --config conf/textworld/opd.yaml --trainer.logger.init_args.save_dir=runs/demo --trainer.logger.init_args.name=opd --trainer.limit_val_batches=0 --model.init_args.export_dir=$(STUDENT)
 demo: install install-vllm model games teacher
 	rm -rf runs/demo
-	$(LOPD) fit --config conf/textworld/opd.yaml --trainer.logger.init_args.save_dir=runs/demo --trainer.logger.init_args.name=opd --trainer.limit_val_batches=0 --model.init_args.export_dir=$(STUDENT)
+	$(OPD_FIT)
 	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(TEACHER)" "student after (OPD)=$(STUDENT)" --games $(GAMES) --teacher $(TEACHER) --avg-k 0 --cache-dir runs/demo/teacher_trajectories --out runs/demo/evaluation.json
 	$(LOPD) compare runs/demo/evaluation.json --json runs/demo/comparison.json
 	$(LOPD) compare runs/demo/evaluation.json --table teacher_traj_kl
+
+# Only the demo's OPD student (the fit, ~20 min on 2 cores; no evaluation), once: the start of
+# benchmarks/experiments/atod_quest5.yaml. `make demo` refits it every time.
+$(STUDENT)/config.json: | $(TEACHER)/config.json $(GAMES)/manifest.json $(VLLM_STAMP)
+	rm -rf runs/demo
+	$(OPD_FIT)
+student-opd: install install-vllm model games teacher $(STUDENT)/config.json
 
 test: install install-vllm model games teacher
 	$(BIN)/lint-imports && $(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
