@@ -216,7 +216,7 @@ def test_final_step_is_checkpointed_and_a_time_budget_stops_every_run(tmp_path, 
     assert "### Least-Time: 45 training s" in summary
     assert "| a | 5 | 50 | - | 0.50 [" in summary and "| b | 5 | 50 | - | 1.00 [" in summary  # "-": no rollout counts
     # time to 0.75: a never (0.50 at every checkpoint), b at its first evaluated checkpoint (step 3, 30 s)
-    assert "| a | 0.75 | not reached (best 0.50) |" in summary and "| b | 0.75 | 30 s (iteration 3) |" in summary
+    assert "| a | 0.75 | not reached (best 0.50) |" in summary and "| b | 0.75 | 30 s (iteration 3; first checkpoint) |" in summary
 
 
 def test_keep_checkpoints_false_deletes_a_pairs_checkpoints_once_it_is_done(tmp_path, monkeypatch):
