@@ -331,6 +331,18 @@ def teacher_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[str
     return "\n".join(lines), {arm: c.to_dict() for arm, c in cmps.items()}
 
 
+def check_contrasts(contrasts: Sequence, arms: Sequence[str]) -> None:
+    """Each contrast must be a pair ``[a, b]`` of two different names in ``arms``.
+
+    Raises:
+        ValueError: the first bad contrast, named with the arms it may use.
+    """
+    for pair in contrasts:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2 or pair[0] == pair[1] or \
+                any(a not in arms for a in pair):
+            raise ValueError(f"contrast {pair!r}: give two different arm names of {list(arms)}")
+
+
 def contrast_table(selection: dict[str, dict[int, Point]], contrasts: Sequence[Sequence[str]],
                    **kwargs) -> tuple[str, dict]:
     """Markdown rows ``a - b`` (greedy success, paired by (task, seed), 95% CI, its half-width and the verdict)
@@ -342,10 +354,8 @@ def contrast_table(selection: dict[str, dict[int, Point]], contrasts: Sequence[S
     lines = ["| contrast | difference [95% CI] | CI half-width | paired episodes (tasks) | verdict |",
              "|---|---|---|---|---|"]
     data = {}
-    for pair in contrasts:
-        if len(pair) != 2 or pair[0] == pair[1] or any(a not in selection for a in pair):
-            raise ValueError(f"contrast {list(pair)}: give two different arms of {list(selection)}")
-        a, b = pair
+    check_contrasts(contrasts, list(selection))
+    for a, b in contrasts:
         cmp = compare_selection({b: selection[b], a: selection[a]}, "greedy", **kwargs)
         d = cmp.differences[0]
         half = (d.ci[1] - d.ci[0]) / 2

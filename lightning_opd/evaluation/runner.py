@@ -73,6 +73,8 @@ from pathlib import Path
 
 import yaml
 
+from lightning_opd.evaluation.curves import check_contrasts  # numpy and yaml only, no torch
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RESULTS = ROOT / "benchmarks" / "results"
 LOPD = [sys.executable, "-m", "lightning_opd"]
@@ -158,11 +160,7 @@ class Experiment:
         self.targets = [float(t) for t in self.targets]
         if any(not 0 <= t <= 1 for t in self.targets):
             raise ValueError(f"targets={self.targets}: success rates in [0, 1]")
-        for pair in self.contrasts:
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2 or pair[0] == pair[1] or \
-                    any(a not in names for a in pair):
-                raise ValueError(f"contrast {pair!r}: give two different arm names of {names}, e.g. [{names[-1]}, "
-                                 f"{names[0]}]")
+        check_contrasts(self.contrasts, names)
         if self.evaluate_checkpoints not in ("last", "all"):
             raise ValueError(f"evaluate_checkpoints={self.evaluate_checkpoints!r}: use 'last' or 'all'")
 

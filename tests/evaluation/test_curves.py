@@ -132,7 +132,7 @@ def test_named_contrasts_at_the_final_checkpoints():
     assert d["difference"] == 0.25 and tuple(d["ci"]) == (0.0, 0.75) and d["half_width"] == 0.375
     assert (d["label"], d["reference"], d["episodes"], d["tasks"]) == ("b", "c", 4, 4)
     assert "| b - c | +0.25 [+0.00, +0.75] | 0.38 | 4 (4) | no difference detected at n = 4 |" in s.markdown
-    with pytest.raises(ValueError, match=r"contrast \['b', 'x'\]: give two different arms of \['a', 'b', 'c'\]"):
+    with pytest.raises(ValueError, match=r"contrast \['b', 'x'\]: give two different arm names of \['a', 'b', 'c'\]"):
         summarise(runs, contrasts=[["b", "x"]], resamples=100)
 
 
