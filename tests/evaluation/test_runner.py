@@ -351,6 +351,7 @@ def test_shipped_experiment_arms_build(path, tmp_path):
         assert configs["vanilla"]["model"]["init_args"]["loss"]["class_path"] == \
             "lightning_opd.losses.TeacherTopKRenormalizedReverseKL"
         assert configs["vanilla"]["data"]["init_args"]["max_turns"] == 12
+        assert configs["vanilla"]["model"]["init_args"]["student"] == "artifacts/models/student-opd"  # see the file
         for name in ("turnopd", "blend_only"):  # the blend's progress is training s / max_time: alpha ends at 1
             (blend,) = [c for c in configs[name]["trainer"]["callbacks"] if c["class_path"].endswith("TurnLossBlend")]
             assert blend["init_args"]["horizon"] == "time", name
