@@ -31,8 +31,11 @@ A *run* is one (arm, seed); a *point* one evaluated checkpoint of a run (:class:
   checkpoints is not read as slower than it is; "not reached" otherwise (with the run's best success).
 * **contrasts**: named pairs ``(a, b)`` besides "each arm minus the first": ``a - b`` at the final checkpoints
   (same pairing and CI), with the CI's half-width (what a "no difference detected" verdict can rule out).
-* **final**: each run's last point; **best**: each run's point with the highest greedy success (earliest on
-  ties). Best is selected on the same held-out games it is scored on, so it is optimistic.
+* **start**: with the runner's ``evaluate_start``, the arms' common starting student evaluated once per seed
+  (``<root>/start/seed<k>/eval/step=0.json``) is every run's first point, iteration 0 at 0 s (in the curves,
+  Same-Step, Least-Time and time to target: a target the start already meets is reached "at the start").
+* **final**: each run's last point; **best**: each run's trained point (not the start) with the highest greedy
+  success (earliest on ties). Best is selected on the same held-out games it is scored on, so it is optimistic.
 * **own-trajectory KL by outcome**: the student's reverse KL to the teacher (nats/token) per turn on its
   own greedy episodes, won vs failed (``evaluate --teacher``), token-weighted over the seeds' final points.
 """
@@ -42,7 +45,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -69,6 +72,7 @@ class Point:
         path: the evaluate JSON.
         rollouts: ``{"generated", "used"}`` episodes up to the checkpoint (``OPDModule.log_rollout_counts``),
             or ``None`` (a file without them).
+        start: the experiment's starting student (iteration 0, 0 s; module docstring), not a checkpoint.
     """
 
     arm: str
@@ -82,6 +86,7 @@ class Point:
     teacher: dict[Key, float] | None = None
     path: str = ""
     rollouts: dict[str, int] | None = None
+    start: bool = False
 
     @property
     def success(self) -> float:
@@ -133,7 +138,9 @@ def updates_per_batch(config: dict) -> int:
 
 
 def load_runs(root: str | Path, arms: Sequence[str], seeds: Sequence[int]) -> Runs:
-    """Every evaluated checkpoint under ``<root>/<arm>/seed<k>/eval/`` (runs without one are left out)."""
+    """Every evaluated checkpoint under ``<root>/<arm>/seed<k>/eval/`` (runs without one are left out), each run
+    preceded by the starting student's evaluation ``<root>/start/seed<k>/eval/step=0.json`` when there is one
+    (iteration 0 at 0 s, ``start=True``)."""
     runs: Runs = {}
     for arm in arms:
         for seed in seeds:
@@ -143,6 +150,10 @@ def load_runs(root: str | Path, arms: Sequence[str], seeds: Sequence[int]) -> Ru
             found = sorted((int(m.group(1)), p) for p in (d / "eval").glob("step=*.json") if (m := _EVAL.match(p.name)))
             points = [point_from_evaluation(json.loads(p.read_text()), arm, seed, step, per_batch, str(p))
                       for step, p in found]
+            start = Path(root) / "start" / f"seed{seed}" / "eval" / "step=0.json"
+            if points and start.is_file():
+                first = point_from_evaluation(json.loads(start.read_text()), arm, seed, 0, 1, str(start))
+                points.insert(0, replace(first, seconds=0.0, start=True))
             if points:
                 runs.setdefault(arm, {})[seed] = points
     return runs
@@ -174,7 +185,8 @@ def same_step(runs: Runs) -> tuple[int, dict[str, dict[int, Point]], bool]:
     Raises:
         ValueError: (fallback) a run without a point at or before ``S`` (names it).
     """
-    common = set.intersection(*({p.iteration for p in points} for seeds in runs.values() for points in seeds.values()))
+    common = set.intersection(*({p.iteration for p in points if not p.start}  # the shared start compares nothing
+                                for seeds in runs.values() for points in seeds.values()))
     if common:
         s = max(common)
         return s, _select(runs, lambda p: p.iteration == s, f"iteration {s}"), True
@@ -215,10 +227,10 @@ def final(runs: Runs) -> dict[str, dict[int, Point]]:
 
 
 def best(runs: Runs) -> dict[str, dict[int, Point]]:
-    """Each run's point with the highest greedy success, the earliest on ties (optimistic: chosen on the
-    games it is scored on)."""
-    return {arm: {seed: max(points, key=lambda p: (p.success, -p.step)) for seed, points in seeds.items()}
-            for arm, seeds in runs.items()}
+    """Each run's trained point (the start left out, unless it is the only one) with the highest greedy
+    success, the earliest on ties (optimistic: chosen on the games it is scored on)."""
+    return {arm: {seed: max([p for p in points if not p.start] or points, key=lambda p: (p.success, -p.step))
+                  for seed, points in seeds.items()} for arm, seeds in runs.items()}
 
 
 def per_turn_kl(points: Sequence[Point]) -> dict[str, dict]:
@@ -478,10 +490,11 @@ def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = No
                     else:  # the crossing lies between the previous checkpoint (below target) and this one
                         before = [q for q in seeds[sd] if q.step < p.step]
                         prev = before[-1].seconds if before else None
-                        cells.append(f"{_fmt(p.seconds, 0)} s (iteration {p.iteration}; "
+                        cells.append("0 s (at the start)" if p.start else
+                                     f"{_fmt(p.seconds, 0)} s (iteration {p.iteration}; "
                                      + ("first checkpoint)" if not before else f"below at {_fmt(prev, 0)} s)"))
                         rec[str(sd)] = {"seconds": p.seconds, "iteration": p.iteration, "success": p.success,
-                                        "previous_seconds": prev}
+                                        "previous_seconds": prev, "start": p.start}
                 md.append(f"| {arm} | {x:.2f} | " + " | ".join(cells) + " |")
                 data["time_to_target"].setdefault(arm, {})[f"{x:g}"] = rec
 

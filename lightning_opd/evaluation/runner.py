@@ -20,6 +20,7 @@ An experiment (a YAML file, see :func:`load_experiment`)::
     evaluate: [--avg-k, "4", --temperature, "0.7"]   # extra `lightning-opd evaluate` flags
     evaluate_final: []               # flags for the final checkpoint only, after `evaluate` (e.g. Avg@4 there only)
     keep_checkpoints: true           # false: delete a pair's checkpoints/ and student/ once it is evaluated
+    evaluate_start: false            # true: evaluate the arms' common starting student once per seed (iteration 0)
 
 Run it with ``python -m benchmarks.experiment EXPERIMENT.yaml``; it can be stopped at any moment (Ctrl-C,
 ``kill -9``, a reboot) and run again with the same command to continue.
@@ -31,7 +32,8 @@ Per (arm, seed), in ``<results>/<name>/<arm>/seed<k>/``:
 2. ``lightning-opd fit`` in its own process with the arm's config files and overrides, then the runner's
    overlay ``runner_overlay.yaml`` (TensorBoard logs in ``logs/``, a ``ModelCheckpoint`` every
    ``checkpoint_every`` steps keeping every checkpoint, ``checkpoints/step=N.ckpt`` and ``last.ckpt``,
-   the export in ``student/``; a ``Timer`` that records the training seconds in every checkpoint and stops
+   a link to the latest (a checkpoint is written once: writing counts in a time budget), the export in
+   ``student/``; a ``Timer`` that records the training seconds in every checkpoint and stops
    the fit at ``max_time``, see :mod:`.checkpointing`), then ``--seed_everything=k`` and ``--data.init_args.seed=k`` (the
    DataModule's seed sets the task order and every episode's sampling seed, so seeds differ in their
    rollouts, not only in their initial random state). An unfinished fit resumes from
@@ -42,6 +44,13 @@ Per (arm, seed), in ``<results>/<name>/<arm>/seed<k>/``:
    keyed by the training seed, so arms pair by (task, seed) in ``compare``), written to
    ``eval/step=N.json`` (atomically; an existing file is not redone);
 4. ``done.json``, written last and atomically: a pair with it is never run again.
+
+With ``evaluate_start: true`` (every arm continues one trained student, ``model.init_args.student``), that
+student is evaluated once per seed, before the first fit of the seed, to ``<results>/<name>/start/seed<k>/eval/
+step=0.json`` with the ``evaluate`` flags (not ``evaluate_final``): iteration 0 at 0 training seconds of every
+arm in the summary. ``start/start.json`` records its path and a sha256 of its files; a later fit of the
+experiment whose starting student differs (another path, or the files changed, e.g. ``make demo`` refit it)
+is refused, so every arm and seed continues the same weights.
 
 Pairs run seed by seed (every arm of the first seed, in the file's order, then the next seed), so a run
 stopped part-way already holds paired (task, seed) evaluations of every arm it reached.
@@ -60,6 +69,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -115,6 +125,8 @@ class Experiment:
         keep_checkpoints: ``False`` deletes a pair's ``checkpoints/`` and exported ``student/`` once its
             ``done.json`` is written (a 135M-parameter student's checkpoints with AdamW state are about 1.5 GB
             each); the evaluations, logs and configs stay.
+        evaluate_start: evaluate the arms' common starting student (``model.init_args.student``) once per seed
+            as iteration 0 (module docstring); fits refuse a starting student that differs from the recorded one.
         seed_keys: config keys set to the seed besides ``--seed_everything``.
         results: results root (default ``benchmarks/results``).
         fit_command, evaluate_command: how to launch ``fit`` / ``evaluate`` (tests swap in fakes).
@@ -137,6 +149,7 @@ class Experiment:
     evaluate_final: list[str] = field(default_factory=list)
     teacher_kl: bool = True
     keep_checkpoints: bool = True
+    evaluate_start: bool = False
     seed_keys: list[str] = field(default_factory=lambda: ["data.init_args.seed"])
     results: Path = DEFAULT_RESULTS
     fit_command: list[str] = field(default_factory=lambda: LOPD + ["fit"])
@@ -184,7 +197,7 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
     """
     data = yaml.safe_load(Path(path).read_text()) or {}
     known = {"name", "arms", "seeds", "checkpoint_every", "evaluate_checkpoints", "max_time", "targets", "contrasts",
-             "evaluate", "evaluate_final", "teacher_kl", "keep_checkpoints", "seed_keys", "results", "fit_command", "evaluate_command"}
+             "evaluate", "evaluate_final", "teacher_kl", "keep_checkpoints", "evaluate_start", "seed_keys", "results", "fit_command", "evaluate_command"}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -215,6 +228,24 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
+
+
+def files_sha256(path: Path) -> str:
+    """sha256 over a model directory's files (relative names and contents, sorted by name) or one file.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (named).
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such model file or directory")
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(str(f.relative_to(path) if path.is_dir() else f.name).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -307,6 +338,8 @@ class Runner:
                     + arm.overrides + [f"--seed_everything={seed}"] + [f"--{k}={seed}" for k in self.exp.seed_keys])
         config = self._resolved_config(d, base_cmd)
         self._check_steps(config, arm)
+        if self.exp.evaluate_start:
+            self.evaluate_start(arm, seed, config)
         if not (d / "fit.done").is_file():
             cmd = list(base_cmd)
             last = d / "checkpoints" / "last.ckpt"
@@ -342,7 +375,7 @@ class Runner:
                             "init_args": {"dirpath": str(d / "checkpoints"), "filename": "step={step}",
                                           "auto_insert_metric_name": False,
                                           "every_n_train_steps": self.exp.every(arm),
-                                          "save_top_k": -1, "save_last": True, "enable_version_counter": False}}]},
+                                          "save_top_k": -1, "save_last": "link", "enable_version_counter": False}}]},
             "model": {"init_args": {"export_dir": str(d / "student")}}}
         path = d / "runner_overlay.yaml"
         header = "# written by lightning_opd.evaluation.runner: logs, checkpoints and export of this (arm, seed)\n"
@@ -395,6 +428,40 @@ class Runner:
         if self.exp.teacher_kl and teacher:
             args += ["--teacher", str(teacher)]
         return args + list(self.exp.evaluate)
+
+    def evaluate_start(self, arm: Arm, seed: int, config: dict) -> Path:
+        """Check that ``arm`` starts from the experiment's recorded starting student (recording it the first
+        time) and evaluate that student once for ``seed``; returns ``start/seed<k>/eval/step=0.json``.
+
+        Raises:
+            ValueError: the arm starts from another path than the recorded one.
+            RuntimeError: the starting student's files changed since they were recorded (sha256), or the
+                evaluation failed (names its log).
+            FileNotFoundError: the starting student does not exist.
+        """
+        student = str(_get(config, "model.init_args.student"))
+        folder = self.exp.root / "start"
+        digest = files_sha256(self.cwd / student)
+        record = folder / "start.json"
+        if record.is_file():
+            known = json.loads(record.read_text())
+            if known["student"] != student:
+                raise ValueError(f"arm {arm.name!r} starts from {student}, but this experiment's starting student is "
+                                 f"{known['student']} ({record}): with evaluate_start every arm continues one student")
+            if known["sha256"] != digest:
+                raise RuntimeError(f"the starting student {student} changed since this experiment began (sha256 "
+                                   f"{known['sha256'][:12]}... in {record}, {digest[:12]}... now; e.g. `make demo` refit "
+                                   "it): restore those weights, or run the experiment into a new --results folder")
+        else:
+            write_atomic(record, json.dumps({"student": student, "sha256": digest}, indent=1))
+        out = folder / f"seed{seed}" / "eval" / "step=0.json"
+        if not out.is_file():
+            self.echo(f"[start seed {seed}] evaluate {student}")
+            cmd = (self.exp.evaluate_command + ["--students", f"start={student}", "--out", str(out)]
+                   + self.evaluate_args(config, seed))
+            if _run(cmd, folder / f"seed{seed}" / "eval.log", self.cwd) != 0:
+                raise RuntimeError(f"[start seed {seed}] evaluate failed; see {folder / f'seed{seed}' / 'eval.log'}")
+        return out
 
     def _evaluate(self, arm: Arm, seed: int, d: Path, config: dict) -> list[Path]:
         found = checkpoints(d)

@@ -4,6 +4,7 @@ folder and interval, ``--out``) without a model, and appends every call to ``$FA
 
     python tests/evaluation/fake_lopd.py fit --config ... [--trainer.max_steps=N] [--ckpt_path=...]
     python tests/evaluation/fake_lopd.py evaluate --students LABEL=CKPT --seeds K --out FILE ...
+        (LABEL ``start``: the runner's starting student, a model folder that is not read: step 0, no seconds)
 
 Fit: one step every ``$FAKE_STEP_SECONDS`` seconds up to ``trainer.max_steps`` (default 4), a checkpoint
 (JSON text ``{"step": N, "train_seconds": s}``) and ``last.ckpt`` every ``every_n_train_steps`` and at the
@@ -42,7 +43,8 @@ def fit(argv: list[str]) -> None:
         trainer = {"max_steps": steps, "limit_val_batches": float(opts.get("trainer.limit_val_batches", 1.0)),
                    "max_time": opts.get("trainer.max_time")}
         print(yaml.safe_dump({"seed_everything": int(opts["seed_everything"]), "trainer": trainer,
-                              "model": {"init_args": {"student": "base-dir", "teacher": "teacher-dir"}},
+                              "model": {"init_args": {"student": opts.get("model.init_args.student", "base-dir"),
+                                                        "teacher": "teacher-dir"}},
                               "data": {"init_args": {"env": {"class_path": "envs.Fake", "init_args": {"games_dir": "g"}},
                                                      "max_turns": 3, "eval_max_turns": None, "max_new_tokens": 5}}}))
         return
@@ -72,8 +74,8 @@ def evaluate(argv: list[str]) -> None:
     seed = int(argv[argv.index("--seeds") + 1])
     log_call({"cmd": "evaluate", "out": str(out), "ckpt": ckpt, "argv": argv})
     time.sleep(float(os.environ.get("FAKE_STEP_SECONDS", "0")))
-    state = json.loads(Path(ckpt).read_text())
-    good = 2 if label == "a" else 4  # arm b wins every task, arm a half of them
+    state = {"step": 0, "train_seconds": None} if label == "start" else json.loads(Path(ckpt).read_text())
+    good = {"a": 2, "start": 1}.get(label, 4)  # arm b wins every task, arm a half of them, the start one
     greedy = [{"task_id": f"t{i}", "seed": seed, "success": int(i < good), "turns": 3} for i in range(4)]
     out.parent.mkdir(parents=True, exist_ok=True)
     write(out, json.dumps({"config": {"step": state["step"]}, "students": [

@@ -94,6 +94,21 @@ def test_final_and_best():
     assert chosen(best(RUNS)) == {"vanilla": {0: 10, 1: 8}, "turnopd": {0: 16, 1: 12}}
 
 
+
+def test_the_start_is_iteration_zero_but_never_the_best_nor_a_same_step():
+    """A starting student better than every trained checkpoint (training made it worse) is the curve's first
+    point and meets a target "at the start", but best is chosen among trained checkpoints and Same-Step among
+    trained iterations (the shared start compares nothing: here the grids 4, 8 and 6 never meet, so the fallback
+    rule gives S = 6, the smallest last iteration)."""
+    from dataclasses import replace
+    start = point("a", 0, 0, 0.0, [1, 1, 0, 0])                                                # 0.50
+    runs = {"a": {0: [replace(start, start=True), point("a", 0, 4, 10, [1, 0, 0, 0]), point("a", 0, 8, 20, [0, 0, 0, 0])]},
+            "b": {0: [replace(start, arm="b", start=True), point("b", 0, 6, 15, [1, 0, 0, 0])]}}
+    assert chosen(best(runs)) == {"a": {0: 4}, "b": {0: 6}}  # 0.25 each, not the start's 0.50
+    assert time_to_target(runs["a"][0], 0.5).start
+    s, sel, exact = same_step(runs)
+    assert (s, exact) == (6, False) and chosen(sel) == {"a": {0: 4}, "b": {0: 6}}
+
 def test_summary_tables_and_values():
     s = summarise(RUNS, name="toy", budget=250, targets=[0.75], resamples=200)
     # final: vanilla wins t0,t1 (seed 0) + t0 (seed 1) = 3 of 8; turnopd 3 + 4 = 7 of 8
@@ -106,7 +121,7 @@ def test_summary_tables_and_values():
     assert [a["rate"] for a in s.data["same_step"]["greedy"]["arms"]] == [0.375, 0.5]
     assert s.data["least_time"]["seconds"] == 250
     assert s.data["time_to_target"]["turnopd"]["0.75"]["0"] == {"seconds": 180, "iteration": 12, "success": 0.75,
-                                                                "previous_seconds": 120}
+                                                                "previous_seconds": 120, "start": False}
     assert s.data["time_to_target"]["vanilla"]["0.75"] == {"0": None, "1": None}
     md = s.markdown
     assert "### Same-Step: iteration 8 (the largest at which every run has an evaluated checkpoint)" in md and "### Least-Time: 250 training s" in md

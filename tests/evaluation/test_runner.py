@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -235,6 +236,44 @@ def test_keep_checkpoints_false_deletes_a_pairs_checkpoints_once_it_is_done(tmp_
     assert load_experiment(spec(tmp_path, 0)).keep_checkpoints  # the default keeps them
 
 
+
+def test_evaluate_start_evaluates_the_common_start_once_per_seed_and_refuses_a_changed_one(tmp_path, monkeypatch):
+    """With evaluate_start the arms' starting student is evaluated once per seed (iteration 0 at 0 s of every
+    arm in the summary) before the seed's first fit; a fit whose start differs (files or path) is refused."""
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
+    model = tmp_path / "student-opd"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights v1")
+    start = [f"--model.init_args.student={model}", "--trainer.max_steps=4"]
+    exp = load_experiment(spec(tmp_path, 0, arms={"a": {"overrides": start}, "b": {"overrides": start}},
+                               evaluate_start=True, targets=[0.25, 0.5]), results=tmp_path / "r")
+    Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    evals = [c for c in calls(tmp_path) if c["cmd"] == "evaluate"]
+    starts = [c for c in evals if c["ckpt"] == str(model)]
+    assert [Path(c["out"]).relative_to(tmp_path / "r" / "exp").as_posix() for c in starts] == \
+        ["start/seed0/eval/step=0.json", "start/seed1/eval/step=0.json"]
+    assert evals.index(starts[1]) == 5  # after seed 0: its start and 2 arms x 2 checkpoints; before seed 1's fits
+    assert starts[0]["argv"][-2:] == ["--avg-k", "2"]  # the experiment's evaluate flags
+    summary = (tmp_path / "r" / "exp" / "summary.md").read_text()
+    # the fake start wins 1 of 4 tasks: iteration 0 at 0 s in every arm's curve; target 0.25 met at the start,
+    # 0.5 first at step 2 (20 s; a wins 2 of 4, b 4 of 4); Same-Step is at 4 (the start compares nothing)
+    assert "| a | 0 | 0 | 2 | 0.25 | - |" in summary and "| b | 0 | 0 | 2 | 0.25 | - |" in summary
+    assert "| a | 0.25 | 0 s (at the start) | 0 s (at the start) |" in summary
+    assert "| a | 0.50 | 20 s (iteration 2; below at 0 s) | 20 s (iteration 2; below at 0 s) |" in summary
+    assert "### Same-Step: iteration 4 " in summary
+
+    (model / "model.safetensors").write_bytes(b"weights v2")  # e.g. `make demo` refit it
+    (tmp_path / "r" / "exp" / "b" / "seed1" / "done.json").unlink()
+    with pytest.raises(RuntimeError, match=r"the starting student .*student-opd changed since this experiment began"):
+        Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    (model / "model.safetensors").write_bytes(b"weights v1")
+    other = tmp_path / "other"
+    other.mkdir()
+    exp.arms[1].overrides = [f"--model.init_args.student={other}", "--trainer.max_steps=4"]
+    shutil.rmtree(tmp_path / "r" / "exp" / "b" / "seed1")
+    with pytest.raises(ValueError, match=r"arm 'b' starts from .*other, but this experiment's starting student is "):
+        Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+
 TINY = """\
 trainer:
   accelerator: cpu
@@ -355,8 +394,9 @@ def test_shipped_experiment_arms_build(path, tmp_path):
         for name in ("turnopd", "blend_only"):  # the blend's progress is training s / max_time: alpha ends at 1
             (blend,) = [c for c in configs[name]["trainer"]["callbacks"] if c["class_path"].endswith("TurnLossBlend")]
             assert blend["init_args"]["horizon"] == "time", name
-        assert exp.keep_checkpoints is False and exp.max_time == 1500
+        assert exp.keep_checkpoints is False and exp.max_time == 1500 and exp.evaluate_start
     if path.stem == "atod_quest5":  # partial credit: the quest's progress (the games' only point is the win)
+        assert exp.evaluate_start  # iteration 0: the OPD student every arm continues
         for name, c in configs.items():
             assert c["data"]["init_args"]["env"]["init_args"]["reward"] == "progress", name
         for name in ("atod", "grpo"):
