@@ -319,6 +319,7 @@ def test_real_fit_and_evaluate_on_the_tiny_models(model_dirs, tmp_path):
     assert [Path(p).name for p in done[("opd", 5)]["evaluations"]] == ["step=2.json", "step=3.json"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt", "step=2.ckpt", "step=3.ckpt"]
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "student" / "config.json").is_file()
+    assert os.readlink(run / "checkpoints" / "last.ckpt") == "step=3.ckpt"  # a link: each checkpoint written once
     assert list((run / "logs").glob("events.out.tfevents.*"))
     (early,) = json.loads((run / "eval" / "step=2.json").read_text())["students"]
     res = json.loads((run / "eval" / "step=3.json").read_text())
