@@ -357,23 +357,32 @@ def check_contrasts(contrasts: Sequence, arms: Sequence[str]) -> None:
 
 def contrast_table(selection: dict[str, dict[int, Point]], contrasts: Sequence[Sequence[str]],
                    **kwargs) -> tuple[str, dict]:
-    """Markdown rows ``a - b`` (greedy success, paired by (task, seed), 95% CI, its half-width and the verdict)
-    for each named pair of arms in ``selection``; and the JSON form ``{"a - b": Difference dict + half_width}``.
+    """Markdown rows ``a - b`` (greedy success, paired by (task, seed), 95% CI, its half-width, the verdict and
+    each seed's own difference, which shows what the CI over tasks does not: whether the training runs agree)
+    for each named pair of arms in ``selection``; and the JSON form ``{"a - b": Difference dict + half_width +
+    per_seed}``.
 
     Raises:
         ValueError: a pair that is not two different arms of ``selection`` (named).
     """
-    lines = ["| contrast | difference [95% CI] | CI half-width | paired episodes (tasks) | verdict |",
-             "|---|---|---|---|---|"]
+    lines = ["| contrast | difference [95% CI] | CI half-width | paired episodes (tasks) | verdict | per seed |",
+             "|---|---|---|---|---|---|"]
     data = {}
     check_contrasts(contrasts, list(selection))
     for a, b in contrasts:
         cmp = compare_selection({b: selection[b], a: selection[a]}, "greedy", **kwargs)
         d = cmp.differences[0]
         half = (d.ci[1] - d.ci[0]) / 2
+        per_seed = {}
+        for sd in sorted(set(selection[a]) & set(selection[b])):
+            ga, gb = selection[a][sd].greedy, selection[b][sd].greedy
+            keys = ga.keys() & gb.keys()
+            per_seed[sd] = sum(ga[k] - gb[k] for k in keys) / len(keys) if keys else math.nan
+        seeds = ", ".join(f"{v:+.2f} (seed {sd})" for sd, v in per_seed.items())
         lines.append(f"| {a} - {b} | {_ci(d.difference, d.ci, True)} | {half:.2f} | {d.episodes} ({d.tasks}) | "
-                     f"{d.verdict} |")
-        data[f"{a} - {b}"] = {**cmp.to_dict()["differences"][0], "half_width": half}
+                     f"{d.verdict} | {seeds} |")
+        data[f"{a} - {b}"] = {**cmp.to_dict()["differences"][0], "half_width": half,
+                              "per_seed": {str(sd): v for sd, v in per_seed.items()}}
     return "\n".join(lines), data
 
 

@@ -146,7 +146,13 @@ def test_named_contrasts_at_the_final_checkpoints():
     d = s.data["final"]["contrasts"]["b - c"]
     assert d["difference"] == 0.25 and tuple(d["ci"]) == (0.0, 0.75) and d["half_width"] == 0.375
     assert (d["label"], d["reference"], d["episodes"], d["tasks"]) == ("b", "c", 4, 4)
-    assert "| b - c | +0.25 [+0.00, +0.75] | 0.38 | 4 (4) | no difference detected at n = 4 |" in s.markdown
+    assert "| b - c | +0.25 [+0.00, +0.75] | 0.38 | 4 (4) | no difference detected at n = 4 | +0.25 (seed 0) |" \
+        in s.markdown and d["per_seed"] == {"0": 0.25}
+    # two seeds that disagree: seed 1 has b - c = -0.5 (c wins t2, t3 where b does not), the pooled +0.25 - 0.5 over 8
+    runs2 = {arm: {**seeds, 1: [point(arm, 1, 4, 10, w)]} for (arm, seeds), w in
+             zip(runs.items(), ([0, 0, 0, 0], [1, 0, 0, 0], [1, 0, 1, 1]))}
+    d2 = summarise(runs2, contrasts=[["b", "c"]], resamples=200).data["final"]["contrasts"]["b - c"]
+    assert d2["per_seed"] == {"0": 0.25, "1": -0.5} and d2["difference"] == pytest.approx(-0.125)
     with pytest.raises(ValueError, match=r"contrast \['b', 'x'\]: give two different arm names of \['a', 'b', 'c'\]"):
         summarise(runs, contrasts=[["b", "x"]], resamples=100)
 
