@@ -301,9 +301,14 @@ def _ci(value: float, ci: tuple[float, float], signed: bool = False) -> str:
 def selection_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[str, dict]:
     """Markdown table of a selection (one point per run): iterations and seconds per seed, rollouts generated /
     used (episodes, summed over seeds; "-" when a point has no counts), greedy success and Avg@k with CIs and
-    each arm's difference to the first arm; and its JSON form."""
+    each arm's difference to the first arm; and its JSON form. Avg@k compares only the arms whose points all have
+    sampled episodes (e.g. an experiment that samples the main arms' finals only): its reference is the first
+    of those, and the other arms read "-"."""
     greedy = compare_selection(selection, "greedy", **kwargs)
-    sampled = compare_selection(selection, "sampled", **kwargs)
+    # Avg@k over the arms that have sampled episodes (an experiment may sample only some arms' finals)
+    with_sampled = {arm: chosen for arm, chosen in selection.items() if _merged(chosen, "sampled") is not None}
+    sampled = compare_selection(with_sampled, "sampled", **kwargs) if with_sampled else None
+    sampled_index = {arm: i for i, arm in enumerate(with_sampled)}
     lines = ["| arm | iteration per seed | training s per seed | rollouts generated / used | greedy success [95% CI] "
              "| - first arm [95% CI] | Avg@k [95% CI] | - first arm [95% CI] |", "|---|---|---|---|---|---|---|---|"]
     for i, (arm, chosen) in enumerate(selection.items()):
@@ -313,15 +318,15 @@ def selection_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[s
         rollouts = ("-" if any(c is None for c in counts) else
                     f"{sum(c['generated'] for c in counts)} / {sum(c['used'] for c in counts)}")
         cells = [rollouts]
-        for cmp in (greedy, sampled):
-            if cmp is None:
+        for cmp, j in ((greedy, i), (sampled, sampled_index.get(arm))):
+            if cmp is None or j is None:
                 cells += ["-", "-"]
                 continue
-            a = cmp.arms[i]
+            a = cmp.arms[j]
             cells.append(_ci(a.rate, a.ci) + f" (n = {a.episodes})")
-            cells.append("reference" if i == 0 else
-                         f"{_ci(cmp.differences[i - 1].difference, cmp.differences[i - 1].ci, True)} "
-                         f"{cmp.differences[i - 1].verdict}")
+            cells.append("reference" if j == 0 else
+                         f"{_ci(cmp.differences[j - 1].difference, cmp.differences[j - 1].ci, True)} "
+                         f"{cmp.differences[j - 1].verdict}")
         lines.append(f"| {arm} | {its} | {secs} | " + " | ".join(cells) + " |")
     data = {"points": {arm: {str(s): {"step": p.step, "iteration": p.iteration, "seconds": p.seconds, "path": p.path,
                                       "rollouts": p.rollouts}

@@ -17,6 +17,7 @@ An experiment (a YAML file, see :func:`load_experiment`)::
         configs: [conf/textworld/opd.yaml]
         overrides: [--model.init_args.optimizer.init_args.lr=1.0e-4, --trainer.limit_val_batches=0]
         checkpoint_every: 10         # optional, per arm (e.g. 2 optimizer updates per rollout batch)
+        evaluate_final: []           # optional, per arm (e.g. Avg@4 on the main arms' finals only)
     evaluate: [--avg-k, "4", --temperature, "0.7"]   # extra `lightning-opd evaluate` flags
     evaluate_final: []               # flags for the final checkpoint only, after `evaluate` (e.g. Avg@4 there only)
     keep_checkpoints: true           # false: delete a pair's checkpoints/ and student/ once it is evaluated
@@ -99,6 +100,7 @@ class Arm:
     configs: list[str]
     overrides: list[str] = field(default_factory=list)
     checkpoint_every: int | None = None  # optimizer steps; None: the experiment's
+    evaluate_final: list[str] | None = None  # flags for this arm's final checkpoint; None: the experiment's
 
 
 @dataclass
@@ -120,7 +122,8 @@ class Experiment:
             half-width) the summary reports besides each arm minus the first (e.g. f-OPD minus plain lag 2).
         evaluate: extra ``lightning-opd evaluate`` arguments (after the runner's, so they win).
         evaluate_final: further arguments for the final checkpoint only (after ``evaluate``; e.g. ``--avg-k 4``
-            there and greedy-only learning curves, which costs a fifth of Avg@4 at every checkpoint).
+            there and greedy-only learning curves, which costs a fifth of Avg@4 at every checkpoint); an arm's
+            own ``evaluate_final`` (``[]``: none) replaces it for that arm.
         teacher_kl: pass the run's teacher to ``evaluate`` (``--teacher``: teacher-trajectory KL).
         keep_checkpoints: ``False`` deletes a pair's ``checkpoints/`` and exported ``student/`` once its
             ``done.json`` is written (a 135M-parameter student's checkpoints with AdamW state are about 1.5 GB
@@ -207,12 +210,13 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
     arms = []
     for name, spec in data.pop("arms").items():
         spec = spec or {}
-        bad = set(spec) - {"configs", "overrides", "checkpoint_every"}
+        bad = set(spec) - {"configs", "overrides", "checkpoint_every", "evaluate_final"}
         if bad:
-            raise ValueError(f"{path}: arm {name!r}: unknown key(s) {sorted(bad)}; use configs, overrides and "
-                             "checkpoint_every")
+            raise ValueError(f"{path}: arm {name!r}: unknown key(s) {sorted(bad)}; use configs, overrides, "
+                             "checkpoint_every and evaluate_final")
+        final = spec.get("evaluate_final")
         arms.append(Arm(str(name), [str(c) for c in spec.get("configs", [])], [str(o) for o in spec.get("overrides", [])],
-                        spec.get("checkpoint_every")))
+                        spec.get("checkpoint_every"), None if final is None else [str(f) for f in final]))
     if results is not None:
         data["results"] = results
     return Experiment(arms=arms, **data)
@@ -470,7 +474,8 @@ class Runner:
         chosen = found if self.exp.evaluate_checkpoints == "all" else found[-1:]
         outs = []
         for step, ckpt in chosen:
-            extra = list(self.exp.evaluate_final) if step == found[-1][0] else []  # the fit is done: the last is final
+            final_flags = self.exp.evaluate_final if arm.evaluate_final is None else arm.evaluate_final
+            extra = list(final_flags) if step == found[-1][0] else []  # the fit is done: the last is final
             out = d / "eval" / f"step={step}.json"
             outs.append(out)
             if out.is_file():

@@ -134,6 +134,24 @@ def test_summary_tables_and_values():
     assert "| turnopd | 16 | 240 | 1 | 1.00 | - |" in md  # seed 0 only
 
 
+def test_avg_at_k_compares_only_the_arms_that_sampled():
+    """An experiment may sample (Avg@k) only some arms' finals: those arms are compared among themselves, the first
+    of them the reference; an arm without samples reads "-" and does not hide the others' Avg@k."""
+    from lightning_opd.evaluation.curves import selection_table
+    sel = {"a": {0: point("a", 0, 4, 10, [0, 0, 0, 0])},                                  # no samples
+           "b": {0: point("b", 0, 4, 10, [1, 0, 0, 0], sampled=[0.5, 0.25, 0.0, 0.0])},   # Avg@k 0.75 / 4
+           "c": {0: point("c", 0, 4, 10, [1, 1, 0, 0], sampled=[1.0, 0.5, 0.25, 0.0])}}   # Avg@k 1.75 / 4
+    md, data = selection_table(sel, resamples=200)
+    assert [x["label"] for x in data["sampled"]["arms"]] == ["b", "c"]
+    assert [x["rate"] for x in data["sampled"]["arms"]] == [0.1875, 0.4375]
+    assert data["sampled"]["differences"][0]["difference"] == 0.25  # c - b: (0.5 + 0.25 + 0.25 + 0) / 4
+    a_row, b_row, c_row = md.splitlines()[2:]
+    assert a_row.endswith("| 0.00 [0.00, 0.00] (n = 4) | reference | - | - |")
+    assert "| 0.19 [" in b_row and b_row.endswith("| reference |")
+    assert "| 0.44 [" in c_row and "| +0.25 [" in c_row
+    assert [x["rate"] for x in data["greedy"]["arms"]] == [0.0, 0.25, 0.5]  # greedy still compares all three
+
+
 def test_named_contrasts_at_the_final_checkpoints():
     # three one-seed arms on t0..t3; the reference "a" (first arm) is not part of the contrast
     runs = {"a": {0: [point("a", 0, 4, 10, [0, 0, 0, 0])]},

@@ -190,7 +190,8 @@ def test_final_step_is_checkpointed_and_a_time_budget_stops_every_run(tmp_path, 
     monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
     monkeypatch.setenv("FAKE_SECONDS_PER_STEP", "10")
     arms = {"a": {"overrides": ["--trainer.max_steps=10", "--trainer.limit_val_batches=0"]},
-            "b": {"overrides": ["--trainer.max_steps=9", "--trainer.limit_val_batches=0"], "checkpoint_every": 3}}
+            "b": {"overrides": ["--trainer.max_steps=9", "--trainer.limit_val_batches=0"], "checkpoint_every": 3,
+                  "evaluate_final": ["--temperature", "1.0"]}}
     exp = load_experiment(spec(tmp_path, 0, seeds=[0], arms=arms, max_time=45, targets=[0.75],
                                evaluate_final=["--avg-k", "4"]), results=tmp_path / "r")
     # (b, 0) was killed after step 3 (30 s): it resumes there with 15 s of its budget left, not 45
@@ -210,8 +211,10 @@ def test_final_step_is_checkpointed_and_a_time_budget_stops_every_run(tmp_path, 
     evals = {Path(c["out"]).parent.parent.parent.name + "/" + Path(c["out"]).name: c["argv"]
              for c in calls(tmp_path) if c["cmd"] == "evaluate"}
     assert sorted(evals) == ["a/step=2.json", "a/step=4.json", "a/step=5.json", "b/step=3.json", "b/step=5.json"]
-    for name, argv in evals.items():  # the experiment's --avg-k 2 everywhere, evaluate_final's --avg-k 4 on finals
-        assert argv[-2:] == (["--avg-k", "4"] if name.endswith("step=5.json") else ["--avg-k", "2"]), name
+    final = {"a/step=5.json": ["--avg-k", "4"], "b/step=5.json": ["--temperature", "1.0"]}  # b: its own final flags
+    for name, argv in evals.items():  # the experiment's --avg-k 2 everywhere, evaluate_final's flags on finals
+        assert argv[-2:] == final.get(name, ["--avg-k", "2"]), name
+        assert "--temperature" not in argv[:-2] and argv.count("--avg-k") == (2 if name == "a/step=5.json" else 1), name
     summary = (runs / "summary.md").read_text()
     # Least-Time: both runs ended at 50 s >= the 45 s budget, so both are read at 45 s and their finals compared
     assert "### Least-Time: 45 training s" in summary
@@ -391,6 +394,10 @@ def test_shipped_experiment_arms_build(path, tmp_path):
         assert configs["vanilla"]["model"]["init_args"]["loss"]["class_path"] == \
             "lightning_opd.losses.TeacherTopKRenormalizedReverseKL"
         assert configs["vanilla"]["data"]["init_args"]["max_turns"] == 12
+        finals = {arm.name: exp.evaluate_final if arm.evaluate_final is None else arm.evaluate_final for arm in exp.arms}
+        assert {name: "--avg-k" in f for name, f in finals.items()} == \
+            {"vanilla": True, "turnopd": True, "depth_only": False, "blend_only": False}  # Avg@4: the claim's arms
+        assert all("--own-traj-kl" in f for f in finals.values())
         assert configs["vanilla"]["model"]["init_args"]["student"] == "artifacts/models/student-opd"  # see the file
         for name in ("turnopd", "blend_only"):  # the blend's progress is training s / max_time: alpha ends at 1
             (blend,) = [c for c in configs[name]["trainer"]["callbacks"] if c["class_path"].endswith("TurnLossBlend")]
