@@ -508,20 +508,38 @@ class Runner:
         self.summarise_curves()
         return text
 
-    def summarise_curves(self) -> str | None:
+    def summarise_curves(self, arms: list[str] | None = None) -> str | None:
         """The summary over every evaluated checkpoint (:mod:`.curves`), printed and written to ``summary.md``
-        and ``summary.json``; ``None`` (and a line saying why) when there is nothing to summarise yet."""
+        and ``summary.json``; ``None`` (and a line saying why) when there is nothing to summarise yet.
+
+        ``arms``: only these arms (in the experiment's order) and the contrasts between them, over the seeds they
+        all have (e.g. the claim's arms once they have a seed the others lack); written to
+        ``summary-<arm>+<arm>....md``/``.json`` beside the full summary.
+
+        Raises:
+            ValueError: an arm name the experiment does not have.
+        """
         from lightning_opd.evaluation.curves import load_runs, summarise  # numpy and yaml only, no torch
 
-        runs = load_runs(self.exp.root, [a.name for a in self.exp.arms], self.exp.seeds)
+        names = [a.name for a in self.exp.arms]
+        stem = "summary"
+        contrasts = self.exp.contrasts
+        if arms:
+            unknown = [a for a in arms if a not in names]
+            if unknown:
+                raise ValueError(f"--arms {unknown}: not arms of {self.exp.name} ({names})")
+            names = [n for n in names if n in arms]
+            stem = "summary-" + "+".join(names)
+            contrasts = [c for c in contrasts if set(c) <= set(names)]
+        runs = load_runs(self.exp.root, names, self.exp.seeds)
         try:
             summary = summarise(runs, name=self.exp.name, budget=self.exp.max_time, targets=self.exp.targets,
-                                contrasts=self.exp.contrasts)
+                                contrasts=contrasts)
         except ValueError as err:
             self.echo(f"no summary: {err}")
             return None
-        write_atomic(self.exp.root / "summary.md", summary.markdown + "\n")
-        write_atomic(self.exp.root / "summary.json", summary.to_json())
+        write_atomic(self.exp.root / f"{stem}.md", summary.markdown + "\n")
+        write_atomic(self.exp.root / f"{stem}.json", summary.to_json())
         self.echo(summary.markdown)
         return summary.markdown
 
@@ -535,8 +553,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--results", default=None, help="results root (default: benchmarks/results)")
     p.add_argument("--summary", action="store_true",
                    help="only write summary.md/summary.json from the checkpoints evaluated so far (no fit, no evaluate)")
+    p.add_argument("--arms", nargs="+", default=None, metavar="ARM",
+                   help="with --summary: only these arms and the contrasts between them, over the seeds they all have "
+                        "(written to summary-<arm>+<arm>....md)")
     a = p.parse_args(argv)
+    if a.arms and not a.summary:
+        p.error("--arms only selects what --summary reads; a run always runs every arm")
     runner = Runner(load_experiment(a.experiment, a.results), cwd=Path.cwd())
     if a.summary:
-        return {"summary": runner.summarise_curves()}
+        return {"summary": runner.summarise_curves(a.arms)}
     return runner.run()

@@ -240,6 +240,31 @@ def test_keep_checkpoints_false_deletes_a_pairs_checkpoints_once_it_is_done(tmp_
 
 
 
+def test_summary_of_some_arms_uses_the_seeds_they_all_have(tmp_path, monkeypatch):
+    """``--summary --arms``: the claim's arms over every seed they share while another arm lacks one; written
+    beside the full summary (which keeps only the seed every arm has), with the contrasts among those arms."""
+    from lightning_opd.evaluation.runner import main
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
+    arm = {"overrides": ["--trainer.max_steps=2"]}
+    path = spec(tmp_path, 0, arms={"a": arm, "b": arm, "c": arm}, contrasts=[["b", "a"], ["c", "a"]])
+    Runner(load_experiment(path, results=tmp_path / "r"), cwd=ROOT, echo=lambda *_: None).run()
+    shutil.rmtree(tmp_path / "r" / "exp" / "c" / "seed1")  # c has not run seed 1 yet
+    full = main([str(path), "--results", str(tmp_path / "r"), "--summary"])["summary"]
+    assert "Seeds [0];" in full and "| c |" in full
+    some = main([str(path), "--results", str(tmp_path / "r"), "--summary", "--arms", "b", "a"])["summary"]
+    assert some == (tmp_path / "r" / "exp" / "summary-a+b.md").read_text().rstrip("\n")  # the file's order: a, b
+    assert "Seeds [0, 1];" in some and "| c |" not in some
+    # a wins t0, t1 per seed, b all 4: b - a = +0.50 over 8 paired episodes; per task 0, 0, 1, 1, and a draw of
+    # 4 tasks is all from {t0, t1} (or all from {t2, t3}) with chance 1/16 > 2.5%: CI [0, 1]; c's contrast is left out
+    assert ("| b - a | +0.50 [+0.00, +1.00] | 0.50 | 8 (4) | no difference detected at n = 8 | "
+            "+0.50 (seed 0), +0.50 (seed 1) |") in some
+    assert "c - a" not in some
+    with pytest.raises(ValueError, match=r"--arms \['d'\]: not arms of exp"):
+        main([str(path), "--results", str(tmp_path / "r"), "--summary", "--arms", "a", "d"])
+    with pytest.raises(SystemExit):
+        main([str(path), "--results", str(tmp_path / "r"), "--arms", "a"])
+
+
 def test_evaluate_start_evaluates_the_common_start_once_per_seed_and_refuses_a_changed_one(tmp_path, monkeypatch):
     """With evaluate_start the arms' starting student is evaluated once per seed (iteration 0 at 0 s of every
     arm in the summary) before the seed's first fit; a fit whose start differs (files or path) is refused."""
