@@ -196,7 +196,7 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
     """Read an experiment YAML (module docstring). ``arms`` maps names to ``{configs, overrides}``.
 
     Raises:
-        ValueError: an unknown key (named) or a missing one.
+        ValueError: an unknown key (named) or a missing one; an arm's ``evaluate_final`` that is not a list.
     """
     data = yaml.safe_load(Path(path).read_text()) or {}
     known = {"name", "arms", "seeds", "checkpoint_every", "evaluate_checkpoints", "max_time", "targets", "contrasts",
@@ -215,6 +215,9 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
             raise ValueError(f"{path}: arm {name!r}: unknown key(s) {sorted(bad)}; use configs, overrides, "
                              "checkpoint_every and evaluate_final")
         final = spec.get("evaluate_final")
+        if final is not None and not isinstance(final, list):
+            raise ValueError(f"{path}: arm {name!r}: evaluate_final={final!r} must be a list of flags "
+                             "(e.g. [--avg-k, \"4\"]; [] for none)")
         arms.append(Arm(str(name), [str(c) for c in spec.get("configs", [])], [str(o) for o in spec.get("overrides", [])],
                         spec.get("checkpoint_every"), None if final is None else [str(f) for f in final]))
     if results is not None:

@@ -265,6 +265,12 @@ def test_summary_of_some_arms_uses_the_seeds_they_all_have(tmp_path, monkeypatch
         main([str(path), "--results", str(tmp_path / "r"), "--arms", "a"])
 
 
+def test_an_arms_evaluate_final_must_be_a_list(tmp_path):
+    path = spec(tmp_path, 0, arms={"a": {"evaluate_final": "--avg-k 4"}})
+    with pytest.raises(ValueError, match=r"arm 'a': evaluate_final='--avg-k 4' must be a list of flags"):
+        load_experiment(path)
+
+
 def test_evaluate_start_evaluates_the_common_start_once_per_seed_and_refuses_a_changed_one(tmp_path, monkeypatch):
     """With evaluate_start the arms' starting student is evaluated once per seed (iteration 0 at 0 s of every
     arm in the summary) before the seed's first fit; a fit whose start differs (files or path) is refused."""
