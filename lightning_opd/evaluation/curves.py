@@ -233,10 +233,12 @@ def best(runs: Runs) -> dict[str, dict[int, Point]]:
                   for seed, points in seeds.items()} for arm, seeds in runs.items()}
 
 
-def per_turn_kl(points: Sequence[Point]) -> dict[str, dict]:
+def per_turn_kl(points: Sequence[Point]) -> dict:
     """Token-weighted per-turn KL by outcome over ``points`` (their ``own_kl``): ``{"won"|"failed":
-    {"per_turn": [nats/token or NaN], "tokens_per_turn": [...], "episodes": n, "mean": nats/token}}``."""
-    out = {}
+    {"per_turn": [nats/token or NaN], "tokens_per_turn": [...], "episodes": n, "mean": nats/token},
+    "measured": runs}``, ``runs`` the number of points that measured it (an evaluation run with
+    ``--no-own-traj-kl`` or without ``--teacher`` has ``own_kl`` ``None`` and is not counted)."""
+    out: dict = {"measured": sum(p.own_kl is not None for p in points)}
     for outcome in ("won", "failed"):
         sums: list[float] = []
         tokens: list[int] = []
@@ -530,17 +532,24 @@ def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = No
 
     finals = final(runs)
     kl = {arm: per_turn_kl(list(chosen.values())) for arm, chosen in finals.items()}
-    if any(k[o]["episodes"] for k in kl.values() for o in k):
-        width = max(len(k[o]["per_turn"]) for k in kl.values() for o in k)
+    outcomes = ("won", "failed")
+    if any(k[o]["episodes"] for k in kl.values() for o in outcomes):
+        width = max(len(k[o]["per_turn"]) for k in kl.values() for o in outcomes)
         md += ["", "### Teacher KL per turn on the student's own greedy episodes, by outcome (final checkpoints, "
-                   "nats/token, token-weighted over seeds)", "",
-               "| arm | outcome | episodes | mean | " + " | ".join(f"turn {n}" for n in range(width)) + " |",
-               "|---|---|---|---|" + "---|" * width]
+                   "nats/token, token-weighted over the seeds that measured it)", "",
+               "| arm | seeds measured | outcome | episodes | mean | "
+               + " | ".join(f"turn {n}" for n in range(width)) + " |",
+               "|---|---|---|---|---|" + "---|" * width]
         for arm, k in kl.items():
-            for outcome in ("won", "failed"):
+            seeds = f"{k['measured']} of {len(finals[arm])}"
+            if not k["measured"]:
+                md.append(f"| {arm} | {seeds} | not measured (evaluated without the own-trajectory KL) | - | - | "
+                          + " | ".join("-" for _ in range(width)) + " |")
+                continue
+            for outcome in outcomes:
                 pt = k[outcome]["per_turn"] + [math.nan] * (width - len(k[outcome]["per_turn"]))
-                md.append(f"| {arm} | {outcome} | {k[outcome]['episodes']} | {_fmt(k[outcome]['mean'], 3)} | "
-                          + " | ".join(_fmt(v, 3) for v in pt) + " |")
+                md.append(f"| {arm} | {seeds} | {outcome} | {k[outcome]['episodes']} | "
+                          f"{_fmt(k[outcome]['mean'], 3)} | " + " | ".join(_fmt(v, 3) for v in pt) + " |")
         data["own_traj_kl"] = kl
     md += ["", "A difference is called better/worse only when its 95% CI excludes 0 (paired bootstrap over tasks, "
                "all seeds of a drawn task); otherwise no difference was detected at that n."]

@@ -190,12 +190,26 @@ def test_per_turn_kl_is_token_weighted_over_seeds():
     assert kl["failed"]["episodes"] == 5
     assert json.loads(summarise({"x": {0: [point("x", 0, 1, 1, [1], own_kl=b)]}}, resamples=20).to_json())[
         "own_traj_kl"]["x"]["won"]["per_turn"] == [0.5]
+    assert kl["measured"] == 2
     empty = per_turn_kl([point("x", 0, 1, 1, [1])])
-    assert empty["won"]["episodes"] == 0 and math.isnan(empty["won"]["mean"])
+    assert empty["won"]["episodes"] == 0 and math.isnan(empty["won"]["mean"]) and empty["measured"] == 0
     s = summarise({"x": {0: [point("x", 0, 1, 1, [1], own_kl=a)]}, "y": {0: [point("y", 0, 1, 1, [0], own_kl=b)]}},
                   resamples=50)
-    assert "| x | won | 1 | 0.267 | 0.200 | 0.400 |" in s.markdown  # (2 + 2) / 15
-    assert "| y | failed | 3 | 2.000 | - | 2.000 |" in s.markdown
+    assert "| x | 1 of 1 | won | 1 | 0.267 | 0.200 | 0.400 |" in s.markdown  # (2 + 2) / 15
+    assert "| y | 1 of 1 | failed | 3 | 2.000 | - | 2.000 |" in s.markdown
+
+
+def test_per_turn_kl_table_says_which_runs_measured_it():
+    """An arm whose finals were evaluated without the own-trajectory KL reads "not measured", not 0 episodes;
+    an arm measured in one seed of two says so (the token weights come from that seed only)."""
+    a = {"won": {"episodes": 1, "per_turn": [0.2], "tokens_per_turn": [10]},
+         "failed": {"episodes": 0, "per_turn": [], "tokens_per_turn": []}}
+    runs = {"x": {0: [point("x", 0, 1, 1, [1], own_kl=a)], 1: [point("x", 1, 1, 1, [1])]},
+            "y": {0: [point("y", 0, 1, 1, [0])], 1: [point("y", 1, 1, 1, [0])]}}
+    md = summarise(runs, resamples=20).markdown
+    assert "| x | 1 of 2 | won | 1 | 0.200 | 0.200 |" in md
+    assert "| y | 0 of 2 | not measured (evaluated without the own-trajectory KL) | - | - | - |" in md
+    assert "| y | 0 of 2 | won" not in md
 
 
 def write_eval(path, seed, step, wins, seconds, teacher_wins=None, sampled=None, rollouts=None):
