@@ -23,7 +23,10 @@ well its gradient agrees with the fresh-batch gradient?
 4. Printed and saved (benchmarks/results/freshness_gradient.json, keyed by the settings, and the markdown table
    benchmarks/results/freshness_gradient.md): Spearman rank correlation of f_i (each variant), lag, ρ, χ and s
    with cos_i over all samples, each with a bootstrap 95% CI (samples resampled, ``--bootstrap`` 2000 times);
-   per lag the means of cos, f, ρ and χ; seconds per phase and the machine (cores, threads).
+   per lag the means of cos, f, ρ and χ, and the correlations within each lag (where the age term is constant,
+   so only the drift part can rank samples); each variant's correlation minus the age-only score's, paired on
+   the same resamples (does the drift part add to the lag?); seconds per phase and the machine (cores,
+   threads). A rerun with the same settings re-summarises the stored per-sample records instead of measuring.
 
 Expected signs if freshness measures what it claims: Spearman(f, cos) > 0; Spearman(lag, cos), Spearman(ρ, cos)
 and Spearman(χ, cos) < 0. The ``age_only`` freshness (a decreasing function of the lag alone) has exactly minus
@@ -129,6 +132,40 @@ def bootstrap_ci(x, y, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -
         return float("nan"), float("nan"), 0
     lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi), len(values)
+
+
+def bootstrap_difference_ci(x1, x2, y, n_boot: int = 2000, level: float = 0.95,
+                            seed: int = 0) -> tuple[float, float, float, int]:
+    """Paired percentile bootstrap of ``spearman(x1, y) - spearman(x2, y)`` (each ``(n,)``): both correlations on
+    the same resampled samples, so the CI says whether ``x1`` ranks ``y`` better than ``x2`` does on these data
+    (e.g. a freshness variant against the age-only score). Resamples where either correlation is NaN are left out.
+
+    Returns:
+        ``(difference, low, high, used)``: the difference on all samples, the ``(1 - level)/2`` and
+        ``(1 + level)/2`` quantiles, and the resamples used (NaN bounds and 0 when none was defined).
+
+    Raises:
+        ValueError: lengths differ, ``n_boot < 1`` or ``level`` outside (0, 1).
+    """
+    if not len(x1) == len(x2) == len(y):
+        raise ValueError(f"bootstrap_difference_ci: lengths {len(x1)}, {len(x2)}, {len(y)} differ")
+    if n_boot < 1:
+        raise ValueError(f"--bootstrap={n_boot} must be >= 1")
+    if not 0 < level < 1:
+        raise ValueError(f"level={level} must be in (0, 1)")
+    x1, x2, y = (np.asarray(v, dtype=np.float64) for v in (x1, x2, y))
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(n_boot):
+        idx = rng.integers(0, len(y), size=len(y))
+        d = spearman(x1[idx], y[idx]) - spearman(x2[idx], y[idx])
+        if not math.isnan(d):
+            values.append(d)
+    diff = spearman(x1, y) - spearman(x2, y)
+    if not values:
+        return diff, float("nan"), float("nan"), 0
+    lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
+    return diff, float(lo), float(hi), len(values)
 
 
 # ---------------------------------------------------------------------------------- policy versions
@@ -346,22 +383,40 @@ def score_variants(extra: list[tuple[str, dict]] = ()) -> dict[str, StalenessMon
 
 
 def summarize(records: list[dict], variants: list[str], n_boot: int, seed: int = 0) -> dict:
-    """Spearman correlations with cos (and bootstrap CIs) of each freshness variant and component, and per-lag
-    means, from the per-sample ``records``."""
+    """From the per-sample ``records``: Spearman correlations with cos (and bootstrap CIs) of each freshness
+    variant and component over all samples; per lag the means and the same correlations within the lag
+    (``within_lag``: does a score rank samples of one lag, where the age term is constant?); and each variant's
+    correlation minus the age-only score's, paired on the same resamples (``minus_age_only``: does the drift
+    part add anything to the lag?), when ``age_only`` is among the ``variants``."""
     ok = [r for r in records if not math.isnan(r["cos"])]
     cos = [r["cos"] for r in ok]
     keys = [f"f_{v}" for v in variants] + [f"s_{v}" for v in variants] + ["lag", "rho", "chi"]
-    corr = {}
-    for key in keys:
-        x = [r[key] for r in ok]
-        lo, hi, used = bootstrap_ci(x, cos, n_boot, seed=seed)
-        corr[key] = {"spearman": spearman(x, cos), "ci_low": lo, "ci_high": hi, "resamples": used}
-    per_lag = {}
+
+    def correlations(rows: list[dict], names: list[str]) -> dict:
+        y = [r["cos"] for r in rows]
+        out = {}
+        for key in names:
+            x = [r[key] for r in rows]
+            lo, hi, used = bootstrap_ci(x, y, n_boot, seed=seed)
+            out[key] = {"spearman": spearman(x, y), "ci_low": lo, "ci_high": hi, "resamples": used}
+        return out
+
+    corr = correlations(ok, keys)
+    per_lag, within = {}, {}
     for lag in sorted({r["lag"] for r in ok}):
         rows = [r for r in ok if r["lag"] == lag]
         per_lag[str(lag)] = {"n": len(rows), **{k: float(np.mean([r[k] for r in rows]))
                                                for k in ["cos"] + [f"f_{v}" for v in variants] + ["rho", "chi"]}}
-    return {"n": len(ok), "n_undefined_cos": len(records) - len(ok), "spearman_with_cos": corr, "per_lag": per_lag}
+        within[str(lag)] = correlations(rows, [f"f_{v}" for v in variants if v != "age_only"] + ["rho", "chi"])
+    minus_age = {}
+    if "age_only" in variants:
+        for v in variants:
+            if v != "age_only":
+                d, lo, hi, used = bootstrap_difference_ci([r[f"f_{v}"] for r in ok], [r["f_age_only"] for r in ok],
+                                                          cos, n_boot, seed=seed)
+                minus_age[f"f_{v}"] = {"difference": d, "ci_low": lo, "ci_high": hi, "resamples": used}
+    return {"n": len(ok), "n_undefined_cos": len(records) - len(ok), "spearman_with_cos": corr, "per_lag": per_lag,
+            "within_lag": within, "minus_age_only": minus_age}
 
 
 def machine() -> dict:
@@ -423,9 +478,31 @@ def report(result: dict, key: str) -> str:
         markdown_table(["quantity", "Spearman with cos(g_i, G)", "bootstrap 95% CI"], rows), "",
         markdown_table(["lag", "samples", "mean cos", *[f"mean {k}" for k in f_keys], "mean ρ (nats)",
                         "mean χ (nats)"], lag_rows), "",
+        *_extra_tables(s),
         f"{sec['total']:.0f} s (versions {sec['versions']:.0f}, generation {sec['generate']:.0f}, gradients + "
         f"freshness {sec['gradients']:.0f}) on {m['cpu_count']} cores, {m['torch_threads']} torch threads"
         + (f", {m['gpu']}" if "gpu" in m else ""), ""])
+
+
+def _extra_tables(s: dict) -> list[str]:
+    """The within-lag and minus-age-only tables of a summary (absent from summaries written before them)."""
+    out = []
+    within = s.get("within_lag") or {}
+    if within:
+        names = list(next(iter(within.values())))
+        rows = [[lag, s["per_lag"][lag]["n"], *[f"{c[k]['spearman']:+.3f} [{c[k]['ci_low']:+.3f}, "
+                                                 f"{c[k]['ci_high']:+.3f}]" for k in names]]
+                for lag, c in within.items()]
+        out += ["Within one lag (the age term constant): Spearman with cos [bootstrap 95% CI]", "",
+                markdown_table(["lag", "samples", *names], rows), ""]
+    minus = s.get("minus_age_only") or {}
+    if minus:
+        rows = [[k, f"{c['difference']:+.3f}", f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]",
+                 "higher" if c["ci_low"] > 0 else "lower" if c["ci_high"] < 0 else "no difference detected"]
+                for k, c in minus.items()]
+        out += [markdown_table(["score", "Spearman minus f_age_only's", "paired bootstrap 95% CI", "verdict"], rows),
+                ""]
+    return out
 
 
 def _variant(text: str) -> tuple[str, dict]:
@@ -482,6 +559,11 @@ def main(argv: list[str] | None = None, env_factory: Callable[[str], EnvFactory]
     if key not in results:
         print(f"running {key} ...", flush=True)
         results.put(key, measure(a, env_factory(a.games)))
+    else:  # a stored run is re-summarised from its per-sample records (the statistics may have grown since)
+        stored = [k[2:] for k in results[key]["records"][0] if k.startswith("f_")] if results[key]["records"] else []
+        variants = sorted(stored, key=lambda v: ({"default": 0, "age_only": 1}.get(v, 2), v))
+        results.put(key, {**results[key], "summary": summarize(results[key]["records"], variants, a.bootstrap,
+                                                               a.seed)})
     text = report(results[key], key)
     print(text)
     (RESULTS / f"{a.results}.md").write_text(

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.freshness_gradient import (average_ranks, bootstrap_ci, collate, gradient_cosines, loss_gradient,
+from benchmarks.freshness_gradient import (average_ranks, bootstrap_ci, bootstrap_difference_ci, collate, gradient_cosines, loss_gradient,
                                            make_samples, make_versions, measure, measured_parameters, parser,
-                                           spearman)
+                                           report, spearman, summarize)
 from tests.helpers import KeywordEnvFactory, make_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -48,6 +48,45 @@ def test_bootstrap_ci_skips_constant_resamples():
     assert a == bootstrap_ci(x, y, seed=3) and a[0] < 0.8 < a[1]
     with pytest.raises(ValueError, match="--bootstrap=0"):
         bootstrap_ci([1, 2], [1, 2], n_boot=0)
+
+
+def test_bootstrap_difference_ci_is_paired():
+    """x1 = y ranks y perfectly (ρ = 1 on every resample with two distinct values), x2 = -y perfectly wrong
+    (ρ = -1): the difference is exactly 2 on every defined resample; x1 against itself is exactly 0."""
+    y = [1, 2, 3, 4, 5]
+    d, lo, hi, used = bootstrap_difference_ci(y, [-v for v in y], y, n_boot=300, seed=1)
+    assert (d, lo, hi) == (2.0, 2.0, 2.0) and 250 < used <= 300  # resamples of one distinct value are NaN
+    assert bootstrap_difference_ci(y, y, [5, 1, 4, 2, 3], n_boot=50)[:3] == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="lengths 2, 3, 3 differ"):
+        bootstrap_difference_ci([1, 2], [1, 2, 3], [1, 2, 3])
+
+
+def test_summarize_within_lag_and_minus_age_only_hand_worked():
+    """Lag 1: cos rises with f_cal (ρ = +1), lag 2: falls with it (ρ = -1). Age-only is constant within a lag
+    and higher at lag 1, where cos is higher: over all 6 samples its ranks are [5, 5, 5, 2, 2, 2] (ties), cos's
+    [4, 5, 6, 3, 2, 1]: deviations [1.5]*3 + [-1.5]*3 and [.5, 1.5, 2.5, -.5, -1.5, -2.5]: 13.5 / sqrt(13.5 * 17.5)
+    = sqrt(13.5 / 17.5). f_cal ranks [4, 5, 6, 1, 2, 3] (lag 1 higher, rising; lag 2 lower, rising), deviations
+    [.5, 1.5, 2.5, -2.5, -1.5, -.5] against cos's: (.25 + 2.25 + 6.25 + 1.25 + 2.25 + 1.25) / 17.5 = 13.5 / 17.5."""
+    cos = [0.1, 0.2, 0.3, 0.0, -0.1, -0.2]
+    f_cal = [0.7, 0.8, 0.9, 0.1, 0.2, 0.3]
+    records = [{"cos": c, "lag": 1 if i < 3 else 2, "f_age_only": 0.95 if i < 3 else 0.88, "f_cal": f,
+                "s_age_only": 0.0, "s_cal": 0.0, "rho": -f, "chi": 0.0} for i, (c, f) in enumerate(zip(cos, f_cal))]
+    s = summarize(records, ["age_only", "cal"], n_boot=200)
+    assert s["within_lag"]["1"]["f_cal"]["spearman"] == pytest.approx(1.0)
+    assert s["within_lag"]["2"]["f_cal"]["spearman"] == pytest.approx(-1.0)
+    assert s["within_lag"]["1"]["rho"]["spearman"] == pytest.approx(-1.0)
+    assert math.isnan(s["within_lag"]["1"]["chi"]["spearman"]) and "f_age_only" not in s["within_lag"]["1"]
+    age = s["spearman_with_cos"]["f_age_only"]["spearman"]
+    assert age == pytest.approx(math.sqrt(13.5 / 17.5))
+    assert s["spearman_with_cos"]["f_cal"]["spearman"] == pytest.approx(13.5 / 17.5)
+    assert s["minus_age_only"]["f_cal"]["difference"] == pytest.approx(13.5 / 17.5 - math.sqrt(13.5 / 17.5))
+    text = report({"summary": s, "seconds": {"total": 1, "versions": 0, "generate": 0, "gradients": 1},
+                   "machine": {"cpu_count": 2, "torch_threads": 1}, "dropped_empty_samples": 0,
+                   "reference_episodes": 2, "measured_parameters": 10}, "k")
+    assert "| 1 | 3 | +1.000 [+1.000, +1.000]" in text and "| 2 | 3 | -1.000 [-1.000, -1.000]" in text
+    assert f"| f_cal | {13.5 / 17.5 - math.sqrt(13.5 / 17.5):+.3f} |" in text
+    assert "minus_age_only" in summarize(records, ["cal"], n_boot=10) and not summarize(records, ["cal"],
+                                                                                         n_boot=10)["minus_age_only"]
 
 
 @pytest.fixture(scope="module")
