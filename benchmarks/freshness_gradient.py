@@ -105,6 +105,22 @@ def spearman(x, y) -> float:
     return float((dx * dy).sum()) / den if den > 0 else float("nan")
 
 
+def _percentile_bootstrap(statistic: Callable[[np.ndarray], float], n: int, n_boot: int, level: float,
+                          seed: int) -> tuple[float, float, int]:
+    """``statistic(idx)`` over ``n_boot`` resamples ``idx`` of ``range(n)`` with replacement; NaN values left out.
+    Returns the ``(1 - level)/2`` and ``(1 + level)/2`` quantiles and the resamples used (NaN, NaN, 0 if none)."""
+    if n_boot < 1:
+        raise ValueError(f"--bootstrap={n_boot} must be >= 1")
+    if not 0 < level < 1:
+        raise ValueError(f"level={level} must be in (0, 1)")
+    rng = np.random.default_rng(seed)
+    values = [v for v in (statistic(rng.integers(0, n, size=n)) for _ in range(n_boot)) if not math.isnan(v)]
+    if not values:
+        return float("nan"), float("nan"), 0
+    lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi), len(values)
+
+
 def bootstrap_ci(x, y, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float, int]:
     """Percentile bootstrap CI of :func:`spearman` over samples: ``n_boot`` resamples of the ``n`` pairs with
     replacement; resamples where a side is constant (NaN) are left out.
@@ -116,22 +132,8 @@ def bootstrap_ci(x, y, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -
     Raises:
         ValueError: ``n_boot < 1`` or ``level`` outside (0, 1).
     """
-    if n_boot < 1:
-        raise ValueError(f"--bootstrap={n_boot} must be >= 1")
-    if not 0 < level < 1:
-        raise ValueError(f"level={level} must be in (0, 1)")
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    values = []
-    for _ in range(n_boot):
-        idx = rng.integers(0, len(x), size=len(x))
-        r = spearman(x[idx], y[idx])
-        if not math.isnan(r):
-            values.append(r)
-    if not values:
-        return float("nan"), float("nan"), 0
-    lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi), len(values)
+    return _percentile_bootstrap(lambda idx: spearman(x[idx], y[idx]), len(x), n_boot, level, seed)
 
 
 def bootstrap_difference_ci(x1, x2, y, n_boot: int = 2000, level: float = 0.95,
@@ -149,23 +151,10 @@ def bootstrap_difference_ci(x1, x2, y, n_boot: int = 2000, level: float = 0.95,
     """
     if not len(x1) == len(x2) == len(y):
         raise ValueError(f"bootstrap_difference_ci: lengths {len(x1)}, {len(x2)}, {len(y)} differ")
-    if n_boot < 1:
-        raise ValueError(f"--bootstrap={n_boot} must be >= 1")
-    if not 0 < level < 1:
-        raise ValueError(f"level={level} must be in (0, 1)")
     x1, x2, y = (np.asarray(v, dtype=np.float64) for v in (x1, x2, y))
-    rng = np.random.default_rng(seed)
-    values = []
-    for _ in range(n_boot):
-        idx = rng.integers(0, len(y), size=len(y))
-        d = spearman(x1[idx], y[idx]) - spearman(x2[idx], y[idx])
-        if not math.isnan(d):
-            values.append(d)
-    diff = spearman(x1, y) - spearman(x2, y)
-    if not values:
-        return diff, float("nan"), float("nan"), 0
-    lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
-    return diff, float(lo), float(hi), len(values)
+    lo, hi, used = _percentile_bootstrap(lambda idx: spearman(x1[idx], y[idx]) - spearman(x2[idx], y[idx]),
+                                         len(y), n_boot, level, seed)
+    return spearman(x1, y) - spearman(x2, y), lo, hi, used
 
 
 # ---------------------------------------------------------------------------------- policy versions
