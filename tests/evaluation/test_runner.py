@@ -453,11 +453,10 @@ def test_shipped_experiment_arms_build(path, tmp_path):
             assert c["trainer"]["max_steps"] == 24 and c["model"]["init_args"]["optimizer"]["init_args"]["lr"] == 5e-5
             assert (c["data"]["init_args"]["episodes_per_step"], c["data"]["init_args"]["group_size"]) == (8, 4), name
             assert (c["model"]["init_args"]["ppo_epochs"], c["model"]["init_args"]["ppo_mini_batches"]) == (1, 2), name
-        assert exp.every(exp.arms[0]) == 12  # 2 updates per iteration: checkpoints at iterations 6 and 12
-        for name, c in configs.items():  # one student, one task, one episode shape
-            init, data = c["model"]["init_args"], c["data"]["init_args"]
+            init, data = c["model"]["init_args"], c["data"]["init_args"]  # one student, one task, one episode shape
             assert init["student"] == "artifacts/models/student-opd", name
             assert init["teacher"] == "artifacts/models/teacher-textworld", name
             assert data["env"]["init_args"]["games_dir"] == "artifacts/games/quest5", name
             assert (data["max_turns"], data["max_context_tokens"], data["max_new_tokens"]) == (12, 3072, 16), name
             assert (data["temperature"], data["seed"]) == (1.0, 0), name
+        assert exp.every(exp.arms[0]) == 12  # 2 updates per iteration: checkpoints at iterations 6 and 12
