@@ -107,10 +107,13 @@ demo: install install-vllm model games teacher
 	$(LOPD) compare runs/demo/evaluation.json --table teacher_traj_kl
 
 # Only the demo's OPD student (the fit, ~20 min on 2 cores; no evaluation), once: the start of
-# benchmarks/experiments/atod_quest5.yaml. `make demo` refits it every time.
+# benchmarks/experiments/atod_quest5.yaml and turnopd_quest3.yaml. `make demo` refits it every time.
+# Pinned to AVX2 (lightning_opd/cpu_isa.py) so that it is the same file on AVX2 and AVX-512 machines (measured:
+# sha256 7fed6085... on both): the experiments record its sha256 and continue it over several sessions.
+PIN_AVX2 := ATEN_CPU_CAPABILITY=avx2 LIGHTNING_OPD_CPU_ISA=avx2
 $(STUDENT)/config.json: | $(TEACHER)/config.json $(GAMES)/manifest.json $(VLLM_STAMP)
 	rm -rf runs/demo
-	$(OPD_FIT)
+	$(PIN_AVX2) $(OPD_FIT)
 student-opd: install install-vllm model games teacher $(STUDENT)/config.json
 
 test: install install-vllm model games teacher

@@ -520,6 +520,9 @@ def main(argv: list[str] | None = None) -> None:
     Raises:
         SystemExit: 2 for ``predict`` (unsupported, with the commands to use instead) and for bad arguments.
     """
+    from lightning_opd.cpu_isa import pin_cpu_isa
+
+    pin_cpu_isa()  # $LIGHTNING_OPD_CPU_ISA: the same bits on AVX2 and AVX-512 machines (make student-opd)
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in COMMANDS:
         COMMANDS[args[0]](args[1:])

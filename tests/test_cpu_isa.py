@@ -1,0 +1,54 @@
+"""lightning_opd.cpu_isa: pinning AVX2 so a seeded fit gives the same weights on AVX2 and AVX-512 machines."""
+
+import pytest
+import torch
+
+from lightning_opd import cli
+from lightning_opd.cpu_isa import ENV, pin_cpu_isa
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in (ENV, "MKL_CBWR", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_unset_does_nothing(clean_env):
+    before = torch.cpu._is_avx2_supported
+    assert pin_cpu_isa() is None
+    assert torch.cpu._is_avx2_supported is before
+    import os
+    assert "MKL_CBWR" not in os.environ
+
+
+def test_unknown_isa_named(clean_env):
+    clean_env.setenv(ENV, "avx512")
+    with pytest.raises(ValueError, match=r"LIGHTNING_OPD_CPU_ISA='avx512' is not supported"):
+        pin_cpu_isa()
+
+
+def test_aten_running_wider_kernels_is_refused(clean_env):
+    clean_env.setattr(torch.cpu, "_is_avx2_supported", lambda: True)
+    clean_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    with pytest.raises(RuntimeError, match="ATEN_CPU_CAPABILITY=avx2"):
+        pin_cpu_isa("avx2")
+
+
+def test_pins_mkl_onednn_and_vllm_kernel_choice(clean_env):
+    import os
+    clean_env.setattr(torch.cpu, "_is_avx2_supported", lambda: True)
+    clean_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        clean_env.setattr(torch.cpu, name, lambda: True)  # restored after the test
+    assert pin_cpu_isa("AVX2") == "avx2"
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert "MKL_CBWR" not in os.environ  # MKL's own branch matched the AVX2 machine's; CBWR changed the bits
+    assert not torch.cpu._is_avx512_supported() and not torch.cpu._is_avx512_bf16_supported()
+    assert not torch.cpu._is_amx_tile_supported()
+
+
+def test_cli_refuses_a_bad_isa_before_any_work(clean_env):
+    clean_env.setenv(ENV, "sse")
+    with pytest.raises(ValueError, match="'sse'"):
+        cli.main(["compare", "--help"])
