@@ -458,7 +458,9 @@ class Runner:
             if known["sha256"] != digest:
                 raise RuntimeError(f"the starting student {student} changed since this experiment began (sha256 "
                                    f"{known['sha256'][:12]}... in {record}, {digest[:12]}... now; e.g. `make demo` refit "
-                                   "it): restore those weights, or run the experiment into a new --results folder")
+                                   "it, or it was fit unpinned on an AVX-512 machine): rebuild it with `rm -rf "
+                                   f"{student}; make student-opd` (pinned to AVX2: the same file on every machine, "
+                                   "lightning_opd/cpu_isa.py), or run the experiment into a new --results folder")
         else:
             write_atomic(record, json.dumps({"student": student, "sha256": digest}, indent=1))
         out = folder / f"seed{seed}" / "eval" / "step=0.json"
