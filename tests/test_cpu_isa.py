@@ -1,10 +1,12 @@
 """lightning_opd.cpu_isa: pinning AVX2 so a seeded fit gives the same weights on AVX2 and AVX-512 machines."""
 
+import os
+
 import pytest
 import torch
 
 from lightning_opd import cli
-from lightning_opd.cpu_isa import ENV, pin_cpu_isa
+from lightning_opd.cpu_isa import _WIDER, ENV, pin_cpu_isa
 
 
 @pytest.fixture
@@ -18,7 +20,6 @@ def test_unset_does_nothing(clean_env):
     before = torch.cpu._is_avx2_supported
     assert pin_cpu_isa() is None
     assert torch.cpu._is_avx2_supported is before
-    import os
     assert "MKL_CBWR" not in os.environ
 
 
@@ -35,12 +36,11 @@ def test_aten_running_wider_kernels_is_refused(clean_env):
         pin_cpu_isa("avx2")
 
 
-def test_pins_mkl_onednn_and_vllm_kernel_choice(clean_env):
-    import os
+def test_pins_onednn_and_vllm_kernel_choice(clean_env):
     clean_env.setattr(torch.cpu, "_is_avx2_supported", lambda: True)
     clean_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-        clean_env.setattr(torch.cpu, name, lambda: True)  # restored after the test
+    for name in _WIDER:  # every probe the pin replaces, so all are restored after the test
+        clean_env.setattr(torch.cpu, name, lambda: True)
     assert pin_cpu_isa("AVX2") == "avx2"
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     assert "MKL_CBWR" not in os.environ  # MKL's own branch matched the AVX2 machine's; CBWR changed the bits
