@@ -18,6 +18,7 @@ An experiment (a YAML file, see :func:`load_experiment`)::
         overrides: [--model.init_args.optimizer.init_args.lr=1.0e-4, --trainer.limit_val_batches=0]
         checkpoint_every: 10         # optional, per arm (e.g. 2 optimizer updates per rollout batch)
         evaluate_final: []           # optional, per arm (e.g. Avg@4 on the main arms' finals only)
+        evaluate_checkpoints: last   # optional, per arm (e.g. finals only for an ablation)
     evaluate: [--avg-k, "4", --temperature, "0.7"]   # extra `lightning-opd evaluate` flags
     evaluate_final: []               # flags for the final checkpoint only, after `evaluate` (e.g. Avg@4 there only)
     keep_checkpoints: true           # false: delete a pair's checkpoints/ and student/ once it is evaluated
@@ -101,6 +102,7 @@ class Arm:
     overrides: list[str] = field(default_factory=list)
     checkpoint_every: int | None = None  # optimizer steps; None: the experiment's
     evaluate_final: list[str] | None = None  # flags for this arm's final checkpoint; None: the experiment's
+    evaluate_checkpoints: str | None = None  # "last" or "all"; None: the experiment's
 
 
 @dataclass
@@ -113,7 +115,9 @@ class Experiment:
         seeds: training seeds (``--seed_everything`` and every ``seed_keys`` entry).
         checkpoint_every: optimizer steps between checkpoints (an arm's own ``checkpoint_every`` wins); the
             final step is saved as well (:class:`~.checkpointing.StepCheckpoint`).
-        evaluate_checkpoints: ``"last"`` (the final weights) or ``"all"``.
+        evaluate_checkpoints: ``"last"`` (the final weights) or ``"all"``; an arm's own ``evaluate_checkpoints``
+            wins for that arm (e.g. learning curves for the arms a claim compares, finals only for ablations:
+            checkpoints are still written at the same steps, so every arm pays the same writes in its budget).
         max_time: training wall-clock budget of every (arm, seed) in seconds (a ``Timer``; ``None``: none).
             Resumed fits continue the saved count. The fit then needs no in-fit validation
             (``--trainer.limit_val_batches=0``), which the budget would count.
@@ -177,8 +181,10 @@ class Experiment:
         if any(not 0 <= t <= 1 for t in self.targets):
             raise ValueError(f"targets={self.targets}: success rates in [0, 1]")
         check_contrasts(self.contrasts, names)
-        if self.evaluate_checkpoints not in ("last", "all"):
-            raise ValueError(f"evaluate_checkpoints={self.evaluate_checkpoints!r}: use 'last' or 'all'")
+        for where, how in [("", self.evaluate_checkpoints)] + [(f"arm {a.name!r}: ", a.evaluate_checkpoints)
+                                                                for a in self.arms if a.evaluate_checkpoints is not None]:
+            if how not in ("last", "all"):
+                raise ValueError(f"{where}evaluate_checkpoints={how!r}: use 'last' or 'all'")
 
     @property
     def root(self) -> Path:
@@ -210,16 +216,17 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
     arms = []
     for name, spec in data.pop("arms").items():
         spec = spec or {}
-        bad = set(spec) - {"configs", "overrides", "checkpoint_every", "evaluate_final"}
+        bad = set(spec) - {"configs", "overrides", "checkpoint_every", "evaluate_final", "evaluate_checkpoints"}
         if bad:
             raise ValueError(f"{path}: arm {name!r}: unknown key(s) {sorted(bad)}; use configs, overrides, "
-                             "checkpoint_every and evaluate_final")
+                             "checkpoint_every, evaluate_final and evaluate_checkpoints")
         final = spec.get("evaluate_final")
         if final is not None and not isinstance(final, list):
             raise ValueError(f"{path}: arm {name!r}: evaluate_final={final!r} must be a list of flags "
                              "(e.g. [--avg-k, \"4\"]; [] for none)")
         arms.append(Arm(str(name), [str(c) for c in spec.get("configs", [])], [str(o) for o in spec.get("overrides", [])],
-                        spec.get("checkpoint_every"), None if final is None else [str(f) for f in final]))
+                        spec.get("checkpoint_every"), None if final is None else [str(f) for f in final],
+                        spec.get("evaluate_checkpoints")))
     if results is not None:
         data["results"] = results
     return Experiment(arms=arms, **data)
@@ -476,7 +483,8 @@ class Runner:
         found = checkpoints(d)
         if not found:
             raise RuntimeError(f"[{arm.name} seed {seed}] fit finished without checkpoints in {d / 'checkpoints'}")
-        chosen = found if self.exp.evaluate_checkpoints == "all" else found[-1:]
+        how = self.exp.evaluate_checkpoints if arm.evaluate_checkpoints is None else arm.evaluate_checkpoints
+        chosen = found if how == "all" else found[-1:]
         outs = []
         for step, ckpt in chosen:
             final_flags = self.exp.evaluate_final if arm.evaluate_final is None else arm.evaluate_final

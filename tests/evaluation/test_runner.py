@@ -265,6 +265,23 @@ def test_summary_of_some_arms_uses_the_seeds_they_all_have(tmp_path, monkeypatch
         main([str(path), "--results", str(tmp_path / "r"), "--arms", "a"])
 
 
+def test_an_arms_evaluate_checkpoints_wins_for_that_arm(tmp_path, monkeypatch):
+    """The experiment evaluates every checkpoint (a learning curve); arm b says ``last``: only its final is
+    evaluated, though it writes the same checkpoints (steps 2 and 4) as a, so both pay the same writes."""
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
+    arms = {"a": {"overrides": ["--trainer.max_steps=4"]},
+            "b": {"overrides": ["--trainer.max_steps=4"], "evaluate_checkpoints": "last"}}
+    exp = load_experiment(spec(tmp_path, 0, seeds=[0], arms=arms), results=tmp_path / "r")
+    assert [a.evaluate_checkpoints for a in exp.arms] == [None, "last"]
+    Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    for arm, evaluated in (("a", ["step=2.json", "step=4.json"]), ("b", ["step=4.json"])):
+        d = tmp_path / "r" / "exp" / arm / "seed0"
+        assert sorted(p.name for p in (d / "checkpoints").glob("step=*")) == ["step=2.ckpt", "step=4.ckpt"]
+        assert sorted(p.name for p in (d / "eval").iterdir()) == evaluated
+    with pytest.raises(ValueError, match=r"arm 'b': evaluate_checkpoints='final': use 'last' or 'all'"):
+        load_experiment(spec(tmp_path, 0, arms={**arms, "b": {"evaluate_checkpoints": "final"}}))
+
+
 def test_an_arms_evaluate_final_must_be_a_list(tmp_path):
     path = spec(tmp_path, 0, arms={"a": {"evaluate_final": "--avg-k 4"}})
     with pytest.raises(ValueError, match=r"arm 'a': evaluate_final='--avg-k 4' must be a list of flags"):
