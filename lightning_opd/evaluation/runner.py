@@ -117,7 +117,7 @@ class Experiment:
             final step is saved as well (:class:`~.checkpointing.StepCheckpoint`).
         evaluate_checkpoints: ``"last"`` (the final weights) or ``"all"``; an arm's own ``evaluate_checkpoints``
             wins for that arm (e.g. learning curves for the arms a claim compares, finals only for ablations:
-            checkpoints are still written at the same steps, so every arm pays the same writes in its budget).
+            checkpoints are still written at the same cadence, so the writes cost every arm alike in its budget).
         max_time: training wall-clock budget of every (arm, seed) in seconds (a ``Timer``; ``None``: none).
             Resumed fits continue the saved count. The fit then needs no in-fit validation
             (``--trainer.limit_val_batches=0``), which the budget would count.
@@ -196,6 +196,10 @@ class Experiment:
     def every(self, arm: Arm) -> int:
         """Optimizer steps between ``arm``'s checkpoints."""
         return arm.checkpoint_every if arm.checkpoint_every is not None else self.checkpoint_every
+
+    def evaluated(self, arm: Arm) -> str:
+        """Which of ``arm``'s checkpoints are evaluated: ``"last"`` or ``"all"`` (the arm's own setting wins)."""
+        return arm.evaluate_checkpoints if arm.evaluate_checkpoints is not None else self.evaluate_checkpoints
 
 
 def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None = None) -> Experiment:
@@ -483,8 +487,7 @@ class Runner:
         found = checkpoints(d)
         if not found:
             raise RuntimeError(f"[{arm.name} seed {seed}] fit finished without checkpoints in {d / 'checkpoints'}")
-        how = self.exp.evaluate_checkpoints if arm.evaluate_checkpoints is None else arm.evaluate_checkpoints
-        chosen = found if how == "all" else found[-1:]
+        chosen = found if self.exp.evaluated(arm) == "all" else found[-1:]
         outs = []
         for step, ckpt in chosen:
             final_flags = self.exp.evaluate_final if arm.evaluate_final is None else arm.evaluate_final
