@@ -201,6 +201,10 @@ class Experiment:
         """Which of ``arm``'s checkpoints are evaluated: ``"last"`` or ``"all"`` (the arm's own setting wins)."""
         return arm.evaluate_checkpoints if arm.evaluate_checkpoints is not None else self.evaluate_checkpoints
 
+    def final_flags(self, arm: Arm) -> list[str]:
+        """``evaluate`` flags for ``arm``'s final checkpoint only (the arm's own ``evaluate_final`` wins)."""
+        return list(arm.evaluate_final if arm.evaluate_final is not None else self.evaluate_final)
+
 
 def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None = None) -> Experiment:
     """Read an experiment YAML (module docstring). ``arms`` maps names to ``{configs, overrides}``.
@@ -488,10 +492,10 @@ class Runner:
         if not found:
             raise RuntimeError(f"[{arm.name} seed {seed}] fit finished without checkpoints in {d / 'checkpoints'}")
         chosen = found if self.exp.evaluated(arm) == "all" else found[-1:]
+        final_flags = self.exp.final_flags(arm)
         outs = []
         for step, ckpt in chosen:
-            final_flags = self.exp.evaluate_final if arm.evaluate_final is None else arm.evaluate_final
-            extra = list(final_flags) if step == found[-1][0] else []  # the fit is done: the last is final
+            extra = final_flags if step == found[-1][0] else []  # the fit is done: the last is final
             out = d / "eval" / f"step={step}.json"
             outs.append(out)
             if out.is_file():
