@@ -312,14 +312,19 @@ class Runner:
         self.echo = echo
 
     # ------------------------------------------------------------------------------------------- run
-    def run(self) -> dict:
+    def run(self, arms: list[str] | None = None) -> dict:
         """Every (arm, seed), then the comparison; returns ``{(arm, seed): done record}``.
 
+        ``arms``: only these arms' pairs (seed by seed, in the experiment's order; e.g. to fit the pair that
+        fits the hours at hand first); the comparison then waits for the rest, the summary covers what is done.
+
         Raises:
+            ValueError: an arm name the experiment does not have.
             RuntimeError: another runner holds the experiment's lock or the results root's (another experiment is
                 running; the message names it), or a fit/evaluate process failed
                 (the message names its log file).
         """
+        self.check_arms(arms)
         self.exp.root.mkdir(parents=True, exist_ok=True)
         with open(self.exp.root / ".lock", "w") as lock, open(self.exp.results / ".runner.lock", "a+") as machine:
             try:
@@ -342,9 +347,20 @@ class Runner:
             done = {}
             for seed in self.exp.seeds:  # seed by seed: a stopped run already pairs every arm on its first seeds
                 for arm in self.exp.arms:
-                    done[(arm.name, seed)] = self.run_pair(arm, seed)
-            self.summarise(done)
+                    if arms is None or arm.name in arms:
+                        done[(arm.name, seed)] = self.run_pair(arm, seed)
+            if arms is None:
+                self.summarise(done)
+            else:
+                self.summarise_curves()
             return done
+
+    def check_arms(self, arms: list[str] | None) -> None:
+        """Raises ValueError naming every entry of ``arms`` (``--arms``) that is not an arm of the experiment."""
+        names = [a.name for a in self.exp.arms]
+        unknown = [a for a in arms or [] if a not in names]
+        if unknown:
+            raise ValueError(f"--arms {unknown}: not arms of {self.exp.name} ({names})")
 
     def run_pair(self, arm: Arm, seed: int) -> dict:
         """Fit (or resume), evaluate and mark one (arm, seed); a marked pair is returned as recorded."""
@@ -545,9 +561,7 @@ class Runner:
         stem = "summary"
         contrasts = self.exp.contrasts
         if arms:
-            unknown = [a for a in arms if a not in names]
-            if unknown:
-                raise ValueError(f"--arms {unknown}: not arms of {self.exp.name} ({names})")
+            self.check_arms(arms)
             names = [n for n in names if n in arms]
             stem = "summary-" + "+".join(names)
             contrasts = [c for c in contrasts if set(c) <= set(names)]
@@ -565,7 +579,7 @@ class Runner:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """``python -m benchmarks.experiment EXPERIMENT.yaml [--results DIR] [--summary]``."""
+    """``python -m benchmarks.experiment EXPERIMENT.yaml [--results DIR] [--summary] [--arms ARM ...]``."""
     p = argparse.ArgumentParser(prog="benchmarks.experiment",
                                 description="Run (or continue) an experiment: arms x seeds of `lightning-opd fit`, "
                                             "checkpoints evaluated afterwards, compared at the end.")
@@ -575,11 +589,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="only write summary.md/summary.json from the checkpoints evaluated so far (no fit, no evaluate)")
     p.add_argument("--arms", nargs="+", default=None, metavar="ARM",
                    help="with --summary: only these arms and the contrasts between them, over the seeds they all have "
-                        "(written to summary-<arm>+<arm>....md)")
+                        "(written to summary-<arm>+<arm>....md); with a run: only these arms' (arm, seed) pairs")
     a = p.parse_args(argv)
-    if a.arms and not a.summary:
-        p.error("--arms only selects what --summary reads; a run always runs every arm")
     runner = Runner(load_experiment(a.experiment, a.results), cwd=Path.cwd())
     if a.summary:
         return {"summary": runner.summarise_curves(a.arms)}
-    return runner.run()
+    return runner.run(a.arms)

@@ -261,8 +261,27 @@ def test_summary_of_some_arms_uses_the_seeds_they_all_have(tmp_path, monkeypatch
     assert "c - a" not in some
     with pytest.raises(ValueError, match=r"--arms \['d'\]: not arms of exp"):
         main([str(path), "--results", str(tmp_path / "r"), "--summary", "--arms", "a", "d"])
-    with pytest.raises(SystemExit):
-        main([str(path), "--results", str(tmp_path / "r"), "--arms", "a"])
+
+
+def test_a_run_with_arms_fits_only_those_pairs_and_a_later_run_adds_the_rest(tmp_path, monkeypatch):
+    """A run with ``--arms``: only those arms' pairs, seed by seed; the comparison of every arm waits for a full
+    run, which then fits only the pairs still missing."""
+    from lightning_opd.evaluation.runner import main
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
+    arm = {"overrides": ["--trainer.max_steps=2"]}
+    path = spec(tmp_path, 0, arms={"a": arm, "b": arm, "c": arm})
+    root = tmp_path / "r" / "exp"
+    with pytest.raises(ValueError, match=r"--arms \['d'\]: not arms of exp"):
+        main([str(path), "--results", str(tmp_path / "r"), "--arms", "d"])
+    done = main([str(path), "--results", str(tmp_path / "r"), "--arms", "c", "a"])
+    assert list(done) == [("a", 0), ("c", 0), ("a", 1), ("c", 1)]  # the experiment's order, seed by seed
+    fits = [c["dir"] for c in calls(tmp_path) if c["cmd"] == "fit"]
+    assert [Path(d).relative_to(root).as_posix() for d in fits] == ["a/seed0", "c/seed0", "a/seed1", "c/seed1"]
+    assert not (root / "compare.md").exists() and not (root / "b").exists()
+    done = main([str(path), "--results", str(tmp_path / "r")])
+    assert len(done) == 6 and (root / "compare.md").exists()
+    fits = [c["dir"] for c in calls(tmp_path) if c["cmd"] == "fit"]
+    assert [Path(d).relative_to(root).as_posix() for d in fits[4:]] == ["b/seed0", "b/seed1"]
 
 
 def test_an_arms_evaluate_checkpoints_wins_for_that_arm(tmp_path, monkeypatch):
