@@ -55,11 +55,14 @@ experiment whose starting student differs (another path, or the files changed, e
 is refused, so every arm and seed continues the same weights.
 
 Pairs run seed by seed (every arm of the first seed, in the file's order, then the next seed), so a run
-stopped part-way already holds paired (task, seed) evaluations of every arm it reached.
+stopped part-way already holds paired (task, seed) evaluations of every arm it reached. ``--arms A B ...`` runs
+only those arms' pairs (e.g. the pair that fits the hours at hand); the comparison below waits until every pair
+of the experiment is done, the summary covers what is evaluated so far (contrasts with an arm not yet
+evaluated left out).
 
 Child processes die with the runner (Linux ``PR_SET_PDEATHSIG``); a lock file stops two runners from
 working on one experiment at once, and another (``<results>/.runner.lock``) two experiments under one results
-root (training seconds are only comparable on cores nothing else uses). At the end the runner prints ``lightning-opd compare`` of the
+root (training seconds are only comparable on cores nothing else uses). At the end, once every pair is done, the runner prints ``lightning-opd compare`` of the
 last evaluated checkpoint of every arm (all seeds merged, paired by (task, seed)) and writes it to
 ``<results>/<name>/compare.json``, then the summary over every evaluated checkpoint (:mod:`.curves`:
 success vs rollout iterations and training seconds, Same-Step, Least-Time, time to target, final and best)
@@ -313,13 +316,17 @@ class Runner:
 
     # ------------------------------------------------------------------------------------------- run
     def run(self, arms: list[str] | None = None) -> dict:
-        """Every (arm, seed), then the comparison; returns ``{(arm, seed): done record}``.
+        """Every (arm, seed) not yet done, then the comparison and the summary; returns
+        ``{(arm, seed): done record}`` for the pairs it ran or found done.
 
         ``arms``: only these arms' pairs (seed by seed, in the experiment's order; e.g. to fit the pair that
-        fits the hours at hand first); the comparison then waits for the rest, the summary covers what is done.
+        fits the hours at hand first). The comparison of every arm (``compare.md``) is written once every pair
+        of the experiment is done (those of other arms read from their ``done.json``); the summary
+        (``summary.md``) always covers what is evaluated so far.
 
         Raises:
-            ValueError: an arm name the experiment does not have.
+            ValueError: ``arms`` is empty or names an arm the experiment does not have; an arm's ``max_steps``
+                does not fit its checkpoint cadence, or the starting student changed (``evaluate_start``).
             RuntimeError: another runner holds the experiment's lock or the results root's (another experiment is
                 running; the message names it), or a fit/evaluate process failed
                 (the message names its log file).
@@ -349,15 +356,25 @@ class Runner:
                 for arm in self.exp.arms:
                     if arms is None or arm.name in arms:
                         done[(arm.name, seed)] = self.run_pair(arm, seed)
-            if arms is None:
-                self.summarise(done)
+            every = dict(done)
+            for seed in self.exp.seeds:  # the other arms' finished pairs (a run with --arms)
+                for arm in self.exp.arms:
+                    marker = self.exp.run_dir(arm, seed) / "done.json"
+                    if (arm.name, seed) not in every and marker.is_file():
+                        every[(arm.name, seed)] = json.loads(marker.read_text())
+            if len(every) == len(self.exp.arms) * len(self.exp.seeds):
+                self.summarise(every)
             else:
+                self.echo(f"no comparison yet: {len(every)} of {len(self.exp.arms) * len(self.exp.seeds)} "
+                          "(arm, seed) pairs done")
                 self.summarise_curves()
             return done
 
     def check_arms(self, arms: list[str] | None) -> None:
-        """Raises ValueError naming every entry of ``arms`` (``--arms``) that is not an arm of the experiment."""
+        """Raises ValueError when ``arms`` (``--arms``) is empty or names an arm the experiment does not have."""
         names = [a.name for a in self.exp.arms]
+        if arms is not None and not arms:
+            raise ValueError(f"--arms is empty: give one or more arms of {self.exp.name} ({names}), or none for all")
         unknown = [a for a in arms or [] if a not in names]
         if unknown:
             raise ValueError(f"--arms {unknown}: not arms of {self.exp.name} ({names})")
@@ -386,9 +403,10 @@ class Runner:
                 self.echo(f"[{arm.name} seed {seed}] resuming fit from {last}")
             else:
                 self.echo(f"[{arm.name} seed {seed}] fit")
+            t_fit = time.time()  # the fit process alone (not the config resolution nor the start's evaluation)
             if _run(cmd, d / "fit.log", self.cwd) != 0:
                 raise RuntimeError(f"[{arm.name} seed {seed}] fit failed; see {d / 'fit.log'}")
-            write_atomic(d / "fit.done", json.dumps({"seconds": round(time.time() - t0, 1)}))
+            write_atomic(d / "fit.done", json.dumps({"seconds": round(time.time() - t_fit, 1)}))
         evals = self._evaluate(arm, seed, d, config)
         record = {"arm": arm.name, "seed": seed, "run_dir": str(d), "evaluations": [str(p) for p in evals],
                   "fit": json.loads((d / "fit.done").read_text()), "seconds_this_session": round(time.time() - t0, 1)}
@@ -560,12 +578,16 @@ class Runner:
         names = [a.name for a in self.exp.arms]
         stem = "summary"
         contrasts = self.exp.contrasts
-        if arms:
+        if arms is not None:
             self.check_arms(arms)
             names = [n for n in names if n in arms]
             stem = "summary-" + "+".join(names)
             contrasts = [c for c in contrasts if set(c) <= set(names)]
         runs = load_runs(self.exp.root, names, self.exp.seeds)
+        waiting = [c for c in contrasts if not set(c) <= set(runs)]
+        if waiting:  # an arm with nothing evaluated yet (e.g. a run with --arms): its contrasts wait for it
+            self.echo(f"contrasts {waiting} left out: an arm of each has no evaluated checkpoint yet")
+            contrasts = [c for c in contrasts if c not in waiting]
         try:
             summary = summarise(runs, name=self.exp.name, budget=self.exp.max_time, targets=self.exp.targets,
                                 contrasts=contrasts)

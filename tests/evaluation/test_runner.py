@@ -269,19 +269,27 @@ def test_a_run_with_arms_fits_only_those_pairs_and_a_later_run_adds_the_rest(tmp
     from lightning_opd.evaluation.runner import main
     monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
     arm = {"overrides": ["--trainer.max_steps=2"]}
-    path = spec(tmp_path, 0, arms={"a": arm, "b": arm, "c": arm})
+    path = spec(tmp_path, 0, arms={"a": arm, "b": arm, "c": arm}, contrasts=[["c", "b"]])
     root = tmp_path / "r" / "exp"
     with pytest.raises(ValueError, match=r"--arms \['d'\]: not arms of exp"):
         main([str(path), "--results", str(tmp_path / "r"), "--arms", "d"])
+    assert not root.exists()  # refused before anything is created or locked
+    with pytest.raises(ValueError, match="--arms is empty"):
+        Runner(load_experiment(path, results=tmp_path / "r"), cwd=ROOT, echo=lambda *_: None).run([])
     done = main([str(path), "--results", str(tmp_path / "r"), "--arms", "c", "a"])
     assert list(done) == [("a", 0), ("c", 0), ("a", 1), ("c", 1)]  # the experiment's order, seed by seed
     fits = [c["dir"] for c in calls(tmp_path) if c["cmd"] == "fit"]
     assert [Path(d).relative_to(root).as_posix() for d in fits] == ["a/seed0", "c/seed0", "a/seed1", "c/seed1"]
     assert not (root / "compare.md").exists() and not (root / "b").exists()
-    done = main([str(path), "--results", str(tmp_path / "r")])
-    assert len(done) == 6 and (root / "compare.md").exists()
+    summary = (root / "summary.md").read_text()  # what is evaluated so far; c - b waits for b
+    assert "| a |" in summary and "| c |" in summary and "| b |" not in summary and "c - b" not in summary
+    done = main([str(path), "--results", str(tmp_path / "r"), "--arms", "b"])  # the last missing pairs
+    assert list(done) == [("b", 0), ("b", 1)] and (root / "compare.md").exists()  # every pair done: compared
+    assert "| b |" in (root / "compare.md").read_text() and "c - b" in (root / "summary.md").read_text()
     fits = [c["dir"] for c in calls(tmp_path) if c["cmd"] == "fit"]
     assert [Path(d).relative_to(root).as_posix() for d in fits[4:]] == ["b/seed0", "b/seed1"]
+    assert len(main([str(path), "--results", str(tmp_path / "r")])) == 6  # a full run after: nothing refit
+    assert len([c for c in calls(tmp_path) if c["cmd"] == "fit"]) == 6
 
 
 def test_an_arms_evaluate_checkpoints_wins_for_that_arm(tmp_path, monkeypatch):
