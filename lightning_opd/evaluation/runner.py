@@ -351,16 +351,13 @@ class Runner:
             machine.truncate()
             machine.write(f"{self.exp.name}, pid {os.getpid()}\n")
             machine.flush()
-            done = {}
+            done, every = {}, {}  # the pairs this run ran or found done; those plus other arms' finished pairs
             for seed in self.exp.seeds:  # seed by seed: a stopped run already pairs every arm on its first seeds
                 for arm in self.exp.arms:
-                    if arms is None or arm.name in arms:
-                        done[(arm.name, seed)] = self.run_pair(arm, seed)
-            every = dict(done)
-            for seed in self.exp.seeds:  # the other arms' finished pairs (a run with --arms)
-                for arm in self.exp.arms:
                     marker = self.exp.run_dir(arm, seed) / "done.json"
-                    if (arm.name, seed) not in every and marker.is_file():
+                    if arms is None or arm.name in arms:
+                        done[(arm.name, seed)] = every[(arm.name, seed)] = self.run_pair(arm, seed)
+                    elif marker.is_file():  # another arm's finished pair (a run with --arms)
                         every[(arm.name, seed)] = json.loads(marker.read_text())
             if len(every) == len(self.exp.arms) * len(self.exp.seeds):
                 self.summarise(every)
