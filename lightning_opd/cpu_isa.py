@@ -10,6 +10,12 @@ AVX2-only machine. Setting MKL's ``MKL_CBWR=AVX2`` as well changed the result (7
 branch on these AMD EPYC machines already matches, so MKL is left alone.
 An experiment that continues one trained student over several sessions, on machines drawn at random, needs
 that student rebuilt bit for bit, so ``make student-opd`` pins AVX2 (every x86-64 machine here has it).
+The pin does not reach across CPU vendors. Measured 2026-12-03 on an Intel Xeon (AVX-512, KVM, 4 MiB L2): the
+pinned fit gave 1fa17abf..., and 25a06d9e... with ``MKL_ENABLE_INSTRUCTIONS=AVX2`` added; neither is the AMD
+EPYC machines' 7fed6085... The per-step metrics of both Intel fits matched the AMD ones to the printed 3 digits,
+so the weights differ in rounding only (MKL's and oneDNN's kernels and blocking differ by vendor and cache
+size, which no environment variable here pins). A student has to be rebuilt on a CPU of the kind that built it
+(:func:`cpu_name` is recorded beside its sha256 by the experiment runner).
 
 Set ``LIGHTNING_OPD_CPU_ISA=avx2`` and ``ATEN_CPU_CAPABILITY=avx2`` in the environment before Python starts
 (ATen reads its variable once); :func:`pin_cpu_isa`, called by ``lightning-opd`` first thing, sets oneDNN's
@@ -59,6 +65,30 @@ def pin_cpu_isa(isa: str | None = None) -> str | None:
         if hasattr(torch.cpu, name):
             setattr(torch.cpu, name, _false)
     return isa
+
+
+def cpu_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """This machine's CPU as ``/proc/cpuinfo`` (``cpuinfo_path``) names it: ``"<vendor_id> <model name>"`` (e.g. ``"GenuineIntel
+    Intel(R) Xeon(R) Processor"``); ``platform.processor()`` where there is no ``/proc/cpuinfo``, ``"unknown"`` if
+    neither says. Only the first processor's block is read. Never raises."""
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo_path, encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                key, sep, value = line.partition(":")
+                if not sep:
+                    if fields:  # the first processor's block is enough
+                        break
+                    continue
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = " ".join(v for v in (fields.get("vendor_id"), fields.get("model name")) if v)
+    if not name:
+        import platform
+
+        name = platform.processor()
+    return name or "unknown"
 
 
 def _false() -> bool:

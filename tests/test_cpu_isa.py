@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_opd import cli
-from lightning_opd.cpu_isa import _WIDER, ENV, pin_cpu_isa
+from lightning_opd.cpu_isa import _WIDER, ENV, cpu_name, pin_cpu_isa
 
 
 @pytest.fixture
@@ -52,3 +52,17 @@ def test_cli_refuses_a_bad_isa_before_any_work(clean_env):
     clean_env.setenv(ENV, "sse")
     with pytest.raises(ValueError, match="'sse'"):
         cli.main(["compare", "--help"])
+
+
+def test_cpu_name_reads_the_first_processor_block(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9B14\n\n"
+                       "processor\t: 1\nvendor_id\t: GenuineIntel\nmodel name\t: other\n")
+    assert cpu_name(str(cpuinfo)) == "AuthenticAMD AMD EPYC 9B14"
+
+
+def test_cpu_name_without_cpuinfo_never_raises(tmp_path, monkeypatch):
+    monkeypatch.setattr("platform.processor", lambda: "")
+    assert cpu_name(str(tmp_path / "missing")) == "unknown"
+    monkeypatch.setattr("platform.processor", lambda: "x86_64")
+    assert cpu_name(str(tmp_path / "missing")) == "x86_64"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_opd.evaluation.runner import Arm, Experiment, Runner, load_experiment
+from lightning_opd.cpu_isa import cpu_name
+from lightning_opd.evaluation.runner import Arm, Experiment, Runner, files_sha256, load_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_lopd.py"))]
@@ -340,9 +342,15 @@ def test_evaluate_start_evaluates_the_common_start_once_per_seed_and_refuses_a_c
     assert "| a | 0.50 | 20 s (iteration 2; below at 0 s) | 20 s (iteration 2; below at 0 s) |" in summary
     assert "### Same-Step: iteration 4 " in summary
 
+    record = json.loads((tmp_path / "r" / "exp" / "start" / "start.json").read_text())
+    assert record["cpu"] == cpu_name() and record["sha256"] == files_sha256(model)
     (model / "model.safetensors").write_bytes(b"weights v2")  # e.g. `make demo` refit it
     (tmp_path / "r" / "exp" / "b" / "seed1" / "done.json").unlink()
     with pytest.raises(RuntimeError, match=r"the starting student .*student-opd changed since this experiment began"):
+        Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    record["cpu"] = "AuthenticAMD AMD EPYC 7B13"  # built on another kind of CPU: the refusal names both
+    (tmp_path / "r" / "exp" / "start" / "start.json").write_text(json.dumps(record))
+    with pytest.raises(RuntimeError, match=rf"built on AuthenticAMD AMD EPYC 7B13; [0-9a-f]{{12}}\.\.\. now, on {re.escape(cpu_name())};"):
         Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
     (model / "model.safetensors").write_bytes(b"weights v1")
     other = tmp_path / "other"
