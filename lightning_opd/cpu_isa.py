@@ -10,12 +10,12 @@ AVX2-only machine. Setting MKL's ``MKL_CBWR=AVX2`` as well changed the result (7
 branch on these AMD EPYC machines already matches, so MKL is left alone.
 An experiment that continues one trained student over several sessions, on machines drawn at random, needs
 that student rebuilt bit for bit, so ``make student-opd`` pins AVX2 (every x86-64 machine here has it).
-The pin does not reach across CPU vendors. Measured 2026-12-03 on an Intel Xeon (AVX-512, KVM, 4 MiB L2): the
-pinned fit gave 1fa17abf..., and 25a06d9e... with ``MKL_ENABLE_INSTRUCTIONS=AVX2`` added; neither is the AMD
-EPYC machines' 7fed6085... The per-step metrics of both Intel fits matched the AMD ones to the printed 3 digits,
-so the weights differ in rounding only (MKL's and oneDNN's kernels and blocking differ by vendor and cache
-size, which no environment variable here pins). A student has to be rebuilt on a CPU of the kind that built it
-(:func:`cpu_name` is recorded beside its sha256 by the experiment runner).
+The pin did not reproduce the student on another kind of CPU. Measured 2026-12-03 on an Intel Xeon (AVX-512,
+KVM, 4 MiB L2): the pinned fit gave 1fa17abf..., and 25a06d9e... with ``MKL_ENABLE_INSTRUCTIONS=AVX2`` added;
+neither is the AMD EPYC machines' 7fed6085... The two Intel fits' per-step metrics matched each other to the
+printed 3 digits (20 steps), consistent with rounding differences; the cause (likely MKL's or oneDNN's kernel and blocking
+choices, which depend on the CPU model and its caches) is not isolated. So far a student has to be rebuilt on a
+CPU like the one that built it (:func:`cpu_name` is recorded beside its sha256 by the experiment runner).
 
 Set ``LIGHTNING_OPD_CPU_ISA=avx2`` and ``ATEN_CPU_CAPABILITY=avx2`` in the environment before Python starts
 (ATen reads its variable once); :func:`pin_cpu_isa`, called by ``lightning-opd`` first thing, sets oneDNN's
@@ -68,9 +68,9 @@ def pin_cpu_isa(isa: str | None = None) -> str | None:
 
 
 def cpu_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
-    """This machine's CPU as ``/proc/cpuinfo`` (``cpuinfo_path``) names it: ``"<vendor_id> <model name>"`` (e.g. ``"GenuineIntel
-    Intel(R) Xeon(R) Processor"``); ``platform.processor()`` where there is no ``/proc/cpuinfo``, ``"unknown"`` if
-    neither says. Only the first processor's block is read. Never raises."""
+    """This machine's CPU as ``/proc/cpuinfo`` (``cpuinfo_path``) names it: ``"<vendor_id> <model name>"``
+    (e.g. ``"GenuineIntel Intel(R) Xeon(R) Processor"``); ``platform.processor()`` where ``/proc/cpuinfo`` is missing or names neither
+    (e.g. some ARM machines), ``"unknown"`` if nothing says. Only the first processor's block is read. Never raises."""
     fields: dict[str, str] = {}
     try:
         with open(cpuinfo_path, encoding="utf-8", errors="replace") as cpuinfo:

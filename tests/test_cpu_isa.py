@@ -54,7 +54,7 @@ def test_cli_refuses_a_bad_isa_before_any_work(clean_env):
         cli.main(["compare", "--help"])
 
 
-def test_cpu_name_reads_the_first_processor_block(tmp_path):
+def test_cpu_name_names_the_first_processor(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9B14\n\n"
                        "processor\t: 1\nvendor_id\t: GenuineIntel\nmodel name\t: other\n")
@@ -63,6 +63,9 @@ def test_cpu_name_reads_the_first_processor_block(tmp_path):
 
 def test_cpu_name_without_cpuinfo_never_raises(tmp_path, monkeypatch):
     monkeypatch.setattr("platform.processor", lambda: "")
+    arm = tmp_path / "cpuinfo"
+    arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n")  # names no vendor/model
+    assert cpu_name(str(arm)) == "unknown"
     assert cpu_name(str(tmp_path / "missing")) == "unknown"
     monkeypatch.setattr("platform.processor", lambda: "x86_64")
     assert cpu_name(str(tmp_path / "missing")) == "x86_64"

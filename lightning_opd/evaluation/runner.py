@@ -50,9 +50,9 @@ Per (arm, seed), in ``<results>/<name>/<arm>/seed<k>/``:
 With ``evaluate_start: true`` (every arm continues one trained student, ``model.init_args.student``), that
 student is evaluated once per seed, before the first fit of the seed, to ``<results>/<name>/start/seed<k>/eval/
 step=0.json`` with the ``evaluate`` flags (not ``evaluate_final``): iteration 0 at 0 training seconds of every
-arm in the summary. ``start/start.json`` records its path, a sha256 of its files and the CPU that built it
-(``cpu_name``: the AVX2 pin of ``make student-opd`` reproduces a student across machines of one CPU vendor, not
-across vendors, lightning_opd/cpu_isa.py); a later fit of the experiment whose starting student differs
+arm in the summary. ``start/start.json`` records its path, a sha256 of its files and the CPU of the machine that first
+recorded it (``cpu_name``; normally the one that built it: the AVX2 pin of ``make student-opd`` reproduced the
+student on two AMD EPYC machines but not on an Intel Xeon, lightning_opd/cpu_isa.py); a later fit of the experiment whose starting student differs
 (another path, or the files changed, e.g. ``make demo`` refit it) is refused, naming both CPUs, so every arm
 and seed continues the same weights.
 
@@ -505,14 +505,16 @@ class Runner:
                 raise ValueError(f"arm {arm.name!r} starts from {student}, but this experiment's starting student is "
                                  f"{known['student']} ({record}): with evaluate_start every arm continues one student")
             if known["sha256"] != digest:
-                built_on, here = known.get("cpu", "an unrecorded CPU"), cpu_name()
+                recorded = known.get("cpu")
+                where = f"recorded on {recorded}" if recorded else "recorded on an unrecorded CPU"
+                like = f" on a CPU like {recorded}" if recorded else ""
                 raise RuntimeError(f"the starting student {student} changed since this experiment began (sha256 "
-                                   f"{known['sha256'][:12]}... in {record}, built on {built_on}; {digest[:12]}... now, "
-                                   f"on {here}; e.g. `make demo` refit it, it was fit unpinned on an AVX-512 machine, "
-                                   "or this CPU is of another kind): rebuild it with `rm -rf "
-                                   f"{student}; make student-opd` (pinned to AVX2: the same file across AVX2 and "
-                                   "AVX-512 machines of one vendor, not across vendors; lightning_opd/cpu_isa.py) "
-                                   f"on a CPU like {built_on}, or run the experiment into a new --results folder")
+                                   f"{known['sha256'][:12]}... in {record}, {where}; {digest[:12]}... now, on "
+                                   f"{cpu_name()}; e.g. `make demo` refit it, it was fit unpinned on an AVX-512 "
+                                   "machine, or this CPU is of another kind): rebuild it with `rm -rf "
+                                   f"{student}; make student-opd` (pinned to AVX2: the same file on two AMD EPYC "
+                                   "machines, AVX2 and AVX-512, but not on an Intel Xeon; lightning_opd/cpu_isa.py)"
+                                   f"{like}, or run the experiment into a new --results folder")
         else:
             write_atomic(record, json.dumps({"student": student, "sha256": digest, "cpu": cpu_name()}, indent=1))
         out = folder / f"seed{seed}" / "eval" / "step=0.json"

@@ -350,8 +350,14 @@ def test_evaluate_start_evaluates_the_common_start_once_per_seed_and_refuses_a_c
         Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
     record["cpu"] = "AuthenticAMD AMD EPYC 7B13"  # built on another kind of CPU: the refusal names both
     (tmp_path / "r" / "exp" / "start" / "start.json").write_text(json.dumps(record))
-    with pytest.raises(RuntimeError, match=rf"built on AuthenticAMD AMD EPYC 7B13; [0-9a-f]{{12}}\.\.\. now, on {re.escape(cpu_name())};"):
+    with pytest.raises(RuntimeError, match=rf"recorded on AuthenticAMD AMD EPYC 7B13; [0-9a-f]{{12}}\.\.\. now, on "
+                       rf"{re.escape(cpu_name())};.* on a CPU like AuthenticAMD AMD EPYC 7B13, or run"):
         Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    del record["cpu"]  # a record from before the CPU was recorded: no CPU to point at
+    (tmp_path / "r" / "exp" / "start" / "start.json").write_text(json.dumps(record))
+    with pytest.raises(RuntimeError, match=r"recorded on an unrecorded CPU; .*lightning_opd/cpu_isa.py\), or run") as err:
+        Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    assert "a CPU like" not in str(err.value)
     (model / "model.safetensors").write_bytes(b"weights v1")
     other = tmp_path / "other"
     other.mkdir()
