@@ -54,7 +54,8 @@ arm in the summary. ``start/start.json`` records its path, a sha256 of its files
 recorded it (``cpu_name``; normally the one that built it: the AVX2 pin of ``make student-opd`` reproduced the
 student on two AMD EPYC machines but not on an Intel Xeon, lightning_opd/cpu_isa.py); a later fit of the experiment whose starting student differs
 (another path, or the files changed, e.g. ``make demo`` refit it) is refused, naming both CPUs, so every arm
-and seed continues the same weights.
+and seed continues the same weights; a rebuild shown to play the same episodes (``equivalents`` in start.json,
+benchmarks/compare_start_evaluations.py) is accepted and its sha256 recorded in the pair's ``done.json``.
 
 Pairs run seed by seed (every arm of the first seed, in the file's order, then the next seed), so a run
 stopped part-way already holds paired (task, seed) evaluations of every arm it reached. ``--arms A B ...`` runs
@@ -393,8 +394,7 @@ class Runner:
                     + arm.overrides + [f"--seed_everything={seed}"] + [f"--{k}={seed}" for k in self.exp.seed_keys])
         config = self._resolved_config(d, base_cmd)
         self._check_steps(config, arm)
-        if self.exp.evaluate_start:
-            self.evaluate_start(arm, seed, config)
+        start_sha256 = self.evaluate_start(arm, seed, config)[1] if self.exp.evaluate_start else None
         if not (d / "fit.done").is_file():
             cmd = list(base_cmd)
             last = d / "checkpoints" / "last.ckpt"
@@ -410,6 +410,8 @@ class Runner:
         evals = self._evaluate(arm, seed, d, config)
         record = {"arm": arm.name, "seed": seed, "run_dir": str(d), "evaluations": [str(p) for p in evals],
                   "fit": json.loads((d / "fit.done").read_text()), "seconds_this_session": round(time.time() - t0, 1)}
+        if start_sha256 is not None:
+            record["start_sha256"] = start_sha256
         write_atomic(marker, json.dumps(record, indent=1))
         if not self.exp.keep_checkpoints:
             for sub in ("checkpoints", "student"):
@@ -485,9 +487,15 @@ class Runner:
             args += ["--teacher", str(teacher)]
         return args + list(self.exp.evaluate)
 
-    def evaluate_start(self, arm: Arm, seed: int, config: dict) -> Path:
+    def evaluate_start(self, arm: Arm, seed: int, config: dict) -> tuple[Path, str]:
         """Check that ``arm`` starts from the experiment's recorded starting student (recording it the first
-        time) and evaluate that student once for ``seed``; returns ``start/seed<k>/eval/step=0.json``.
+        time) and evaluate that student once for ``seed``; returns ``start/seed<k>/eval/step=0.json`` and the
+        student's sha256 (recorded in the pair's ``done.json``).
+
+        A student whose files differ is accepted only if ``start.json`` lists its sha256 under ``equivalents``
+        (``[{"sha256": ..., "cpu": ..., "evidence": ...}]``), written by hand once the evidence shows it is the
+        same start in all but rounding, e.g. a rebuild on another kind of CPU whose own start evaluation played
+        the recorded student's greedy episodes on every task.
 
         Raises:
             ValueError: the arm starts from another path than the recorded one.
@@ -504,7 +512,11 @@ class Runner:
             if known["student"] != student:
                 raise ValueError(f"arm {arm.name!r} starts from {student}, but this experiment's starting student is "
                                  f"{known['student']} ({record}): with evaluate_start every arm continues one student")
-            if known["sha256"] != digest:
+            equivalent = {e["sha256"]: e for e in known.get("equivalents", [])}
+            if digest in equivalent and digest != known["sha256"]:
+                self.echo(f"[start] {student} is {digest[:12]}..., not {known['sha256'][:12]}...: continuing it as "
+                          f"the equivalent start listed in {record} (evidence: {equivalent[digest].get('evidence')})")
+            elif known["sha256"] != digest:
                 recorded = known.get("cpu")
                 where = f"recorded on {recorded}" if recorded else "recorded on an unrecorded CPU"
                 like = f" on a CPU like {recorded}" if recorded else ""
@@ -514,7 +526,9 @@ class Runner:
                                    "machine, or this CPU is of another kind): rebuild it with `rm -rf "
                                    f"{student}; make student-opd` (pinned to AVX2: the same file on two AMD EPYC "
                                    "machines, AVX2 and AVX-512, but not on an Intel Xeon; lightning_opd/cpu_isa.py)"
-                                   f"{like}, or run the experiment into a new --results folder")
+                                   f"{like}, or run the experiment into a new --results folder (or, if a start "
+                                   "evaluation of it plays the recorded student's episodes, list its sha256 under "
+                                   "\"equivalents\" in start.json with that evidence)")
         else:
             write_atomic(record, json.dumps({"student": student, "sha256": digest, "cpu": cpu_name()}, indent=1))
         out = folder / f"seed{seed}" / "eval" / "step=0.json"
@@ -524,7 +538,7 @@ class Runner:
                    + self.evaluate_args(config, seed))
             if _run(cmd, folder / f"seed{seed}" / "eval.log", self.cwd) != 0:
                 raise RuntimeError(f"[start seed {seed}] evaluate failed; see {folder / f'seed{seed}' / 'eval.log'}")
-        return out
+        return out, digest
 
     def _evaluate(self, arm: Arm, seed: int, d: Path, config: dict) -> list[Path]:
         found = checkpoints(d)

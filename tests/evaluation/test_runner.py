@@ -358,6 +358,14 @@ def test_evaluate_start_evaluates_the_common_start_once_per_seed_and_refuses_a_c
     with pytest.raises(RuntimeError, match=r"recorded on an unrecorded CPU; .*lightning_opd/cpu_isa.py\), or run") as err:
         Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
     assert "a CPU like" not in str(err.value)
+    v2 = files_sha256(model)  # shown equivalent (e.g. a rebuild on another CPU that plays the same episodes)
+    record["equivalents"] = [{"sha256": v2, "cpu": "GenuineIntel Xeon", "evidence": "start/equivalence.md"}]
+    (tmp_path / "r" / "exp" / "start" / "start.json").write_text(json.dumps(record))
+    Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    done = json.loads((tmp_path / "r" / "exp" / "b" / "seed1" / "done.json").read_text())
+    assert done["start_sha256"] == v2 != record["sha256"]
+    assert json.loads((tmp_path / "r" / "exp" / "a" / "seed0" / "done.json").read_text())["start_sha256"] == \
+        record["sha256"]
     (model / "model.safetensors").write_bytes(b"weights v1")
     other = tmp_path / "other"
     other.mkdir()
