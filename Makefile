@@ -110,7 +110,8 @@ demo: install install-vllm model games teacher
 # benchmarks/experiments/atod_quest5.yaml and turnopd_quest3.yaml. `make demo` refits it every time.
 # Pinned to AVX2 (lightning_opd/cpu_isa.py) so that it is the same file on AVX2 and AVX-512 machines (measured:
 # sha256 7fed6085... on both, AMD EPYC): the experiments record its sha256 and continue it over several sessions.
-# An Intel Xeon gave 1fa17abf... (2026-12-03): rebuild it on AMD EPYC; the runner names both CPUs when it refuses.
+# An Intel Xeon gave 1fa17abf... (2026-12-03), which plays the same greedy episodes (listed as equivalent in
+# benchmarks/results/atod_quest5/start/start.json); the runner names both CPUs when it refuses another file.
 PIN_AVX2 := ATEN_CPU_CAPABILITY=avx2 LIGHTNING_OPD_CPU_ISA=avx2
 $(STUDENT)/config.json: | $(TEACHER)/config.json $(GAMES)/manifest.json $(VLLM_STAMP)
 	rm -rf runs/demo
