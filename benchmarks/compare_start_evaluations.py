@@ -1,4 +1,4 @@
-"""Are two builds of one starting student the same start? Compare their `lightning-opd evaluate` files episode by episode.
+"""Are two builds of one starting student the same start? Compare their evaluations episode by episode.
 
 Used when a student is rebuilt on another kind of CPU and its files (sha256) differ from the experiment's recorded
 start (lightning_opd/cpu_isa.py): if its greedy episodes are the recorded student's on every task and the
@@ -29,20 +29,28 @@ def _first_student(path: Path) -> dict:
     return students[0]
 
 
+def _by_episode(rows: list[dict] | None) -> dict[tuple[str, int], dict]:
+    return {(row["task_id"], row["seed"]): row for row in rows or []}
+
+
 def compare(recorded: Path, rebuilt: Path) -> tuple[int, list[str]]:
-    """Returns (tasks whose greedy replies differ, report lines)."""
+    """Returns (the number of (task, seed) episodes whose greedy replies differ, report lines; KL in nats/token).
+
+    Raises:
+        ValueError: the files cover different (task, seed) episodes, or one holds no greedy episodes.
+    """
     a, b = _first_student(recorded), _first_student(rebuilt)
-    ga = {(e["task_id"], e["seed"]): e for e in a["greedy"]}
-    gb = {(e["task_id"], e["seed"]): e for e in b["greedy"]}
+    ga, gb = _by_episode(a["greedy"]), _by_episode(b["greedy"])
     if ga.keys() != gb.keys():
         raise ValueError(f"the files cover different (task, seed) episodes: {sorted(ga.keys() ^ gb.keys())[:5]}...")
     same_replies = sum(ga[k]["replies"] == gb[k]["replies"] for k in ga)
     same_success = sum(ga[k]["success"] == gb[k]["success"] for k in ga)
-    lines = [f"(task, seed) episodes {len(ga)}; identical greedy replies in {same_replies}; same success in {same_success}",
+    lines = [f"(task, seed) episodes {len(ga)}; identical greedy replies in {same_replies}; "
+             f"same success in {same_success}",
              f"greedy success {a['summary']['greedy']['success']} vs {b['summary']['greedy']['success']}; "
              f"turns {a['summary']['greedy']['turns']} vs {b['summary']['greedy']['turns']}"]
-    ka = {(e["task_id"], e["seed"]): e["kl"] for e in a.get("teacher_traj_kl") or []}
-    kb = {(e["task_id"], e["seed"]): e["kl"] for e in b.get("teacher_traj_kl") or []}
+    ka = {k: row["kl"] for k, row in _by_episode(a.get("teacher_traj_kl")).items()}
+    kb = {k: row["kl"] for k, row in _by_episode(b.get("teacher_traj_kl")).items()}
     if ka and ka.keys() == kb.keys():
         worst = max(abs(ka[k] - kb[k]) for k in ka)
         lines.append(f"teacher-trajectory KL mean {a['summary']['teacher_traj_kl']['mean']:.6f} vs "

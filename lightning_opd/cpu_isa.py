@@ -14,8 +14,9 @@ The pin did not reproduce the student on another kind of CPU. Measured 2026-12-0
 KVM, 4 MiB L2): the pinned fit gave 1fa17abf..., and 25a06d9e... with ``MKL_ENABLE_INSTRUCTIONS=AVX2`` added;
 neither is the AMD EPYC machines' 7fed6085... The two Intel fits' per-step metrics matched each other to the
 printed 3 digits (20 steps), consistent with rounding differences; the cause (likely MKL's or oneDNN's kernel
-and blocking choices, which depend on the CPU model and its caches) is not isolated. So far a student has to be rebuilt on a
-CPU like the one that built it (:func:`cpu_name` is recorded beside its sha256 by the experiment runner).
+and blocking choices, which depend on the CPU model and its caches) is not isolated. So far a student has to be
+rebuilt on a CPU like the one that built it (:func:`cpu_name` is recorded beside its sha256 by the experiment
+runner).
 
 Set ``LIGHTNING_OPD_CPU_ISA=avx2`` and ``ATEN_CPU_CAPABILITY=avx2`` in the environment before Python starts
 (ATen reads its variable once); :func:`pin_cpu_isa`, called by ``lightning-opd`` first thing, sets oneDNN's
@@ -70,7 +71,8 @@ def pin_cpu_isa(isa: str | None = None) -> str | None:
 def cpu_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
     """This machine's CPU as ``/proc/cpuinfo`` (``cpuinfo_path``) names it: ``"<vendor_id> <model name>"``
     (e.g. ``"GenuineIntel Intel(R) Xeon(R) Processor"``); ``platform.processor()`` where ``/proc/cpuinfo`` is
-    missing or names neither (e.g. some ARM machines), ``"unknown"`` if nothing says. Only the first processor's block is read. Never raises."""
+    missing or names neither (e.g. some ARM machines), ``"unknown"`` if nothing says. Only the first processor's
+    block is read. Never raises."""
     fields: dict[str, str] = {}
     try:
         with open(cpuinfo_path, encoding="utf-8", errors="replace") as cpuinfo:

@@ -53,9 +53,10 @@ step=0.json`` with the ``evaluate`` flags (not ``evaluate_final``): iteration 0 
 arm in the summary. ``start/start.json`` records its path, a sha256 of its files and the CPU of the machine
 that first recorded it (``cpu_name``; normally the one that built it: the AVX2 pin of ``make student-opd``
 reproduced the student on two AMD EPYC machines but not on an Intel Xeon, lightning_opd/cpu_isa.py); a later
-fit of the experiment whose starting student differs (another path, or the files changed, e.g. ``make demo`` refit it) is refused, naming both CPUs, so every arm
-and seed continues the same weights; a rebuild shown to play the same episodes (``equivalents`` in start.json,
-benchmarks/compare_start_evaluations.py) is accepted and its sha256 recorded in the pair's ``done.json``.
+fit of the experiment whose starting student differs (another path, or the files changed, e.g. ``make demo``
+refit it) is refused, naming both CPUs, so every arm and seed continues the same weights; a rebuild shown to play
+the same episodes (``equivalents`` in start.json, benchmarks/compare_start_evaluations.py) is accepted and its
+sha256 recorded in the pair's ``done.json``.
 
 Pairs run seed by seed (every arm of the first seed, in the file's order, then the next seed), so a run
 stopped part-way already holds paired (task, seed) evaluations of every arm it reached. ``--arms A B ...`` runs

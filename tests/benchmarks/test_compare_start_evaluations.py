@@ -9,7 +9,8 @@ from benchmarks.compare_start_evaluations import compare, main
 
 
 def _evaluation(path, replies, kls, success=(0, 1)):
-    greedy = [{"task_id": f"t{i}", "seed": 1, "success": s, "replies": r} for i, (r, s) in enumerate(zip(replies, success))]
+    greedy = [{"task_id": f"t{i}", "seed": 1, "success": s, "replies": r}
+              for i, (r, s) in enumerate(zip(replies, success))]
     kl = [{"task_id": f"t{i}", "seed": 1, "kl": k} for i, k in enumerate(kls)]
     summary = {"greedy": {"success": sum(success) / len(success), "turns": 2.0},
                "teacher_traj_kl": {"mean": sum(kls) / len(kls)}}
