@@ -24,7 +24,8 @@ component that moves weights to the generator (forced-lag copies, async pushes),
 reports every new policy version. The DataModule never reaches the module through the trainer.
 
 Validation/test: the held-out tasks, played by the same agent loop with ``eval_temperature``
-(greedy by default), in chunks of ``eval_batch_size`` episodes.
+(greedy by default), in chunks of ``eval_batch_size`` episodes, with the learner's current weights in every
+mode (async and ``forced_lag`` push them first, F29; every turn carries the version that played it).
 
 Knobs for controllers go through named setters (``set_max_turns``, ``set_probe_schedule``, ``set_lag_limit``). Training
 batch ``k`` (``k`` = the learner version it is meant for = training batches started before it) is a
@@ -387,11 +388,13 @@ class RolloutDataModule(L.LightningDataModule):
 
     def eval_batches(self) -> Iterator[RolloutBatch]:
         """Every held-out task once (this rank's share: every ``world_size``-th task from ``rank``),
-        ``eval_batch_size`` episodes at a time. Every rank yields the same number of batches (a rank
-        with fewer tasks plays an empty last batch), as collective generation needs."""
+        ``eval_batch_size`` episodes at a time, played by the learner's current weights (pushed first in async and
+        ``forced_lag`` modes, :meth:`~lightning_opd.rollout.weight_sync.WeightSync.before_evaluation`). Every rank
+        yields the same number of batches (a rank with fewer tasks plays an empty last batch), as collective
+        generation needs."""
         if self.loop is None:
             raise RuntimeError("RolloutDataModule is not connected to a policy")
-        # forced_lag: evaluate the trained weights, not the lagged copy of the last training batch
+        # async / forced_lag: evaluate the learner's current weights, not the last push or lagged copy (F29)
         self.weight_sync.before_evaluation(int(self._policy.policy_version), self._policy.policy_state_dict)
         every = self.env.eval_tasks()
         tasks = every[self.rank::self.world_size]

@@ -16,6 +16,8 @@ Metric glossary (validation ``val/``, test ``test/``; means over held-out episod
 | ``{val,test}/invalid_actions`` | invalid actions per episode | mean over episodes |
 | ``{val,test}/reward`` | points per episode | mean over episodes |
 | ``{val,test}/episodes`` | episodes evaluated | sum |
+| ``{val,test}/policy_version`` | policy version (rollout iterations) | oldest version that played a held-out turn (min over episodes) |
+| ``{val,test}/version_gap`` | versions | learner's version minus the version that played, max over episodes (0: the learner's current weights, F29) |
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import random
 import lightning as L
 import numpy as np
 import torch
-from torchmetrics import MeanMetric, SumMetric
+from torchmetrics import MaxMetric, MeanMetric, MinMetric, SumMetric
 
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.distributed import gather_per_rank
@@ -82,6 +84,8 @@ class PolicyModule(L.LightningModule):
         self.policy_version = 0
         self.eval_metrics = torch.nn.ModuleDict({k: MeanMetric() for k in ("success", "turns", "invalid_actions", "reward")})
         self.eval_metrics["episodes"] = SumMetric()
+        self.eval_metrics["policy_version"] = MinMetric()
+        self.eval_metrics["version_gap"] = MaxMetric()
 
     def setup(self, stage: str) -> None:
         """Bind the trainer's DataModule to this policy, once: ``datamodule.connect(self)`` (a DataModule with
@@ -147,6 +151,20 @@ class PolicyModule(L.LightningModule):
             metric = self.eval_metrics[key]
             metric.update(torch.tensor(vals, dtype=torch.float32, device=self.device))
             self.log(f"{prefix}/{key}", metric, on_step=False, on_epoch=True, batch_size=n, prog_bar=key == "success")
+        self._log_played_version(batch, prefix)
+
+    def _log_played_version(self, batch: RolloutBatch, prefix: str) -> None:
+        """Log which weights played the held-out episodes (F29): ``{prefix}/policy_version``, the oldest version
+        that played a turn, and ``{prefix}/version_gap``, ``policy_version`` (the learner's) minus it (0 when the
+        learner's current weights played). Episodes without a turn (behaviour version -1) are left out."""
+        played = batch.behaviour_version.to(self.device)
+        played = played[played >= 0].float()
+        if played.numel():
+            self.eval_metrics["policy_version"].update(played)
+            self.eval_metrics["version_gap"].update(float(self.policy_version) - played)
+        for key in ("policy_version", "version_gap"):
+            self.log(f"{prefix}/{key}", self.eval_metrics[key], on_step=False, on_epoch=True,
+                     batch_size=max(1, played.numel()))
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self._eval_step(batch, "val")

@@ -21,7 +21,8 @@ background producer, weights pushed at the start version and every ``weight_sync
 The one bind: ``RolloutDataModule.connect(policy)`` (called once by the module at setup) attaches the
 generator to :class:`WeightSync` and returns it; the learner reports every new version to it
 (:meth:`WeightSync.on_policy_update`), the DataModule calls :meth:`WeightSync.before_batch` before playing a
-batch and :meth:`WeightSync.before_producer_start` before the async producer (re)starts.
+batch, :meth:`WeightSync.before_producer_start` before the async producer (re)starts and
+:meth:`WeightSync.before_evaluation` before held-out evaluation (which plays the learner's current weights, F29).
 """
 
 from __future__ import annotations
@@ -184,12 +185,17 @@ class WeightSync:
             self.push(self._snapshots[target], target)
 
     def before_evaluation(self, learner_version: int, state: StateFn) -> None:
-        """Before held-out evaluation: with ``forced_lag``, the generator must play the learner's current weights,
-        not the lagged copy the last training batch used, so push version ``learner_version`` (from its copy, or
-        ``state()`` when there is none, e.g. ``validate`` before any update); the next training batch's
-        :meth:`before_batch` pushes its lagged copy again. Plain sync follows the live student already; async
-        evaluation plays what the generator holds (the last push, at most the producer lead behind)."""
-        if not self.config.forced_lag:
+        """Before held-out evaluation the generator must play the learner's current weights (F29), so push version
+        ``learner_version`` unless it was the last push.
+
+        ``forced_lag``: from its copy (or ``state()`` when there is none, e.g. ``validate`` before any update), not
+        the lagged copy the last training batch used; the next training batch's :meth:`before_batch` pushes its
+        lagged copy again. Async: ``state()`` (a collective when the student is sharded; every rank decides the
+        same, as the pushes are the same on every rank), not the last interval push, which may be up to
+        ``weight_sync_interval - 1`` versions old. The producer may be playing a batch meanwhile: its turns after
+        the push are stamped with the new version, as at any push, and batches sampled from then on are fresher,
+        never staler, than without the evaluation. Plain sync follows the live student already: no push."""
+        if not self.config.manages_weights:
             return
         version = int(learner_version)
         if self.pushed_version != version:

@@ -133,6 +133,22 @@ def test_forced_lag_evaluation_plays_the_current_weights():
     assert len(gen.pushed) == 4
 
 
+def test_async_evaluation_pushes_the_learners_version():
+    """F29: async with a push every 2 versions, the generator holds version 2 while the learner is at 3; held-out
+    evaluation pushes the live state as version 3 (once), and the next interval push (4) goes on as before."""
+    ws, gen = WeightSync(SyncConfig("async", 1, 2)), Recorder()
+    ws.attach(gen)
+    for v in range(4):
+        ws.on_policy_update(v, _state(v)[0])
+    assert gen.pushed == [(0, 0), (2, 2)]
+    live, calls = _state(3)
+    ws.before_evaluation(3, live)
+    ws.before_evaluation(3, live)  # already held: nothing more
+    assert gen.pushed == [(0, 0), (2, 2), (3, 3)] and calls == [3] and ws.pushed_version == 3
+    ws.on_policy_update(4, _state(4)[0])
+    assert gen.pushed[-1] == (4, 4)
+
+
 def test_plain_sync_never_pushes_or_gathers():
     ws, gen = WeightSync(SyncConfig()), Recorder()
     ws.attach(gen)
