@@ -273,7 +273,9 @@ def check_fopd_async(cli, tmp):
 
 def check_rollout_depth(cli, tmp):
     (ctrl,) = [c for c in cli.trainer.callbacks if isinstance(c, RolloutDepthController)]
-    assert (ctrl.h_min, ctrl.warmup, ctrl.probe_interval, ctrl.window, ctrl.cdf, ctrl.solved_floor) == (2, 3, 8, 4, "full", True)
+    # the paper's rule: success CDF, no solved-depth floor (docs/algorithms.md §6.1, issue 39)
+    assert (ctrl.h_min, ctrl.warmup, ctrl.probe_interval, ctrl.window, ctrl.cdf, ctrl.solved_floor_quantile) == (
+        2, 3, 8, 4, "success", None)
     assert ctrl.h_max is None  # read from data.max_turns at setup, not typed twice
 
 

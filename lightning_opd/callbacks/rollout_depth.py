@@ -19,10 +19,12 @@ and the 8-success refresh rule, max of the two arms, EMA α = 0.3, warm-up 3, pr
 PROPOSED in docs/algorithms.md, not from the paper: ε = 1e-8; completion depth = zero-based index of
 the last turn (``num_turns - 1``), the unit of t; pooling the successes of the last ``window`` = 4 probe
 batches; H_cov unset until the first refresh (H_eff alone until then); H_max read once at setup from the
-DataModule's configured ``max_turns``; the ``cdf="full"`` fallback (all probe trajectories, quantile
-``full_quantile``, used while too few successes are pooled), the default since the success-only CDF let the
-cap collapse to 3 turns on quest-5 games that need 5 when no episode won; the solved-depth floor (the cap
-never drops below the turns the deepest successful probe in the window needed); ``round`` = round half up.
+DataModule's configured ``max_turns``; ``round`` = round half up. Options, off by default (the default is
+the paper's rule alone, docs/algorithms.md §6.1): the ``cdf="full"`` fallback (all probe trajectories,
+quantile ``full_quantile``, used while too few successes are pooled), and the solved-depth floor
+``solved_floor_quantile`` = q (the cap is at least ``Q_q(L_succ) + 1`` turns over the pooled wins). The floor
+is a quantile, never the maximum: a floor at the deepest pooled win (the default until 2026-12-03) let one long
+win lift the cap to the horizon for the whole window (issue 39: 5 -> 11 of 12 turns with H_eff = H_cov = 3).
 
 Ranks: every step all ranks sum one vector (per-turn KL and token sums, survivors, probe rows, and
 histograms of completion depths) with ``trainer.strategy.reduce(..., "sum")``; a histogram over
@@ -100,22 +102,27 @@ class RolloutDepthController(Callback):
         window: W, probe batches whose successes are pooled (batches).
         ema: α_ema in H̄ ← (1 - α) H̄ + α H_ctrl.
         eps: ε in q_t.
-        cdf: ``"full"`` (default) or ``"success"``: with ``"full"``, while fewer than ``min_successes``
-            successes are pooled, H_cov is refreshed from all pooled probe trajectories instead (PROPOSED
-            fallback; the paper's setting, where successes are scarce); ``"success"`` never falls back.
+        cdf: ``"success"`` (default, the paper's rule) or ``"full"``: with ``"full"``, while fewer than
+            ``min_successes`` successes are pooled, H_cov is refreshed from all pooled probe trajectories
+            instead (PROPOSED fallback for scarce successes); ``"success"`` never falls back.
         full_quantile: p of the full-population CDF (the paper suggests 0.4-0.6).
-        solved_floor: the cap is at least ``d + 1`` turns, ``d`` the deepest completion depth of a successful
-            probe in the window (PROPOSED: a cap below it would cut episodes the student can already solve).
+        solved_floor_quantile: ``None`` (default: no floor, the paper's rule) or q in (0, 1]: while any win is
+            pooled the cap is at least ``Q_q(L_succ) + 1`` turns, ``Q_q`` the q-quantile of the pooled winning
+            completion depths (PROPOSED, docs/algorithms.md §6.1: a cap below it cuts episodes the student
+            can win). With n pooled wins, any q > (n - 1) / n is their maximum (e.g. 0.95 with fewer than 20).
+        solved_floor: removed (kept so that old configs get a clear message): ``True`` raises, ``False`` /
+            ``None`` are ignored.
 
     Raises:
-        ValueError: an argument out of range (named in the message); at setup, ``h_min`` above the
-            DataModule's ``max_turns``.
+        ValueError: an argument out of range (named in the message); ``solved_floor=True``; at setup,
+            ``h_min`` above the DataModule's ``max_turns``.
         TypeError: at setup, a DataModule without ``set_max_turns``/``set_probe_schedule``.
     """
 
     def __init__(self, h_min: int = 2, warmup: int = 3, probe_interval: int = 8, quantile: float = 0.8,
                  min_successes: int = 8, window: int = 4, ema: float = 0.3, eps: float = 1e-8,
-                 cdf: str = "full", full_quantile: float = 0.5, solved_floor: bool = True) -> None:
+                 cdf: str = "success", full_quantile: float = 0.5, solved_floor_quantile: float | None = None,
+                 solved_floor: bool | None = None) -> None:
         for name, value, low in (("h_min", h_min, 1), ("warmup", warmup, 0), ("probe_interval", probe_interval, 1),
                                  ("min_successes", min_successes, 1), ("window", window, 1)):
             if value < low:
@@ -127,9 +134,17 @@ class RolloutDepthController(Callback):
             raise ValueError(f"eps={eps} must be > 0")
         if cdf not in CDFS:
             raise ValueError(f"cdf={cdf!r}: use one of {CDFS}")
+        if solved_floor_quantile is not None and (isinstance(solved_floor_quantile, bool)
+                                                  or not 0 < solved_floor_quantile <= 1):
+            raise ValueError(f"solved_floor_quantile={solved_floor_quantile!r} must be in (0, 1], or null for no "
+                             "floor (the paper's rule)")
+        if solved_floor:
+            raise ValueError("solved_floor=True (a floor at the deepest pooled win) was removed: one long win "
+                             "lifted the cap to the horizon (docs/algorithms.md §6.1). Drop it for the paper's "
+                             "rule, or set solved_floor_quantile (a quantile of the pooled winning depths, e.g. 0.9)")
         self.h_min, self.warmup, self.probe_interval = h_min, warmup, probe_interval
         self.quantile, self.min_successes, self.window, self.ema, self.eps = quantile, min_successes, window, ema, eps
-        self.cdf, self.full_quantile, self.solved_floor = cdf, full_quantile, solved_floor
+        self.cdf, self.full_quantile, self.solved_floor_quantile = cdf, full_quantile, solved_floor_quantile
         # state (plain numbers and lists; persisted)
         self.h_max: int | None = None  # read once at setup
         self.cap: int | None = None  # Ĥ
@@ -246,11 +261,15 @@ class RolloutDepthController(Callback):
             h_cov = depth_quantile(every, self.full_quantile)
         h_ctrl = h_eff if h_cov is None else max(h_eff, h_cov)
         h_bar = float(h_ctrl) if self.h_bar is None else (1 - self.ema) * self.h_bar + self.ema * h_ctrl
-        floor = self.h_min
-        if self.solved_floor and any(success):
-            floor = max(floor, max(d for d, n in enumerate(success) if n) + 1)  # turns the deepest win needed
-        cap = min(max(round_half_up(h_bar) + 1, floor), self.h_max)
+        cap = min(max(round_half_up(h_bar) + 1, self._floor(success)), self.h_max)
         return h_eff, h_cov, h_bar, cap
+
+    def _floor(self, success: list[int]) -> int:
+        """Lowest cap (turns): ``H_min``, or with ``solved_floor_quantile`` q and a pooled win
+        ``max(H_min, Q_q(L_succ) + 1)`` (``success``: pooled histogram of winning depths; PROPOSED, §6.1)."""
+        if self.solved_floor_quantile is None or not any(success):
+            return self.h_min
+        return max(self.h_min, depth_quantile(success, self.solved_floor_quantile) + 1)
 
     def _log(self, pl_module: L.LightningModule) -> None:
         values = {"probe": float(self._probe_step), "cap": float(self.cap or 0),

@@ -103,9 +103,14 @@ def test_state_key_and_validation():
     assert RolloutDepthController().state_key == "RolloutDepthController{'h_min': 2, 'warmup': 3, 'probe_interval': 8}"
     for kw, bad in (({"h_min": 0}, "h_min=0"), ({"probe_interval": 0}, "probe_interval=0"), ({"window": 0}, "window=0"),
                     ({"quantile": 1.5}, "quantile=1.5"), ({"ema": 0.0}, "ema=0.0"), ({"cdf": "half"}, "cdf='half'"),
-                    ({"warmup": -1}, "warmup=-1"), ({"eps": 0}, "eps=0")):
+                    ({"warmup": -1}, "warmup=-1"), ({"eps": 0}, "eps=0"),
+                    ({"solved_floor_quantile": 0.0}, "solved_floor_quantile=0.0"),
+                    ({"solved_floor_quantile": 1.5}, "solved_floor_quantile=1.5"),
+                    ({"solved_floor_quantile": True}, "solved_floor_quantile=True"),
+                    ({"solved_floor": True}, "solved_floor=True")):
         with pytest.raises(ValueError, match=bad):
             RolloutDepthController(**kw)
+    assert RolloutDepthController(solved_floor=False).solved_floor_quantile is None  # old configs' "off" still load
 
 
 def test_setup_reads_h_max_once_and_sets_the_probe_schedule(tokenizer):
@@ -185,20 +190,72 @@ def test_no_success_keeps_h_cov_unset_unless_full_cdf(tokenizer, cdf, expected):
     assert got[:2] == expected[:2] and got[2] == pytest.approx(expected[2]) and got[3] == expected[3]
 
 
-def test_defaults_fall_back_to_the_full_cdf_and_keep_the_solved_floor():
+def test_defaults_are_the_papers_rule_without_a_floor():
+    """docs/algorithms.md §6.1: success CDF only, no solved-depth floor, unless asked for."""
     ctrl = RolloutDepthController()
-    assert ctrl.cdf == "full" and ctrl.solved_floor is True
+    assert ctrl.cdf == "success" and ctrl.solved_floor_quantile is None
 
 
-def test_cap_never_drops_below_the_turns_the_deepest_win_needed(tokenizer):
+def _kl_at(n, t):
+    """Per-token KL 1 at turn ``t`` only, over ``n`` turns (all 0 if the episode ends before turn t)."""
+    return [1.0 if i == t else 0.0 for i in range(n)]
+
+
+# Issue 39's pool, H_max = 12 (the quest-3 runs), three probe batches, all in the window (W = 4):
+#   probe 1: 4 failures at 12 turns, KL on turn 4 only: H_eff = 4, no win
+#   probe 2: 6 wins of 2, 3, 3, 4, 4, 4 turns (depths 1, 2, 2, 3, 3, 3), KL on turn 3 only: H_eff = 3
+#   probe 3: 6 wins of 2, 3, 3, 4, 4, 11 turns (depths 1, 2, 2, 3, 3, 10), KL on turn 3 only: H_eff = 3
+# pooled wins after probe 3: {1: 2, 2: 4, 3: 5, 10: 1} = 12 wins, 11 of them at depth <= 3, one at 10.
+ISSUE39 = [[row(12, kl=_kl_at(12, 4))] * 4,
+           [row(n, True, kl=_kl_at(n, 3)) for n in (2, 3, 3, 4, 4, 4)],
+           [row(n, True, kl=_kl_at(n, 3)) for n in (2, 3, 3, 4, 4, 11)]]
+
+
+@pytest.mark.timeout(60)
+def test_one_long_win_does_not_lift_the_default_cap(tokenizer):
+    """Issue 39 item 1: the paper's rule (the default) by hand, p = 0.8, α = 0.3, H_min = 2, H_max = 12:
+    probe 1: no win, H_cov unset: H_ctrl = H_eff = 4; H̄ = 4 (first probe); cap clip(round(4) + 1) = 5
+    probe 2: 6 wins < 8: H_cov unset: H_ctrl = 3; H̄ = .7 * 4 + .3 * 3 = 3.7; cap round(3.7) + 1 = 5
+    probe 3: 12 wins >= 8: F_succ at depth 1, 2, 3 = 2/12, 6/12, 11/12 >= .8 first at 3: H_cov = 3;
+             H_ctrl = max(3, 3) = 3; H̄ = .7 * 3.7 + .3 * 3 = 3.49; cap round(3.49) + 1 = 4, in [2, 12]: 4.
+    The old defaults (solved_floor: true = the deepest pooled win) floored probe 3's cap at 10 + 1 = 11."""
+    ctrl, dm, module, trainer = _setup(tokenizer, max_turns=12)
+    got = [_step(ctrl, trainer, module, rows, h=12) for rows in ISSUE39]
+    assert [g[3] for g in got] == [5, 5, 4] and dm.max_turns == 4
+    for (h_eff, h_cov, h_bar, cap), expected in zip(got, [(4, None, 4.0, 5), (3, None, 3.7, 5), (3, 3, 3.49, 4)]):
+        assert (h_eff, h_cov, cap) == expected[:2] + expected[3:] and h_bar == pytest.approx(expected[2])
+    assert ctrl.successes_pooled == 12
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("kw", "caps"), [
+    ({}, [5, 5, 4]),                                    # no floor: the paper's rule (above)
+    ({"solved_floor_quantile": 0.5}, [5, 5, 4]),        # Q_.5: cum 2, 6 >= 6 at depth 2: floor 3 < 4
+    ({"solved_floor_quantile": 0.9}, [5, 5, 4]),        # Q_.9: 10.8 first reached at depth 3 (cum 11): floor 4
+    ({"solved_floor_quantile": 0.95}, [5, 5, 11]),      # Q_.95: 11.4 > 11, only the 12th win: depth 10, floor 11
+    ({"solved_floor_quantile": 1.0}, [5, 5, 11]),       # Q_1 = the deepest win: floor 11 (the old floor)
+    ({"cdf": "full", "solved_floor_quantile": 1.0}, [5, 5, 11]),  # the old defaults
+])
+def test_solved_floor_is_a_quantile_of_the_pooled_wins(tokenizer, kw, caps):
+    """The floor on issue 39's pool (12 wins: {1: 2, 2: 4, 3: 5, 10: 1}) is ``Q_q(L_succ) + 1`` against the
+    paper's cap 4 at probe 3 (probe 2's floors, on 6 wins {1: 1, 2: 2, 3: 3}, are at most 3 + 1 = 4 < 5; probe 1
+    has no win). With 12 wins any q > 11/12 is the maximum, so 0.95 is no safeguard on a pool this small.
+    With ``cdf: full`` probe 2's H_cov is the full-CDF median of 10 episodes {1: 1, 2: 2, 3: 3, 11: 4}: 3, the
+    same H_ctrl."""
+    ctrl, _, module, trainer = _setup(tokenizer, max_turns=12, **kw)
+    assert [_step(ctrl, trainer, module, rows, h=12)[3] for rows in ISSUE39] == caps
+
+
+def test_quantile_floor_keeps_the_cap_above_a_lone_win(tokenizer):
     """The quest-5 collapse (issue 19): one win at 5 turns (depth 4), the KL all on turn 0 (H_eff = 0), too few
     successes for H_cov. The paper's rule alone: H̄ = 0, cap clip(0 + 1, 2, 8) = 2, below the 5 turns the win
-    took; with the floor the cap is 4 + 1 = 5. Next batch, failures only: the win is still in the window (W = 4),
-    H̄ = 0 stays, cap 5; after W more failure batches the win leaves the window and the cap may fall to 2."""
+    took; with a quantile floor (any q: one win) the cap is 4 + 1 = 5. Next batch, failures only: the win is
+    still in the window (W = 4), H̄ = 0 stays, cap 5; after W more failure batches the win leaves the window and
+    the cap may fall to 2."""
     batch = [row(5, True), row(8), row(8), row(8)]
-    plain, _, m0, t0 = _setup(tokenizer, cdf="success", solved_floor=False)
+    plain, _, m0, t0 = _setup(tokenizer)
     assert _step(plain, t0, m0, batch) == (0, None, 0.0, 2)
-    ctrl, dm, module, trainer = _setup(tokenizer, cdf="success")
+    ctrl, dm, module, trainer = _setup(tokenizer, solved_floor_quantile=0.9)
     assert _step(ctrl, trainer, module, batch) == (0, None, 0.0, 5) and dm.max_turns == 5
     for _ in range(3):
         assert _step(ctrl, trainer, module, FAIL8)[3] == 5  # the win is pooled for W = 4 probe batches
