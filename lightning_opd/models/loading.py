@@ -6,13 +6,17 @@ inside transformers); ``trust_remote_code`` stays off unless the caller sets it 
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_opd.files import write_dir_atomic
+from lightning_opd.models.dropout import check_no_train_mode_noise, disable_dropout
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -33,7 +37,22 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def _check_dir(path: str | os.PathLike, what: str) -> Path:
+    """``path`` as a ``Path`` when it is a Hugging Face model directory.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` there; a Lightning checkpoint (a file, or an FSDP run's folder of
+            shards, F30) is named as such, with the command that reads it.
+    """
+    from lightning_opd.models.checkpoints import is_sharded_checkpoint, sharded_checkpoint_note
+
     p = Path(path)
+    if is_sharded_checkpoint(p):
+        raise FileNotFoundError(f"{what} path {sharded_checkpoint_note(p)}")
+    if p.is_file() and p.suffix == ".ckpt":
+        raise FileNotFoundError(
+            f"{what} path {str(p)!r} is a Lightning checkpoint file, not a Hugging Face model directory. Evaluate "
+            f"it with `lightning-opd evaluate --students {p} --base <the run's model.init_args.student>`; set "
+            "model.init_args.export_dir to write a model directory when fit ends.")
     if not (p / "config.json").is_file():
         raise FileNotFoundError(
             f"{what} path {str(p)!r} is not a Hugging Face model directory (no config.json). "
@@ -59,7 +78,11 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False) -> 
 def load_causal_lm(
     path: str | os.PathLike, dtype: str | torch.dtype = "float32", trust_remote_code: bool = False
 ) -> PreTrainedModel:
-    """Load a causal LM from a Hugging Face directory (safetensors preferred; no hub access).
+    """Load a causal LM from a Hugging Face directory (safetensors preferred; no hub access), with dropout off.
+
+    Every dropout probability of its config is set to 0 before the model is built (F25,
+    :func:`~lightning_opd.models.dropout.disable_dropout`; a warning names the keys), so every log-prob it
+    computes, in train or eval mode, is deterministic; its ``config`` (and a ``save_pretrained`` of it) says 0.
 
     Args:
         path: directory written by ``save_pretrained``.
@@ -68,11 +91,19 @@ def load_causal_lm(
 
     Raises:
         FileNotFoundError: ``path`` is not a model directory.
+        TrainModeNoiseError: its train-mode forward still differs from its eval-mode forward (a stochastic layer
+            no config key turns off; :func:`~lightning_opd.models.dropout.check_no_train_mode_noise`).
     """
     p = _check_dir(path, "model")
+    config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    changed = disable_dropout(config)
+    if changed:
+        log.warning("%s: dropout off in every log-prob pass (F25): %s set to 0 (training, scoring and sampling use "
+                    "the model without dropout)", p, ", ".join(f"{k}={v}" for k, v in changed.items()))
     model = AutoModelForCausalLM.from_pretrained(
-        str(p), dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code, use_safetensors=None
+        str(p), config=config, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code, use_safetensors=None
     )
+    check_no_train_mode_noise(model, str(p))
     return model
 
 
