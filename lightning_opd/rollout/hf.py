@@ -14,10 +14,20 @@ Weights: by default the backend samples from the attached student itself (synchr
 the current weights, no copy). The first :meth:`HFGenerator.push_weights` gives it a private copy
 that later pushes overwrite (asynchronous and ``forced_lag`` modes); a lock keeps a push from
 landing in the middle of a ``generate`` call, so every reply comes from one version.
+
+Sampling (F02, F26): ``generate`` fills every field of the ``GenerationConfig`` it is given that is unset (``None``)
+from the model's ``generation_config.json`` (``repetition_penalty``, ``no_repeat_ngram_size``, ``suppress_tokens``,
+``min_p``, ``bad_words_ids``, ...) and then from transformers' global defaults (``top_k=50``), which would make the
+sampler draw from another distribution than the trainer scores. The backend passes an
+:class:`ExplicitGenerationConfig`, which ``generate`` cannot complete: every knob is the generator's own
+(:data:`SAMPLING_KNOBS`, the rest off), so replies are drawn from temperature, top-k and top-p of
+:class:`~lightning_opd.rollout.generator.SamplingParams` alone, what :mod:`lightning_opd.rollout.sampling` scores.
+Only the model's EOS ids are read from its generation config (the stop ids, F23).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Hashable, Mapping
@@ -29,6 +39,49 @@ from transformers import DynamicCache, GenerationConfig
 from lightning_opd.models.fsdp import is_sharded, unsharded_copy
 from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
                                              SamplingParams, policy_configs)
+
+log = logging.getLogger(__name__)
+
+#: every ``generate`` knob that changes the distribution a reply is drawn from, or its length, at the value that
+#: turns it off (F26). The knobs whose off value is ``None`` (``suppress_tokens``, ``begin_suppress_tokens``,
+#: ``bad_words_ids``, ``sequence_bias``, ``forced_bos_token_id``, ``forced_eos_token_id``, ``min_length``,
+#: ``exponential_decay_length_penalty``, ``min_p``, ``top_h``, ``guidance_scale``, ``watermarking_config``,
+#: ``stop_strings``, ``max_time``, ``penalty_alpha``, ``dola_layers``, ``prompt_lookup_num_tokens``) stay ``None``:
+#: an :class:`ExplicitGenerationConfig` is never completed from the model's generation config
+SAMPLING_KNOBS = dict(num_beams=1, num_beam_groups=1, num_return_sequences=1, diversity_penalty=0.0, length_penalty=1.0,
+                      early_stopping=False, min_new_tokens=0, repetition_penalty=1.0,
+                      encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0,
+                      typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, renormalize_logits=False,
+                      remove_invalid_values=False)
+
+#: generation-config keys that do not change the sampling distribution (ids the generator sets or reads itself)
+_NOT_SAMPLING = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "transformers_version",
+                 "_from_model_config", "use_cache", "cache_implementation", "max_length", "max_new_tokens",
+                 "output_attentions", "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate"}
+
+
+class ExplicitGenerationConfig(GenerationConfig):
+    """A ``GenerationConfig`` that ``generate`` uses as given (F26).
+
+    transformers 5 completes the config passed to ``generate`` with ``update(defaults_only=True)``: every field
+    left ``None`` is taken from the model's ``generation_config.json``, then from transformers' global defaults
+    (``GenerationMixin._prepare_generation_config``). This class ignores those completions, so a field left
+    ``None`` stays off; updates that set values (``generate``'s own keyword arguments) apply as usual.
+    """
+
+    def update(self, defaults_only: bool = False, allow_custom_entries: bool = False, **kwargs):
+        if defaults_only:  # a completion from the model's generation config or the global defaults
+            return dict(kwargs)
+        return super().update(allow_custom_entries=allow_custom_entries, **kwargs)
+
+
+def model_sampling_knobs(model) -> dict:
+    """The knobs of ``model``'s generation config that would change its sampling distribution (``{key: value}``;
+    everything but the special-token ids and cache settings): what :class:`HFGenerator` does not apply."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    return {k: v for k, v in config.to_diff_dict().items() if k not in _NOT_SAMPLING and v is not None}
 
 
 @dataclass
@@ -71,6 +124,7 @@ class HFGenerator(Generator):
         self._state: _KVState | None = None
         self._own_model: torch.nn.Module | None = None
         self._own_version: int | None = None
+        self._warned_models: set[int] = set()  # ids of models whose generation-config knobs were named (F26)
 
     def release(self) -> None:
         self._state = None
@@ -128,16 +182,27 @@ class HFGenerator(Generator):
             self.generate([GenerationRequest(key=("idle", id(self)), prompt_ids=[self._filler_id])], sampling)
             self.release()
 
-    def _generation_config(self, sampling: SamplingParams, pad_id: int) -> GenerationConfig:
-        # Every knob explicit: GenerationConfig defaults (top_k=50) or the model's own generation
-        # config must not leak into the sampling distribution (F02).
-        common = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, pad_token_id=pad_id,
+    def _generation_config(self, sampling: SamplingParams, pad_id: int) -> ExplicitGenerationConfig:
+        """The complete config of one ``generate`` call: ``sampling``'s temperature, top-k (0: off) and top-p,
+        every other knob of :data:`SAMPLING_KNOBS` off, the rest ``None`` and left so (F02, F26)."""
+        common = dict(SAMPLING_KNOBS, max_new_tokens=sampling.max_new_tokens, pad_token_id=pad_id,
                       eos_token_id=sorted(self.stop_ids), output_scores=True, return_dict_in_generate=True,
-                      use_cache=True, repetition_penalty=1.0, num_beams=1)
+                      use_cache=True)
         if sampling.greedy:
-            return GenerationConfig(do_sample=False, temperature=None, top_p=None, top_k=None, **common)
-        return GenerationConfig(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                                top_k=sampling.top_k, **common)
+            return ExplicitGenerationConfig(do_sample=False, **common)
+        return ExplicitGenerationConfig(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                                        top_k=sampling.top_k, **common)
+
+    def _name_ignored_knobs(self, model) -> None:
+        """Warn once per model about the knobs of its generation config that are not applied (F26)."""
+        if id(model) in self._warned_models:
+            return
+        self._warned_models.add(id(model))
+        knobs = model_sampling_knobs(model)
+        if knobs:
+            log.warning("HFGenerator samples with data.init_args.sampling alone (temperature, top_p, top_k), the "
+                        "distribution the trainer scores (F26); the model's generation config also sets %s, which "
+                        "are not applied", ", ".join(f"{k}={v!r}" for k, v in sorted(knobs.items())))
 
     def _reusable(self, requests: list[GenerationRequest], version: int) -> bool:
         st = self._state
@@ -182,6 +247,7 @@ class HFGenerator(Generator):
             input_ids, attention_mask = _left_pad([r.prompt_ids for r in requests], pad_id, device)
         self._state = None
 
+        self._name_ignored_knobs(model)
         was_training = model.training
         model.eval()
         seed = hash((tuple(r.seed for r in requests), tuple(r.turn for r in requests))) & 0x7FFF_FFFF

@@ -9,7 +9,11 @@ how, pinned by tests: F09) stamps the engine with the version it now serves.
 Sampling maps one to one (F02): temperature (0 = greedy), top_p, top_k (0 = off), max_new_tokens,
 stop at every attached stop id (F23), a per-request seed; log-probs are requested with
 ``logprobs_mode="processed_logprobs"`` so they describe the distribution actually sampled from (vLLM's
-default is the raw distribution before temperature/top-p).
+default is the raw distribution before temperature/top-p). Every other knob of ``vllm.SamplingParams`` is set
+to its off value (repetition, presence and frequency penalties, ``min_p``, ``min_tokens``), and the engine starts
+with ``generation_config="vllm"``, so the model's ``generation_config.json`` changes no sampling default (vLLM's
+``"auto"`` takes its ``temperature``, ``top_k``, ``top_p``, ``min_p`` and penalties as the defaults of a request sent
+without ``SamplingParams``; its EOS ids are still read, F23): the distribution is the one the trainer scores (F26).
 """
 
 from __future__ import annotations
@@ -148,7 +152,8 @@ class VLLMGenerator(Generator):
         # Chunked prefill off: with per-request seeds, vLLM 0.32 on CPU crashes when a partly prefilled
         # request's sample is discarded ("CPU Generator does not use offset"); then every prompt must
         # fit in one scheduler step, hence max_num_batched_tokens >= max_model_len.
-        kwargs = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(16384, self.max_model_len))
+        kwargs = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(16384, self.max_model_len),
+                      generation_config="vllm")  # F26: no sampling default from the model's generation config
         kwargs.update(self.engine_kwargs)
         self.llm = vllm.LLM(model=str(path), dtype=self.engine_dtype, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
