@@ -309,6 +309,20 @@ class OPDCLI(LightningCLI):
 
     def before_validate(self) -> None:
         self.config_init[self.subcommand]["verbose"] = False  # after_validate prints the metrics rounded
+        self._check_ckpt_path(self.config_init[self.subcommand].get("ckpt_path"))
+
+    def _check_ckpt_path(self, ckpt_path) -> None:
+        """A folder of shards (an FSDP run's ``last.ckpt``, F30) is read only by a sharding strategy; under any
+        other the error says what it is and how to read it, instead of Lightning's "Is a directory"."""
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+        from lightning_opd.models.checkpoints import is_sharded_checkpoint, sharded_checkpoint_note
+
+        if (ckpt_path and is_sharded_checkpoint(ckpt_path)
+                and not isinstance(self.trainer.strategy, (FSDPStrategy, ModelParallelStrategy))):
+            self._parser(self.subcommand).error(
+                f"--ckpt_path {sharded_checkpoint_note(ckpt_path)}; or {self.subcommand} it under the strategy that "
+                "wrote it (add --config conf/trainer/fsdp.yaml)")
 
     before_test = before_validate
 

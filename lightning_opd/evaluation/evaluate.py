@@ -6,7 +6,8 @@
     lightning-opd compare results.json                       # one arm per student, paired by (task, seed)
 
 For every student (a Hugging Face directory, e.g. an ``export_dir``, or a Lightning ``.ckpt`` written while
-training ``OPDModule``, whose ``student.*`` weights are loaded into ``--base``), on the tasks of one split:
+training ``OPDModule``, a file or an FSDP run's folder of shards, whose ``student.*`` weights are loaded into
+``--base``), on the tasks of one split:
 
 * **greedy**: every task played once with greedy decoding (``success``, ``turns``, ``invalid_actions``,
   ``reward`` per episode). Greedy decoding does not use the episode seed and the environments are
@@ -226,40 +227,43 @@ def parse_student(spec: str) -> tuple[str, str]:
 def load_student(name: str, path: str, base: str | None, dtype: str, device: torch.device) -> LoadedStudent:
     """Load a student from a Hugging Face directory or an ``OPDModule`` checkpoint.
 
-    A ``.ckpt`` is read with ``torch.load(weights_only=True)`` (F15); its ``state_dict`` entries
-    ``student.*`` are loaded (strict) into the model at ``base`` (the ``model.init_args.student`` the run
-    started from), whose tokenizer is used; its training seconds come from its ``Timer`` state
+    A checkpoint is a ``.ckpt`` file or the folder of shards an FSDP run writes (its ``last.ckpt``, F30),
+    read by :func:`~lightning_opd.models.checkpoints.read_policy_checkpoint` (shards consolidated in this
+    process; ``torch.load(weights_only=True)``, F15); its ``state_dict`` entries ``student.*`` are loaded
+    (strict) into the model at ``base`` (the ``model.init_args.student`` the run started from), whose
+    tokenizer is used; its training seconds come from its ``Timer`` state
     (:func:`~.checkpointing.train_seconds`), its rollouts generated and used so far from ``rollout_totals``
     (``OPDModule.log_rollout_counts``).
 
     Raises:
-        FileNotFoundError: ``path`` is neither a model directory nor a file.
-        ValueError: a ``.ckpt`` without ``base`` or without ``student.*`` weights.
+        FileNotFoundError: ``path`` is neither a model directory nor a checkpoint.
+        ValueError: a checkpoint without ``base`` or without ``student.*`` weights.
     """
     from lightning_opd.evaluation.checkpointing import train_seconds
+    from lightning_opd.models.checkpoints import is_checkpoint, read_policy_checkpoint
     from lightning_opd.models.loading import load_causal_lm, load_tokenizer
 
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() and not is_checkpoint(p):
         model = load_causal_lm(p, dtype).to(device).eval()
         return LoadedStudent(name, str(p), "hf", model, load_tokenizer(p), engine_path=str(p))
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(f"--students {path!r}: no such model directory or checkpoint")
     if base is None:
         raise ValueError(f"--students {path!r} is a checkpoint: pass --base DIR, the student directory the run "
                          "started from (its model.init_args.student), for the architecture and tokenizer")
-    ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    state = {k[len("student."):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("student.")}
-    if not state:
-        raise ValueError(f"--students {path!r}: the checkpoint holds no student.* weights (not an OPDModule/"
-                         "PolicyModule checkpoint?)")
+    try:
+        state, ckpt = read_policy_checkpoint(p)
+    except ValueError as err:
+        raise ValueError(f"--students {path!r}: {err}") from None
     model = load_causal_lm(base, dtype)
     model.load_state_dict(state, strict=True)
     model.to(device).eval()
+    rollouts = ckpt.get("rollout_totals")
     return LoadedStudent(name, str(p), "ckpt", model, load_tokenizer(base), engine_path=str(base),
                          policy_version=ckpt.get("policy_version"), global_step=ckpt.get("global_step"),
                          train_seconds=train_seconds(ckpt),
-                         rollouts=({k: int(v) for k, v in ckpt["rollout_totals"].items()} if "rollout_totals" in ckpt else None))
+                         rollouts=({k: int(v) for k, v in rollouts.items()} if rollouts is not None else None))
 
 
 # ------------------------------------------------------------------------------------------ generators
@@ -507,7 +511,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "at a temperature, turns, invalid actions and the teacher-trajectory reverse KL; one JSON "
                     "with per-episode outcomes keyed by (task, seed), for `lightning-opd compare`.")
     p.add_argument("--students", nargs="+", required=True,
-                   help="[LABEL=]PATH: Hugging Face directories or .ckpt files of OPDModule runs (those need --base)")
+                   help="[LABEL=]PATH: Hugging Face directories or checkpoints of OPDModule runs (.ckpt files or "
+                        "an FSDP run's folders of shards; those need --base)")
     p.add_argument("--games", default=None,
                    help="the environment's data directory (first argument of --env: games_dir of TextWorld)")
     p.add_argument("--env", default=DEFAULT_ENV, help="environment factory class path")

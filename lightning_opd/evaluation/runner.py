@@ -295,6 +295,14 @@ def _run(cmd: list[str], log: Path, cwd: Path) -> int:
         return subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pre).returncode
 
 
+def _is_checkpoint(path: Path) -> bool:
+    """A Lightning checkpoint: a file or an FSDP run's folder of shards (imported here: ``lightning_opd.models``
+    loads transformers)."""
+    from lightning_opd.models.checkpoints import is_checkpoint
+
+    return is_checkpoint(path)
+
+
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """``(step, path)`` of ``checkpoints/step=N.ckpt``, by step."""
     folder = run_dir / "checkpoints"
@@ -399,7 +407,7 @@ class Runner:
         if not (d / "fit.done").is_file():
             cmd = list(base_cmd)
             last = d / "checkpoints" / "last.ckpt"
-            if last.is_file():
+            if _is_checkpoint(last):  # a file, or an FSDP run's folder of shards (F30)
                 cmd.append(f"--ckpt_path={last}")
                 self.echo(f"[{arm.name} seed {seed}] resuming fit from {last}")
             else:
