@@ -29,7 +29,8 @@ from lightning_opd.data.expert import ExpertDataModule
 from lightning_opd.envs.search_qa import SearchQAEnvFactory
 from lightning_opd.envs.search_qa_kb import KBSpec, write_search_qa
 from lightning_opd.envs.textworld_env import TextWorldEnvFactory
-from lightning_opd.losses import ClippedSurrogate, EpisodeReward, ForwardKL, FullVocabReverseKL, SampledTokenReverseKL
+from lightning_opd.losses import (ClippedSurrogate, EpisodeReward, ForwardKL, FullVocabReverseKL, GeneralizedJSD,
+                                  SampledTokenReverseKL)
 from lightning_opd.learner import ATODModule, OPDModule
 from lightning_opd.learner.policy import PolicyModule
 from lightning_opd.rollout.hf import HFGenerator
@@ -263,7 +264,7 @@ def _monitors(cli):
 def check_staleness_monitor(cli, tmp):
     (mon,) = _monitors(cli)  # appended to opd.yaml, which has no callbacks of its own
     w = mon.freshness  # the loss-side weighting the monitor installs
-    assert w.truncated_ratio and w.filtering and w.weighting and mon.lag_cap == w.lag_cap == 8
+    assert not w.truncated_ratio and w.filtering and w.weighting and mon.lag_cap == w.lag_cap == 8  # §1.5
 
 
 def check_fopd_async(cli, tmp):
@@ -368,6 +369,58 @@ def test_monitor_overlays_merge_into_one_monitor(build_cli):
     (mon,) = _monitors(cli)
     f = mon.freshness
     assert (f.tau_rho, f.tau_chi, f.score, f.lag_weight) == (0.2036, 0.176, "age_only", 2.0)
+
+
+ANALYTIC_LOSSES = (FullVocabReverseKL, ForwardKL, GeneralizedJSD)  # full-vocabulary: exact expectations, nothing sampled
+EXPERIMENTS = sorted((ROOT / "benchmarks" / "experiments").glob("*.yaml"))
+
+
+def names_the_monitor(files: list[Path]) -> bool:
+    return any("StalenessMonitor" in f.read_text() for f in files)
+
+
+def monitored_arms() -> list:
+    """``(experiment, arm, configs, overrides)`` of every benchmark arm whose configs add a StalenessMonitor."""
+    arms = []
+    for path in EXPERIMENTS:
+        for name, arm in (load_yaml(path).get("arms") or {}).items():
+            files = [ROOT / c for c in arm.get("configs", [])]
+            if names_the_monitor(files):
+                arms.append(pytest.param(files, list(arm.get("overrides", [])), id=f"{path.stem}/{name}"))
+    return arms
+
+
+MONITORED = [p for p in CONFIGS if names_the_monitor(config_files(p))]
+
+
+def assert_ratio_off_with_an_analytic_loss(cli) -> None:
+    """docs/algorithms.md §1.5: with the analytic full-vocabulary loss M3's truncated ratio cannot correct which
+    states were visited and mainly adds variance; keep it off unless measured to help (not measured)."""
+    monitors = _monitors(cli)
+    assert monitors, "no StalenessMonitor built"
+    if isinstance(cli.model.loss_fn, ANALYTIC_LOSSES):
+        on = [m.freshness.truncated_ratio for m in monitors]
+        assert on == [False] * len(on), (f"{type(cli.model.loss_fn).__name__} with the truncated ratio on "
+                                         "(docs/algorithms.md §1.5: off with the analytic loss)")
+
+
+def test_the_shipped_f_opd_configs_are_all_checked():
+    assert {"textworld/fopd_async.yaml", "callbacks/staleness_monitor.yaml"} <= {rel(p) for p in MONITORED}
+
+
+@pytest.mark.parametrize("path", MONITORED, ids=rel)
+def test_analytic_loss_with_the_staleness_monitor_has_the_truncated_ratio_off(path, build_cli):
+    """Issue 39 item 5: every shipped config that adds the f-OPD monitor, built as users run it (an overlay on
+    conf/textworld/opd.yaml, which its ``Use:`` line names), has M3's truncated ratio off when the loss is analytic."""
+    cli, _, _ = build_cli(*config_files(path))
+    assert_ratio_off_with_an_analytic_loss(cli)
+
+
+@pytest.mark.parametrize(("files", "extra"), monitored_arms())
+def test_benchmark_arms_with_the_monitor_keep_the_ratio_off_with_an_analytic_loss(files, extra, build_cli):
+    """The same for every benchmark arm that adds the monitor (fopd_lag2's arms use the sampled-token loss)."""
+    cli, _, _ = build_cli(*files, extra=extra)
+    assert_ratio_off_with_an_analytic_loss(cli)
 
 
 def test_turnopd_overlays_compose(build_cli):

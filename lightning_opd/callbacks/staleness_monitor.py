@@ -10,13 +10,17 @@ diagnostics on absolute scales (version lag δ, rollout drift ρ, supervision dr
   loss always uses the learner's log-probs);
 * M2 ``filtering``: drop samples with ``f_i < min_freshness`` or lag ``> Δ_max``; a group (GRPO) is
   dropped whole if any member fails, never in part (PROPOSED: "any member" rule);
-* M3 ``truncated_ratio``: per-token ``sg(min(π_θ/π_b, C))`` multiplied into the loss, and
-  ``adaptive_lag``: ``Δ_max ← max(1, Δ_max − 1)`` after ``patience`` consecutive steps with
+* M3 ``truncated_ratio``: per-token ``sg(min(π_old/π_b, C))`` multiplied into the loss (π_old: the learner before
+  the step's first update, §6.2; off with the analytic full-vocabulary loss unless measured to help, §1.5), and
+  ``adaptive_lag``: ``Δ_max ← max(Δ_min, Δ_max − 1)`` after ``patience`` consecutive steps with
   ``f̄ < low_freshness``, ``Δ_max ← min(Δ_cap, Δ_max + 1)`` when ``f̄ > high_freshness``, where f̄ is the
-  token-weighted mean freshness of **all** the step's samples before filtering, all ranks (§1.5).
+  token-weighted mean freshness of **all** the step's samples before filtering, all ranks (§1.5), and the floor
+  ``Δ_min`` is 1, or the DataModule's ``forced_lag`` when set (§6.2: under a forced lag every sample has that lag by
+  construction, so a bound below it would drop every sample).
 
 A step whose samples are all filtered makes no update (``OPDModule``: no optimizer step; it still counts as a
-rollout iteration); the monitor counts them (``skipped_steps``). ``mode="measure"`` logs every diagnostic
+rollout iteration); the monitor counts them (``skipped_steps``) and, separately, those that the lag bound emptied
+(the freshness test alone would have kept a supervised token: ``skipped_steps_by_lag_bound``). ``mode="measure"`` logs every diagnostic
 and applies nothing (no weighting, filtering, ratio or bound change: the update is that of a run without the
 monitor) and writes one JSON line per sample (``staleness_samples.jsonl`` in the run's log directory: step,
 rank, lag, delta, rho, chi, score, freshness, kept), which ``lightning-opd calibrate-freshness`` reads to set
@@ -34,8 +38,9 @@ module runs one extra no-grad student forward per step while this callback is on
 
 Logged (``staleness/``, per step): ``lag_mean``, ``lag_max`` (versions), ``delta``, ``rho``, ``chi``
 (nats), ``score``, ``freshness_mean``, ``freshness_kept_mean``, ``freshness_min``, ``kept_tokens``,
-``dropped_samples``, ``dropped_groups``, ``would_drop_samples``, ``max_lag_bound`` (versions),
-``skipped_steps`` (cumulative), with M3 ``ratio_mean``, ``ratio_clip_frac``, and async with producer-side
+``dropped_samples``, ``dropped_groups``, ``dropped_by_lag_bound``, ``dropped_by_freshness`` (samples, see
+:class:`~lightning_opd.losses.freshness.FreshnessReport`), ``lag_bound_dropped_tokens``, ``would_drop_samples``,
+``max_lag_bound`` (versions), ``skipped_steps`` and ``skipped_steps_by_lag_bound`` (cumulative), with M3 ``ratio_mean``, ``ratio_clip_frac``, and async with producer-side
 control (§1.5.1: Δ_max caps the producer's lead; synchronous fallback) ``producer_lead`` (versions) and
 ``sync_fallback`` (1 while generating synchronously).
 """
@@ -69,7 +74,8 @@ class StalenessMonitor(Callback):
             the async producer runs ahead) nor its ``max_allowed_lag`` (the largest lag a batch can have).
         max_lag: the old name of ``initial_lag_bound``; refused, naming the new key.
         ratio_cap: M3's C.
-        adaptive_lag: move Δ_max with the batch mean freshness (M3).
+        adaptive_lag: move Δ_max with the batch mean freshness (M3), never below the DataModule's ``forced_lag``
+            (nor 1).
         low_freshness, high_freshness, patience: thresholds of the adaptive bound (patience in steps).
         lag_weight, rho_weight, chi_weight: w_δ, w_ρ, w_χ, the balance of the score's terms (unitless, >= 0;
             defaults 2, 1/3, 1/3: a driftless sample at the lag cap scores f ≈ 0.018 < f_min, §1.5).
@@ -87,7 +93,9 @@ class StalenessMonitor(Callback):
 
     Raises:
         ValueError: a bound out of range or a bad score knob (named in the message); ``max_lag`` given; an
-            unknown ``mode``.
+            unknown ``mode``. At setup, with filtering applied and ``data.init_args.forced_lag`` k > 0: an explicit
+            ``initial_lag_bound`` below k, or ``lag_cap`` below k (the bound could not reach the forced lag, so M2
+            would drop every sample; naming both keys).
         TypeError: at setup, a module without ``configure_freshness`` (not an ``OPDModule``).
     """
 
@@ -126,6 +134,9 @@ class StalenessMonitor(Callback):
         self.max_lag_bound: int | None = initial_lag_bound
         self.low_streak = 0
         self.skipped_steps = 0
+        self.skipped_steps_by_lag_bound = 0
+        #: Δ_min, the adaptive bound's floor (versions): the DataModule's forced_lag when set (setup), else 1
+        self.lag_floor = 1
         #: producer-side control (§1.5.1); acts only when setup finds an async DataModule with set_lag_limit
         self.producer_control = producer_control and not measure
         self.sync_fallback = (SyncFallback(fallback_freshness, low_freshness, patience)
@@ -147,6 +158,8 @@ class StalenessMonitor(Callback):
         if self.max_lag_bound is None:
             allowed = int(getattr(trainer.datamodule, "max_allowed_lag", 0)) if trainer.datamodule is not None else 0
             self.max_lag_bound = min(self.lag_cap, max(4, allowed))
+        self.lag_floor = self.forced_lag_floor(int(getattr(trainer.datamodule, "forced_lag", 0) or 0))
+        self.max_lag_bound = max(self.lag_floor, int(self.max_lag_bound))
         self.freshness.set_lag_bound(self.max_lag_bound)
         pl_module.configure_freshness(self.freshness)
         dm = trainer.datamodule
@@ -166,6 +179,8 @@ class StalenessMonitor(Callback):
         report = report if report is not None else FreshnessReport()
         if outputs.get("skipped_update"):
             self.skipped_steps += 1
+            if report.stats.get("lag_bound_dropped_tokens", 0.0) > 0:  # all ranks: the bound emptied the step
+                self.skipped_steps_by_lag_bound += 1
         freshness_mean = report.stats.get("freshness_mean")
         fallback = self.sync_fallback if self.controls_producer else None
         was_synchronous = fallback is not None and fallback.active
@@ -189,7 +204,7 @@ class StalenessMonitor(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         state = {"max_lag_bound": self.max_lag_bound, "low_streak": self.low_streak,
-                 "skipped_steps": self.skipped_steps}
+                 "skipped_steps": self.skipped_steps, "skipped_steps_by_lag_bound": self.skipped_steps_by_lag_bound}
         if self.sync_fallback is not None:
             state["sync_fallback"] = self.sync_fallback.state_dict()
         return state
@@ -197,8 +212,11 @@ class StalenessMonitor(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.max_lag_bound = state_dict.get("max_lag_bound", self.max_lag_bound)
+        if self.max_lag_bound is not None:  # restored after setup: a bound saved below the forced lag is raised
+            self.max_lag_bound = max(self.lag_floor, int(self.max_lag_bound))
         self.low_streak = int(state_dict.get("low_streak", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.skipped_steps_by_lag_bound = int(state_dict.get("skipped_steps_by_lag_bound", 0))
         if self.sync_fallback is not None:
             self.sync_fallback.load_state_dict(state_dict.get("sync_fallback", {}))
         self.freshness.set_lag_bound(self.max_lag_bound)
@@ -206,7 +224,8 @@ class StalenessMonitor(Callback):
     # ------------------------------------------------------------------------------------- the decision
     def update_bound(self, freshness_mean: float | None) -> None:
         """One step of the adaptive bound from the step's f̄ (the mean over all samples before filtering, §1.5;
-        ``None`` or NaN: no sample on any rank, nothing learned about freshness): ``Δ_max ← max(1, Δ_max − 1)``
+        ``None`` or NaN: no sample on any rank, nothing learned about freshness): ``Δ_max ← max(Δ_min, Δ_max − 1)``
+        (Δ_min: :attr:`lag_floor`, the forced lag or 1, §6.2)
         after ``patience`` consecutive steps below ``low_freshness``, ``Δ_max ← min(Δ_cap, Δ_max + 1)`` above
         ``high_freshness``; handed to the weighting. Nothing moves in ``measure`` mode."""
         if not self.adaptive_lag or freshness_mean is None or math.isnan(freshness_mean):
@@ -214,13 +233,36 @@ class StalenessMonitor(Callback):
         if freshness_mean < self.low_freshness:
             self.low_streak += 1
             if self.low_streak >= self.patience:
-                self.max_lag_bound = max(1, int(self.max_lag_bound) - 1)
+                self.max_lag_bound = max(self.lag_floor, int(self.max_lag_bound) - 1)
                 self.low_streak = 0
         else:
             self.low_streak = 0
             if freshness_mean > self.high_freshness:
                 self.max_lag_bound = min(self.lag_cap, int(self.max_lag_bound) + 1)
         self.freshness.set_lag_bound(self.max_lag_bound)
+
+    def forced_lag_floor(self, forced_lag: int) -> int:
+        """Δ_min for a DataModule with ``data.init_args.forced_lag`` = ``forced_lag`` (versions; 0: off): every
+        sample then has lag ``min(version, forced_lag)`` by construction, so the bound must not fall below it
+        (docs/algorithms.md §6.2: floored, not refused, so that the adaptive rule's default stays usable with a
+        forced lag; the bound then never drops a sample for its lag and is only reported).
+
+        Raises:
+            ValueError: with filtering applied, ``forced_lag`` above ``lag_cap`` or above an explicit
+                ``initial_lag_bound`` (both keys named): M2 would drop every sample from then on.
+        """
+        if forced_lag <= 0:
+            return 1
+        if self.freshness.filtering:
+            if forced_lag > self.lag_cap:
+                raise ValueError(f"data.init_args.forced_lag={forced_lag} exceeds StalenessMonitor init_args.lag_cap="
+                                 f"{self.lag_cap}: the lag bound lives in [1, lag_cap], so every sample of lag "
+                                 f"{forced_lag} would be dropped; set lag_cap >= {forced_lag} or filtering=false")
+            if self.initial_lag_bound is not None and self.initial_lag_bound < forced_lag:
+                raise ValueError(f"StalenessMonitor init_args.initial_lag_bound={self.initial_lag_bound} is below "
+                                 f"data.init_args.forced_lag={forced_lag}: every sample of lag {forced_lag} would "
+                                 f"be dropped; set initial_lag_bound >= {forced_lag} or leave it unset")
+        return min(forced_lag, self.lag_cap)
 
     def hand_over_lag_limit(self, trainer: L.Trainer) -> None:
         """Async with producer control: the producer's lag limit, Δ_max or 0 while generating synchronously,
@@ -235,6 +277,7 @@ class StalenessMonitor(Callback):
         values = {k: v for k, v in report.stats.items() if not k.startswith("ratio_")}
         values["max_lag_bound"] = float(self.max_lag_bound or 0)
         values["skipped_steps"] = float(self.skipped_steps)
+        values["skipped_steps_by_lag_bound"] = float(self.skipped_steps_by_lag_bound)
         if self.controls_producer:
             values["producer_lead"] = float(self.producer_lead if self.producer_lead is not None else -1)
             values["sync_fallback"] = float(self.sync_fallback is not None and self.sync_fallback.active)

@@ -46,7 +46,7 @@ from lightning_opd.losses.aggregation import aggregate_token_loss, sequence_toke
 from lightning_opd.losses.chunked import chunked_sampled_logprobs
 from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss
 from lightning_opd.losses.grpo import ClippedSurrogate
-from lightning_opd.losses.freshness import FreshnessWeighting
+from lightning_opd.losses.freshness import NO_LAG, FreshnessWeighting
 from lightning_opd.losses.turn_blend import TurnBlendWeighting
 from lightning_opd.metrics.turn_stats import TurnStats, per_turn_sums
 from lightning_opd.models.fsdp import with_root_params
@@ -419,13 +419,15 @@ class OPDModule(PolicyModule):
         """Apply the freshness weighting's :class:`~lightning_opd.losses.weighting.BatchPlan` (one all-reduce on
         every rank): dropped samples get an all-zero loss mask, kept ones its per-sample weights (in
         ``batch.sample_weight``). ``student_logprobs``: the ``(B, T-1)`` learner log-probs if already computed
-        this step (else computed when the weighting needs them). Without it, ``batch`` unchanged."""
+        this step (else computed when the weighting needs them). Without it, ``batch`` unchanged. Rows without a
+        reply (behaviour version -1) have no lag (``NO_LAG``, F17, as in :meth:`_check_on_policy`): the filter
+        never drops them for their lag and they never decide their group's fate."""
         if self.freshness is None:
             return batch
         lp = student_logprobs
         if lp is None and self.freshness.needs_learner_logprobs:
             lp = self.student_logprobs(batch)
-        lag = (self.policy_version - batch.behaviour_version).clamp(min=0)
+        lag = self.sample_lags(batch)
         plan = self.freshness.plan(lag, lp, batch.behaviour_logprobs[:, 1:], batch.loss_mask[:, 1:],
                                    batch.turn_index[:, 1:], batch.group_id, self.reduce_sum)
         keep = torch.ones(batch.size, dtype=torch.bool, device=batch.input_ids.device)
@@ -436,17 +438,29 @@ class OPDModule(PolicyModule):
             weight = weight * plan.sample_weight.to(weight)
         return replace(batch, loss_mask=batch.loss_mask * keep[:, None].to(batch.loss_mask), sample_weight=weight)
 
+    def sample_lags(self, batch: RolloutBatch) -> torch.Tensor:
+        """``(B,)`` long: ``policy_version`` − behaviour version of each row (versions, >= 0), ``NO_LAG`` (-1) for a
+        row without a reply (behaviour version -1: the context was full before the first turn, F17)."""
+        version = batch.behaviour_version
+        return torch.where(version >= 0, (self.policy_version - version).clamp(min=0), torch.full_like(version, NO_LAG))
+
     def token_weights(self, batch: RolloutBatch, token_loss: TokenLoss) -> torch.Tensor | None:
         """``(b, T-1)`` weights of one micro-batch: its per-sample weights times the freshness weighting's
         (M3) and then the turn blend's per-token weights (the fixed order of
-        :mod:`lightning_opd.losses.weighting`); ``None`` when all are 1."""
+        :mod:`lightning_opd.losses.weighting`); ``None`` when all are 1.
+
+        M3's ratio is ``sg(min(π_old/π_b, C))`` (docs/algorithms.md §6.2): π_old from ``batch.old_logprobs`` (the
+        learner's log-probs before the step's first update, set by ``ATODModule`` when it makes several updates
+        per batch), else from ``token_loss`` (one update per batch: the current forward is π_old), so the
+        surrogate's ratio π_θ/π_old is never counted twice."""
         weights = None
         if not torch.all(batch.sample_weight == 1):
             weights = batch.sample_weight[:, None].expand(-1, batch.input_ids.shape[1] - 1)
         mask = batch.loss_mask[:, 1:]
         parts = []
         if self.freshness is not None:
-            parts.append(self.freshness.token_weights(token_loss.student_logprobs, batch.behaviour_logprobs[:, 1:], mask))
+            old = batch.old_logprobs[:, 1:] if batch.old_logprobs is not None else token_loss.student_logprobs
+            parts.append(self.freshness.token_weights(old, batch.behaviour_logprobs[:, 1:], mask))
         if self.turn_blend is not None:
             parts.append(self.turn_blend.token_weights(mask, batch.turn_index[:, 1:], token_loss.loss.dtype))
         for w in parts:

@@ -22,7 +22,8 @@ class FreshnessDiagnostics:
     """Per-sample diagnostics, each ``(B,)``.
 
     Attributes:
-        lag: version lag Δ_i = learner version − oldest behaviour version (versions).
+        lag: version lag Δ_i = learner version − oldest behaviour version (versions); :data:`NO_LAG` (-1) for a
+            sample without a reply (behaviour version -1), which has no lag.
         delta: δ_i = min(Δ_i / Δ_cap, 1) (unitless, in [0, 1]).
         rho: ρ_i = mean over supervised tokens of |log π_θ − log π_b| (nats): rollout drift.
         chi: χ_i = mean over supervised tokens of the context drift c_t accumulated over earlier
@@ -40,7 +41,7 @@ def staleness_diagnostics(lag: torch.Tensor, student_logprobs: torch.Tensor, beh
     """The three diagnostics of §1.4 (PROPOSED).
 
     Args:
-        lag: ``(B,)`` version lag per sample.
+        lag: ``(B,)`` version lag per sample (versions; :data:`NO_LAG`: no reply, no lag, δ = 0).
         student_logprobs: ``(B, T)`` log π_θ(a_t|s_t) of the sampled tokens under the learner's weights.
         behaviour_logprobs: ``(B, T)`` log π_b(a_t|s_t) recorded at rollout time.
         mask: ``(B, T)`` 1 on supervised (sampled) tokens.
@@ -70,9 +71,13 @@ def staleness_diagnostics(lag: torch.Tensor, student_logprobs: torch.Tensor, beh
         c = before_d.abs() / before_n.clamp(min=1.0)  # (B, K)
         chi = (c * per_turn_n).sum(dim=1) / n
     lag = lag.double()
-    delta = (lag / lag_cap).clamp(min=0.0, max=1.0)
+    delta = (lag / lag_cap).clamp(min=0.0, max=1.0)  # a sample without lag (NO_LAG) scores δ = 0
     return FreshnessDiagnostics(lag=lag, delta=delta, rho=rho, chi=chi)
 
+
+#: the lag of a sample without a reply (behaviour version -1: the context was full before the first turn). It has no
+#: lag: left out of the per-sample statistics, never dropped by M2 and never deciding its group's fate (F17)
+NO_LAG = -1
 
 #: the score variants: ``full`` (lag and both drifts) and ``age_only`` (the lag alone, §1.5 ablation)
 SCORES = ("full", "age_only")
@@ -128,8 +133,9 @@ def check_score_knobs(tau_rho: float, tau_chi: float, lag_weight: float, rho_wei
 
 def truncated_importance_ratio(student_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
                                cap: float = 2.0) -> torch.Tensor:
-    """``sg(min(π_θ/π_b, C))`` per token, ``(B, T)`` (TIS-style, §1.4 M3, PROPOSED): reweights the
-    per-token loss, carries no gradient."""
+    """``sg(min(π/π_b, C))`` per token, ``(B, T)`` (TIS-style, §1.4 M3, PROPOSED), π from ``student_logprobs``
+    (M3 passes π_old, the policy before the step's first update, §6.2): reweights the per-token loss, carries no
+    gradient."""
     return torch.exp(student_logprobs.detach() - behaviour_logprobs.detach()).clamp(max=cap)
 
 
@@ -140,13 +146,18 @@ class FreshnessReport:
 
     Attributes:
         stats: ``lag_mean``, ``lag_max`` (versions), ``delta``, ``rho``, ``chi`` (nats), ``score``,
-            ``freshness_min``, ``dropped_samples``, ``dropped_groups``, ``would_drop_samples`` (what M2 would drop
-            with the current bound, also when it is off) -- this rank's statistics, NaN without samples -- and,
+            ``freshness_min`` (over the samples with a lag, :data:`NO_LAG`), ``dropped_samples``, ``dropped_groups``,
+            ``dropped_by_lag_bound`` (dropped samples whose own lag exceeds Δ_max), ``dropped_by_freshness`` (dropped
+            samples within Δ_max whose own f < f_min; the rest of ``dropped_samples`` went with a group member),
+            ``would_drop_samples`` (what M2 would drop with the current bound, also when it is off) -- this rank's
+            statistics, NaN without samples -- and,
             the same on every rank: ``freshness_mean`` (supervised-token-weighted mean f over **all** samples of
             the step before filtering, all ranks: what the adaptive bound reads; the plain sample mean when no
             sample has a supervised token, NaN without samples), ``freshness_kept_mean`` (M1's f̄ over the kept
             samples; NaN when none is kept), ``kept_tokens`` (supervised tokens kept, all ranks; 0: the step
-            has nothing to learn from), and with M3 ``ratio_mean``, ``ratio_clip_frac`` over the step's
+            has nothing to learn from), ``lag_bound_dropped_tokens`` (supervised tokens, all ranks, that the
+            freshness test alone would have kept: > 0 with ``kept_tokens`` 0 means the lag bound emptied the step),
+            and with M3 ``ratio_mean``, ``ratio_clip_frac`` over the step's
             supervised tokens; empty when no diagnostic was computed.
         freshness: ``(B,)`` f_i of this rank's samples (``None``: not computed).
         keep: ``(B,)`` bool, the M2 decision (all ``True`` without filtering; ``None``: not computed).
@@ -161,6 +172,12 @@ class FreshnessReport:
     score: torch.Tensor | None = None
 
 
+def whole_groups(group_id: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` bool: the samples whose every group member (same ``group_id``, ``(B,)``) is ``ok`` (``(B,)`` bool):
+    M2 keeps or drops a GRPO group whole, never in part (PROPOSED, "any member" rule)."""
+    return ~torch.isin(group_id, torch.unique(group_id[~ok]))
+
+
 class FreshnessWeighting:
     """f-OPD's token weighting (PROPOSED, docs/algorithms.md §1.4-§1.5): M1 sample weights ``f_i / f̄``, M2 group
     filter, M3 truncated importance ratio.
@@ -172,7 +189,8 @@ class FreshnessWeighting:
         lag_weight, rho_weight, chi_weight: w_δ, w_ρ, w_χ, the balance of the score's terms (§1.5).
         score: ``"full"`` (lag and drifts) or ``"age_only"`` (the lag alone; the drifts are still measured
             and reported).
-        weighting: M1 on/off. filtering: M2 on/off. truncated_ratio: M3 ratio on/off.
+        weighting: M1 on/off. filtering: M2 on/off. truncated_ratio: M3 ratio ``sg(min(π_old/π_b, C))`` on/off
+            (off with the analytic full-vocabulary loss unless measured to help, docs/algorithms.md §1.5).
         min_freshness: M2 threshold f_min.
         lag_bound: Δ_max, the largest lag M2 keeps (versions, in ``[1, lag_cap]``; ``None``: ``lag_cap``);
             a controller moves it with :meth:`set_lag_bound`.
@@ -221,7 +239,9 @@ class FreshnessWeighting:
         step's report (:meth:`report`).
 
         Args:
-            lag: ``(B,)`` learner version − behaviour version per sample (versions, >= 0).
+            lag: ``(B,)`` learner version − behaviour version per sample (versions, >= 0), :data:`NO_LAG` for a
+                sample without a reply: no lag, never dropped by M2 nor deciding its group's fate, left out of the
+                per-sample statistics and of the plain-mean fallback of ``freshness_mean``.
             learner_logprobs: ``(B, T-1)`` learner log-probs of the sampled tokens (nats); ``None`` when
                 :attr:`needs_learner_logprobs` is false (then nothing is decided).
             behaviour_logprobs, mask, turns: ``(B, T-1)`` behaviour log-probs, loss mask, turn index of the
@@ -237,15 +257,20 @@ class FreshnessWeighting:
         diag = staleness_diagnostics(lag, learner_logprobs, behaviour_logprobs, mask, turns, self.lag_cap)
         score, fresh = freshness_score(diag, self.tau_rho, self.tau_chi, self.alpha, self.beta, self.lag_weight,
                                        self.rho_weight, self.chi_weight, self.score)
-        ok = (fresh >= self.min_freshness) & (lag <= int(self.lag_bound or self.lag_cap))
-        m2 = ~torch.isin(group_id, torch.unique(group_id[~ok]))  # the M2 decision, groups whole
+        has_lag = lag != NO_LAG  # a sample without a reply has no lag: it passes both tests, whatever its group
+        within_bound = (lag <= int(self.lag_bound or self.lag_cap)) | ~has_lag
+        fresh_enough = (fresh >= self.min_freshness) | ~has_lag
+        m2 = whole_groups(group_id, within_bound & fresh_enough)  # the M2 decision, groups whole
         keep = m2 if self.filtering else torch.ones_like(m2)
         all_tokens = mask.sum(dim=1).double()
         tokens = all_tokens * keep
-        # all ranks (float64): kept tokens and their freshness mass; all tokens and theirs; samples, freshness sum
-        total, mass, all_total, all_mass, samples, f_sum = reduce_sum(torch.stack([
+        # supervised tokens the bound alone dropped: kept by the freshness test, not by M2 (0 without filtering)
+        by_bound = all_tokens * (whole_groups(group_id, fresh_enough) & ~keep)
+        # all ranks (float64): kept tokens and their freshness mass; all tokens and theirs; samples with a lag and
+        # their freshness sum; the tokens the lag bound alone dropped
+        total, mass, all_total, all_mass, samples, f_sum, bound_total = reduce_sum(torch.stack([
             tokens.sum(), (fresh * tokens).sum(), all_tokens.sum(), (fresh * all_tokens).sum(),
-            fresh.new_tensor(float(fresh.numel())), fresh.sum()]))
+            has_lag.sum().to(fresh), (fresh * has_lag).sum(), by_bound.sum()]))
         f_bar = mass / total.clamp(min=1.0)
         weight = (fresh / f_bar.clamp(min=1e-12)).float() if self.weighting else None
         n_groups = len(torch.unique(group_id))
@@ -254,7 +279,8 @@ class FreshnessWeighting:
         else:  # no supervised token anywhere: the plain mean over all ranks' samples (NaN: no sample anywhere)
             f_mean = float(f_sum / samples) if samples > 0 else float("nan")
 
-        def local(x: torch.Tensor, fn=torch.mean) -> float:  # this rank's statistic; NaN without samples
+        def local(x: torch.Tensor, fn=torch.mean) -> float:  # this rank's statistic over the samples with a lag
+            x = x[has_lag]
             return float(fn(x.double())) if x.numel() else float("nan")
 
         stats = {
@@ -264,25 +290,33 @@ class FreshnessWeighting:
             "freshness_min": local(fresh, torch.min), "kept_tokens": float(total),
             "dropped_samples": float((~keep).sum()),
             "dropped_groups": float(n_groups - len(torch.unique(group_id[keep]))),
+            "dropped_by_lag_bound": float((~keep & ~within_bound).sum()),
+            "dropped_by_freshness": float((~keep & within_bound & ~fresh_enough).sum()),
+            "lag_bound_dropped_tokens": float(bound_total),
             "would_drop_samples": float((~m2).sum()),
         }
         self._report = FreshnessReport(stats=stats, freshness=fresh.detach().clone(), keep=keep.detach().clone(),
                                        diagnostics=diag, score=score.detach().clone())
         return BatchPlan(keep=keep if self.filtering else None, sample_weight=weight, stats=stats)
 
-    def token_weights(self, learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+    def token_weights(self, old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
                       mask: torch.Tensor) -> torch.Tensor | None:
-        """M3: ``(b, T-1)`` truncated importance ratios ``sg(min(π_θ/π_b, C))`` of one micro-batch (``None``
+        """M3: ``(b, T-1)`` truncated importance ratios ``sg(min(π_old/π_b, C))`` of one micro-batch (``None``
         when off); their mean and clipped share over the ``mask`` tokens enter the step's report.
 
+        π_old is the policy that started the step's updates (PROPOSED, docs/algorithms.md §6.2): with K > 1 PPO
+        updates per batch the surrogate's own ratio π_θ/π_old is not counted a second time here, and at lag 0
+        (π_b = π_old) every weight is 1 on every update.
+
         Args:
-            learner_logprobs: ``(b, T-1)`` log π_θ of the sampled tokens, from the loss's forward (nats).
+            old_logprobs: ``(b, T-1)`` log π_old of the sampled tokens: the learner's, before the step's first
+                update (nats).
             behaviour_logprobs: ``(b, T-1)`` log π_b recorded at rollout time (nats).
             mask: ``(b, T-1)`` loss mask of the target positions.
         """
         if not self.truncated_ratio:
             return None
-        ratio = truncated_importance_ratio(learner_logprobs, behaviour_logprobs, self.ratio_cap)
+        ratio = truncated_importance_ratio(old_logprobs, behaviour_logprobs, self.ratio_cap)
         m = mask > 0
         self._ratio[0] += float(ratio[m].sum())
         self._ratio[1] += float((ratio[m] >= self.ratio_cap).sum())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import lightning as L
 import pytest
@@ -56,7 +57,7 @@ def test_logs_the_reported_diagnostics():
     mon.on_train_batch_end(None, module, {"freshness": FreshnessReport(stats=stats)}, None, 0)
     assert module.logged == {"staleness/lag_mean": 1.0, "staleness/freshness_mean": 0.7,
                              "staleness/max_lag_bound": 4.0, "staleness/skipped_steps": 0.0,
-                             "staleness/ratio_mean": 1.1}
+                             "staleness/skipped_steps_by_lag_bound": 0.0, "staleness/ratio_mean": 1.1}
 
 
 class Installs:
@@ -256,3 +257,103 @@ def test_measure_mode_update_equals_a_run_without_the_monitor(model_dirs, tmp_pa
     assert logs["staleness/dropped_samples"].item() == 0.0 and logs["staleness/max_lag_bound"].item() == 1.0
     start = AutoModelForCausalLM.from_pretrained(model_dirs["student"]).model.embed_tokens.weight
     assert not torch.equal(plain["model.embed_tokens.weight"], start)  # the runs did train
+
+
+# ------------------------------------------------------------- issue 39 item 2: the bound under a forced lag
+def _forced(lag: int) -> Trainer:
+    """A trainer holding a real synchronous DataModule with ``forced_lag=lag`` (its ``max_allowed_lag`` is ``lag``)."""
+    return Trainer(RolloutDataModule(env=KeywordEnvFactory(need=2), episodes_per_step=4, forced_lag=lag))
+
+
+def _step(mon, logs, f_mean, **outputs):
+    mon.on_train_batch_end(None, logs, {"freshness": FreshnessReport(stats={"freshness_mean": f_mean}), **outputs},
+                           None, 0)
+    return mon.max_lag_bound, mon.freshness.lag_bound
+
+
+def test_forced_lag_floors_the_adaptive_bound():
+    """forced_lag 2, lag_cap 8: Δ_max starts at min(8, max(4, 2)) = 4; nine low steps (patience 3) lower it to 3,
+    2 and then hold it at 2 (before: 1, where every lag-2 sample failed lag <= Δ_max); one high step raises it to 3.
+    A checkpoint saved with a bound of 1 is raised to the floor when restored after setup."""
+    mon = StalenessMonitor(lag_cap=8)
+    mon.setup(_forced(2), Installs(), "fit")
+    assert mon.max_lag_bound == 4
+    seen = [_step(mon, Logs(), f) for f in [0.4] * 9 + [0.9]]
+    assert seen == [(b, b) for b in [4, 4, 3, 3, 3, 2, 2, 2, 2, 3]]
+    assert mon.lag_floor == 2
+    mon.load_state_dict({"max_lag_bound": 1, "low_streak": 0, "skipped_steps": 0})
+    assert (mon.max_lag_bound, mon.freshness.lag_bound) == (2, 2)
+    plain = StalenessMonitor(lag_cap=8)  # without a forced lag the floor stays 1
+    plain.setup(_forced(0), Installs(), "fit")
+    assert plain.lag_floor == 1 and [_step(plain, Logs(), 0.4)[0] for _ in range(12)][-1] == 1
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    (dict(lag_cap=1), "data.init_args.forced_lag=2 exceeds StalenessMonitor init_args.lag_cap=1"),
+    (dict(initial_lag_bound=1), "StalenessMonitor init_args.initial_lag_bound=1 is below data.init_args.forced_lag=2"),
+])
+def test_a_bound_that_cannot_reach_the_forced_lag_is_refused_naming_both_keys(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StalenessMonitor(**kw).setup(_forced(2), Installs(), "fit")
+    # measure mode applies no filter: nothing to refuse, the reported bound is floored
+    mon = StalenessMonitor(mode="measure", **kw)
+    mon.setup(_forced(2), Installs(), "fit")
+    assert mon.max_lag_bound == mon.lag_floor == min(2, mon.lag_cap)
+
+
+def test_a_step_the_lag_bound_emptied_is_counted_apart_from_freshness():
+    """Three steps planned by the monitor's own weighting (bound 1, no adaptive move): (a) lags 2, 2, both fresh
+    (f = 0.881): the bound alone emptied the step; (b) lags 0, 0 with drift 1.0 nats (f = 9e-5 < 0.05): freshness
+    emptied it; (c) one lag-2 sample, one stale, one fresh: a step with an update. Logged per step:
+    dropped_by_lag_bound, dropped_by_freshness; cumulative: skipped_steps (2) and skipped_steps_by_lag_bound (1)."""
+    mon, logs = StalenessMonitor(initial_lag_bound=1, adaptive_lag=False, weighting=False), Logs()
+    steps = [(dict(lags=[2, 2], groups=[0, 1], drift=[0.0, 0.0]), True),
+             (dict(lags=[0, 0], groups=[0, 1], drift=[1.0, 1.0]), True),
+             (dict(lags=[2, 0, 0], groups=[0, 1, 2], drift=[0.0, 1.0, 0.0]), False)]
+    seen = []
+    for kw, skipped in steps:
+        _plan(mon.freshness, **kw)
+        mon.on_train_batch_end(None, logs, {"freshness": mon.freshness.report(), "skipped_update": skipped}, None, 0)
+        seen.append(tuple(logs.logged[f"staleness/{k}"] for k in ("dropped_by_lag_bound", "dropped_by_freshness",
+                                                                    "lag_bound_dropped_tokens", "skipped_steps",
+                                                                    "skipped_steps_by_lag_bound")))
+    assert seen == [(2.0, 0.0, 8.0, 1.0, 1.0), (0.0, 2.0, 0.0, 2.0, 1.0), (1.0, 1.0, 4.0, 2.0, 1.0)]
+    state = mon.state_dict()
+    assert state["skipped_steps_by_lag_bound"] == 1
+    other = StalenessMonitor(initial_lag_bound=1)
+    other.load_state_dict(state)
+    assert (other.skipped_steps, other.skipped_steps_by_lag_bound) == (2, 1)
+
+
+class TrainedWith(L.Callback):
+    """Per step: (the lag bound the step's filter used, its largest lag, samples dropped, skipped update)."""
+
+    def __init__(self, monitor):
+        self.monitor, self.seen = monitor, []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.bound = self.monitor.freshness.lag_bound
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        st = outputs["freshness"].stats
+        self.seen.append((self.bound, st["lag_max"], st["dropped_samples"], outputs["skipped_update"]))
+
+
+@pytest.mark.timeout(300)
+def test_forced_lag_fit_with_a_falling_bound_never_drops_a_sample(model_dirs):
+    """fopd_lag2's failure on the tiny models: forced_lag 2 and a mean freshness always below low_freshness (0.99:
+    above any score's 0.982), patience 1, so the bound falls one step per step from 4; no freshness threshold
+    (min_freshness 0). Step v has lag min(v, 2). Before: the bound reached 1 for step 3 and its lag-2 samples were
+    all dropped (no update). Now it stops at the forced lag, and nothing is dropped."""
+    mon = StalenessMonitor(low_freshness=0.99, patience=1, min_freshness=0.0, weighting=False)
+    spy = TrainedWith(mon)
+    model = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"])
+    dm = RolloutDataModule(env=KeywordEnvFactory(need=2), episodes_per_step=4, max_turns=3, max_new_tokens=4,
+                           forced_lag=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[mon, spy])
+    trainer.fit(model, datamodule=dm)
+    assert spy.seen == [(4, 0.0, 0.0, False), (3, 1.0, 0.0, False), (2, 2.0, 0.0, False), (2, 2.0, 0.0, False)]
+    assert (mon.max_lag_bound, mon.skipped_steps, mon.skipped_steps_by_lag_bound) == (2, 0, 0)
+    assert trainer.callback_metrics["staleness/dropped_by_lag_bound"].item() == 0.0

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
-from lightning_opd.losses.freshness import (FreshnessWeighting, freshness_score, staleness_diagnostics,
+from lightning_opd.losses.freshness import (NO_LAG, FreshnessWeighting, freshness_score, staleness_diagnostics,
                                             truncated_importance_ratio)
 from lightning_opd.losses.weighting import BatchPlan
 from lightning_opd.rollout.batch import RolloutBatch
@@ -133,8 +134,10 @@ def _fresh(lag, rho, cap=8, tau=0.1, alpha=4.0, beta=1.0):
 
 
 def _plan(weighting, batch, student, version=10):
-    """What ``OPDModule.plan_batch`` hands the weighting (target positions), with a one-process reducer."""
-    lag = (version - batch.behaviour_version).clamp(min=0)
+    """What ``OPDModule.plan_batch`` hands the weighting (target positions; lag NO_LAG for a row without a reply),
+    with a one-process reducer."""
+    v = batch.behaviour_version
+    lag = torch.where(v >= 0, (version - v).clamp(min=0), torch.full_like(v, NO_LAG))
     calls = []
 
     def reduce_sum(x):
@@ -144,7 +147,7 @@ def _plan(weighting, batch, student, version=10):
     plan = weighting.plan(lag, student, batch.behaviour_logprobs[:, 1:], batch.loss_mask[:, 1:], batch.turn_index[:, 1:],
                           batch.group_id, reduce_sum)
     # exactly one all-reduce per batch when measuring (F19: the same on every rank); none otherwise (configuration)
-    assert calls == ([(6,)] if student is not None else [])
+    assert calls == ([(7,)] if student is not None else [])
     return plan
 
 
@@ -223,3 +226,57 @@ def test_no_kept_token_anywhere_reports_zero_kept_tokens():
     assert math.isnan(plan.stats["freshness_kept_mean"])
     # s = 2 * 2/8 = 0.5 and 2 * 3/8 = 0.75: f = sigmoid(2), sigmoid(1); the bound still reads the step's mean
     assert plan.stats["freshness_mean"] == pytest.approx((1 / (1 + math.exp(-2)) + 1 / (1 + math.exp(-1))) / 2)
+
+
+def test_m2_counts_drops_by_the_lag_bound_apart_from_drops_by_freshness():
+    """Issue 39 item 2: bound 1; group 0 = lags 2 and 0 (the lag-2 member fails the bound, its mate goes with it),
+    group 1 kept, group 2 = drift 1.0 nats (s = 1.0 / 0.1 / 3, f = 9e-5 < 0.05). By the bound: 1 sample; by
+    freshness: 1; the mate: the rest of the 3 dropped. The freshness test alone would have kept group 0's 2 x 4
+    tokens."""
+    mon = FreshnessWeighting(weighting=False, lag_bound=1, min_freshness=0.05)
+    batch, student = _batch(lags=[2, 0, 0, 0], groups=[0, 0, 1, 2], drift=[0.0, 0.0, 0.0, 1.0])
+    plan = _plan(mon, batch, student)
+    assert plan.keep.tolist() == [False, False, True, False]
+    st = plan.stats
+    assert (st["dropped_samples"], st["dropped_by_lag_bound"], st["dropped_by_freshness"]) == (3.0, 1.0, 1.0)
+    assert st["lag_bound_dropped_tokens"] == 8.0 and st["kept_tokens"] == 4.0
+    # every sample over the bound, all fresh (f = sigmoid(4 - 2) = 0.881): the bound alone emptied the step
+    batch, student = _batch(lags=[2, 2], groups=[0, 1], drift=[0.0, 0.0])
+    st = _plan(mon, batch, student).stats
+    assert (st["kept_tokens"], st["lag_bound_dropped_tokens"], st["dropped_by_lag_bound"]) == (0.0, 8.0, 2.0)
+    # every sample stale, all within the bound: freshness emptied it, not the bound
+    batch, student = _batch(lags=[0, 0], groups=[0, 1], drift=[1.0, 1.0])
+    st = _plan(mon, batch, student).stats
+    assert (st["kept_tokens"], st["lag_bound_dropped_tokens"], st["dropped_by_freshness"]) == (0.0, 0.0, 2.0)
+    # filtering off: nothing dropped, nothing counted (would_drop_samples still says what M2 would do)
+    off = FreshnessWeighting(weighting=False, filtering=False, measure=True, lag_bound=1)
+    batch, student = _batch(lags=[2, 0], groups=[0, 1], drift=[0.0, 0.0])
+    st = _plan(off, batch, student).stats
+    assert (st["dropped_by_lag_bound"], st["lag_bound_dropped_tokens"], st["would_drop_samples"]) == (0.0, 0.0, 1.0)
+
+
+def test_a_sample_without_a_reply_has_no_lag_and_never_decides_its_group():
+    """Issue 39 item 4: learner at version 5, bound 4; row 1 has no reply (behaviour version -1, no sampled token)
+    and shares GRPO group 0 with row 0. Before: lag 5 - (-1) = 6 > 4 dropped group 0 and counted lag 6 in the
+    statistics. Now: every row kept; lag statistics over rows 0, 2, 3 only (lag 1 each: δ = 1/8, s = 2/8,
+    f = sigmoid(4 - 1) = 0.9526)."""
+    mon = FreshnessWeighting(lag_bound=4, min_freshness=0.05)
+    batch, student = _batch(lags=[1, 6, 1, 1], groups=[0, 0, 1, 1], drift=[0.0, 0.0, 0.0, 0.0], version=5)
+    mask = batch.loss_mask.clone()
+    mask[1] = 0
+    batch = replace(batch, loss_mask=mask, turn_index=torch.where(mask > 0, batch.turn_index, -1),
+                    behaviour_logprobs=-mask)
+    assert batch.behaviour_version.tolist() == [4, -1, 4, 4]
+    plan = _plan(mon, batch, student, version=5)
+    f1 = 1 / (1 + math.exp(-3))
+    assert plan.keep.tolist() == [True, True, True, True]
+    st = plan.stats
+    assert (st["lag_mean"], st["lag_max"], st["delta"]) == (1.0, 1.0, 1 / 8)
+    assert st["freshness_min"] == pytest.approx(f1) and st["freshness_mean"] == pytest.approx(f1)
+    assert (st["dropped_samples"], st["dropped_groups"], st["would_drop_samples"], st["kept_tokens"]) == (0, 0, 0, 12)
+    assert mon.report().diagnostics.lag.tolist() == [1.0, NO_LAG, 1.0, 1.0]  # the per-sample records say "no lag"
+    # a threshold above any score's freshness (0.99 > 0.982): rows 0, 2, 3 fail it, row 1 (no score) never does; it
+    # goes only with its group
+    strict = FreshnessWeighting(lag_bound=4, min_freshness=0.99)
+    st = _plan(strict, batch, student, version=5).stats
+    assert (st["dropped_by_freshness"], st["dropped_samples"]) == (3.0, 4.0)
