@@ -118,13 +118,13 @@ def test_prepare_hybrid_stats_and_tdur_weights(model_dirs, batch):
     assert ((out.turn_weight[sup] >= 0) & (out.turn_weight[sup] <= 1)).all()
     assert torch.equal(out.turn_weight[~sup], torch.ones_like(out.turn_weight[~sup]))
     torch.testing.assert_close(out.old_logprobs[:, 1:], module.student_logprobs(batch))
-    st = module._step_stats
+    st = {k: v.local for k, v in module._step_stats.items()}  # this rank's values (logged over all ranks)
     assert st["grpo/groups"] == 2.0 and st["grpo/equal_reward_groups"] == 0.0 and st["grpo/reward_mean"] == 1.125
     assert st["grpo/equal_reward_share"] == 0.0
     assert 0 < st["tdur/mean_weight"] <= 1
     equal = module.prepare_hybrid(replace(batch, success=torch.ones(4), rewards=torch.ones(4)))
-    assert torch.equal(equal.advantage, torch.zeros(4)) and module._step_stats["grpo/equal_reward_groups"] == 2.0
-    assert module._step_stats["grpo/equal_reward_share"] == 1.0  # 2 of 2 groups
+    assert torch.equal(equal.advantage, torch.zeros(4)) and module._step_stats["grpo/equal_reward_groups"].local == 2.0
+    assert module._step_stats["grpo/equal_reward_share"].local == 1.0  # 2 of 2 groups
 
 
 def test_staleness_filter_drops_whole_groups_and_kept_advantages_are_unchanged(model_dirs, batch):
@@ -159,7 +159,8 @@ def test_f13_reward_function_errors_and_fallback_reach_the_step(model_dirs, batc
     module.reward_fn = lambda b: torch.tensor([1.0, float("nan"), 0.0, 1.0])  # group 0 unusable, group 1 fine
     out = prepared(module, batch)
     assert torch.isfinite(out.advantage).all() and torch.equal(out.advantage[:2], torch.zeros(2))
-    assert module._step_stats["grpo/invalid_rewards"] == 1.0 and module._step_stats["grpo/invalid_groups"] == 1.0
+    st = module._step_stats
+    assert st["grpo/invalid_rewards"].local == 1.0 and st["grpo/invalid_groups"].local == 1.0
     sums, grads = grads_of(module, out)
     assert torch.isfinite(sums["loss"]) and all(torch.isfinite(g).all() for g in grads.values())
 
@@ -286,7 +287,7 @@ class Recording(ATODModule):
         return super()._check_on_policy(batch)
 
     def step_extras(self):
-        self.metrics.append(dict(self._step_stats))
+        self.metrics.append({k: v.local for k, v in self._step_stats.items()})  # this rank's values
         return super().step_extras()
 
 

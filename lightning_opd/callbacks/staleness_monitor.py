@@ -42,13 +42,15 @@ Logged (``staleness/``, per step): ``lag_mean``, ``lag_max`` (versions), ``delta
 :class:`~lightning_opd.losses.freshness.FreshnessReport`), ``lag_bound_dropped_tokens``, ``would_drop_samples``,
 ``max_lag_bound`` (versions), ``skipped_steps`` and ``skipped_steps_by_lag_bound`` (cumulative), with M3 ``ratio_mean``, ``ratio_clip_frac``, and async with producer-side
 control (§1.5.1: Δ_max caps the producer's lead; synchronous fallback) ``producer_lead`` (versions) and
-``sync_fallback`` (1 while generating synchronously).
+``sync_fallback`` (1 while generating synchronously). Every mean over samples or tokens and every count is over
+all data-parallel ranks' samples and tokens (sums and counts reduced, then divided: :func:`all_rank_stats`, F27).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +59,48 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_opd.losses.freshness import FreshnessReport, FreshnessWeighting
+from lightning_opd.metrics.rank_stats import Max, Mean, Min, RankStat, Sum, all_ranks
 from lightning_opd.rollout.lag_control import SyncFallback
+
+#: per-sample means of :class:`FreshnessReport` ``stats`` that are this rank's, and the (B,) values they average
+_SAMPLE_MEANS = {"lag_mean": lambda r: r.diagnostics.lag, "delta": lambda r: r.diagnostics.delta,
+                 "rho": lambda r: r.diagnostics.rho, "chi": lambda r: r.diagnostics.chi, "score": lambda r: r.score}
+#: counts of :class:`FreshnessReport` ``stats`` that are this rank's (samples, groups): summed over ranks
+_RANK_COUNTS = ("dropped_samples", "dropped_groups", "dropped_by_lag_bound", "dropped_by_freshness",
+                "would_drop_samples")
+
+
+def all_rank_stats(report: FreshnessReport, ratio_sums: tuple[float, float, float] | None, reduce_sum, reduce_max,
+                   device) -> dict[str, float]:
+    """``report.stats`` with this rank's statistics replaced by their values over all ranks' samples and tokens
+    (F27; collectives every rank reaches): the per-sample means (``lag_mean``, ``delta``, ``rho``, ``chi``,
+    ``score``) and M3's ``ratio_mean``, ``ratio_clip_frac`` as reduced sums over reduced counts (``ratio_*`` left
+    out when no rank had a supervised token), ``lag_max`` and ``freshness_min`` as the extremes, the sample and
+    group counts summed; the statistics that are already over all ranks (``freshness_mean``, ...) as reported.
+    The samples are those with a lag (``lag >= 0``; a row without a reply has none).
+
+    Args:
+        report: this rank's report of the step (the same keys on every rank).
+        ratio_sums: :attr:`FreshnessWeighting.ratio_sums` with M3 on, else ``None``.
+        reduce_sum, reduce_max, device: see :func:`~lightning_opd.metrics.rank_stats.all_ranks`.
+    """
+    stats = {k: v for k, v in report.stats.items() if not k.startswith("ratio_")}
+    ranked: dict[str, RankStat] = {}
+    if report.diagnostics is not None and stats:
+        has = report.diagnostics.lag >= 0
+        for key, values in _SAMPLE_MEANS.items():
+            ranked[key] = Mean(float(values(report).double()[has].sum()), float(has.sum()))
+        lags, fresh = report.diagnostics.lag.double()[has], report.freshness.double()[has]
+        ranked["lag_max"] = Max(float(lags.max()) if lags.numel() else float("-inf"))
+        ranked["freshness_min"] = Min(float(fresh.min()) if fresh.numel() else float("inf"))
+        ranked.update({k: Sum(stats[k]) for k in _RANK_COUNTS if k in stats})
+    if ratio_sums is not None:
+        total, clipped, n = ratio_sums
+        ranked.update({"ratio_mean": Mean(total, n), "ratio_clip_frac": Mean(clipped, n)})
+    reduced = all_ranks(ranked, reduce_sum, reduce_max, device)
+    stats.update({k: v for k, v in reduced.items() if not k.startswith("ratio_")})
+    stats.update({k: v for k, v in reduced.items() if k.startswith("ratio_") and not math.isnan(v)})
+    return stats
 
 
 class StalenessMonitor(Callback):
@@ -192,7 +235,7 @@ class StalenessMonitor(Callback):
         else:
             self.update_bound(freshness_mean)
         self.hand_over_lag_limit(trainer)
-        self._log(pl_module, report)
+        self._log(pl_module, self._all_rank_report(trainer, pl_module, report))
         if self.records_path is not None and report.freshness is not None:
             self.write_records(self.records_path, report, int(getattr(trainer, "global_step", batch_idx)),
                                int(getattr(trainer, "global_rank", 0)))
@@ -272,6 +315,15 @@ class StalenessMonitor(Callback):
         fallback = self.sync_fallback
         limit = fallback.lag_limit(self.max_lag_bound) if fallback is not None else int(self.max_lag_bound)
         self.producer_lead = int(trainer.datamodule.set_lag_limit(limit))
+
+    def _all_rank_report(self, trainer, pl_module, report: FreshnessReport) -> FreshnessReport:
+        """``report`` with the statistics over all data-parallel ranks (:func:`all_rank_stats`, F27); one process:
+        ``report`` itself."""
+        if trainer is None or int(getattr(trainer, "world_size", 1)) <= 1:
+            return report
+        ratio = self.freshness.ratio_sums if self.freshness.truncated_ratio else None
+        return replace(report, stats=all_rank_stats(report, ratio, pl_module.reduce_sum, pl_module.reduce_max,
+                                                    pl_module.device))
 
     def _log(self, pl_module, report: FreshnessReport) -> None:
         values = {k: v for k, v in report.stats.items() if not k.startswith("ratio_")}

@@ -29,6 +29,7 @@ from lightning_opd.learner.opd import OPDModule
 from lightning_opd.losses.divergences import TokenDivergence, TokenLoss
 from lightning_opd.losses.grpo import ClippedSurrogate, EpisodeReward, compute_rewards, group_advantages
 from lightning_opd.losses.tdur import tdur_weights
+from lightning_opd.metrics.rank_stats import Max, Mean, Min, RankStat, Sum, all_ranks
 from lightning_opd.rollout.batch import RolloutBatch
 
 
@@ -93,7 +94,7 @@ class ATODModule(OPDModule):
     Args:
         student, teacher, optimizer, lr_scheduler, micro_batch_size, micro_batch_tokens, grad_clip_norm, dtype,
             teacher_dtype, max_logged_turns, log_text_every_n_steps, strict_on_policy, trust_remote_code, export_dir,
-            gradient_checkpointing, fsdp_mixed_precision, aggregation: see
+            gradient_checkpointing, fsdp_mixed_precision, aggregation, max_nonfinite_steps: see
             :class:`~lightning_opd.learner.opd.OPDModule` (``aggregation="sequence"``: the paper's per-sequence
             mean, docs/algorithms.md §0.5's option; each PPO mini-batch divides by its own sequences).
         loss: the clipped surrogate (default ``ClippedSurrogate()``, clip ε 0.2).
@@ -121,7 +122,7 @@ class ATODModule(OPDModule):
                  gradient_checkpointing: bool = False, kappa: float = 1.0, rho: float = 0.0, ppo_epochs: int = 1,
                  ppo_mini_batches: int = 1, tdur: bool = False, reward: EpisodeReward | None = None,
                  advantage_eps: float = 1e-6, fsdp_mixed_precision: str | None = None,
-                 micro_batch_tokens: int | None = None, aggregation: str = "token") -> None:
+                 micro_batch_tokens: int | None = None, aggregation: str = "token", max_nonfinite_steps: int = 3) -> None:
         self.ppo = PPOUpdates(ppo_epochs, ppo_mini_batches)
         if advantage_eps < 0:
             raise ValueError(f"model.advantage_eps={advantage_eps} must be >= 0")
@@ -133,11 +134,11 @@ class ATODModule(OPDModule):
                          log_text_every_n_steps=log_text_every_n_steps, strict_on_policy=strict_on_policy,
                          trust_remote_code=trust_remote_code, export_dir=export_dir,
                          gradient_checkpointing=gradient_checkpointing, fsdp_mixed_precision=fsdp_mixed_precision,
-                         aggregation=aggregation)
+                         aggregation=aggregation, max_nonfinite_steps=max_nonfinite_steps)
         self.kappa, self.rho, self.tdur = kappa, rho, tdur
         self.reward_fn = reward if reward is not None else EpisodeReward()
         self.advantage_eps = advantage_eps
-        self._step_stats: dict[str, float] = {}  # hybrid-loss statistics of the current step (logged)
+        self._step_stats: dict[str, RankStat] = self._new_step_stats()  # of the current step, this rank (logged)
 
     # ----------------------------------------------------------------------------------- the objective
     @staticmethod
@@ -317,10 +318,11 @@ class ATODModule(OPDModule):
         rewards = compute_rewards(self.reward_fn, batch)
         groups = group_advantages(rewards, batch.group_id, self.advantage_eps)
         finite = torch.isfinite(rewards)
-        stats = {"grpo/reward_mean": float(rewards[finite].mean()) if bool(finite.any()) else 0.0,
-                 "grpo/groups": float(groups.groups), "grpo/equal_reward_groups": float(groups.equal_groups),
-                 "grpo/equal_reward_share": groups.equal_groups / max(groups.groups, 1),
-                 "grpo/invalid_rewards": float(groups.invalid_rewards), "grpo/invalid_groups": float(groups.invalid_groups)}
+        stats: dict[str, RankStat] = {  # this rank's sums and counts (F27: reduced over ranks in step_extras)
+            "grpo/reward_mean": Mean(float(rewards[finite].sum()), float(finite.sum()), empty=0.0),
+            "grpo/groups": Sum(groups.groups), "grpo/equal_reward_groups": Sum(groups.equal_groups),
+            "grpo/equal_reward_share": Mean(groups.equal_groups, groups.groups, empty=0.0),
+            "grpo/invalid_rewards": Sum(groups.invalid_rewards), "grpo/invalid_groups": Sum(groups.invalid_groups)}
         out = replace(batch, advantage=groups.advantage.to(batch.input_ids.device))
         if self.needs_old_logprobs:
             old = student_logprobs if student_logprobs is not None else self.student_logprobs(batch)
@@ -330,7 +332,8 @@ class ATODModule(OPDModule):
                 tw = tdur_weights(old, self.teacher_logprobs(batch), mask, batch.turn_index[:, 1:])
                 w = tw.token_weight.float()
                 out = replace(out, turn_weight=torch.cat([torch.ones_like(w[:, :1]), w], dim=1))
-                stats["tdur/mean_weight"] = tw.mean_weight(mask.sum(1) > 0)
+                present = tw.present & (mask.sum(1) > 0)[:, None]  # the (episode, turn) pairs of mean_weight
+                stats["tdur/mean_weight"] = Mean(float(tw.turn_weight[present].sum()), float(present.sum()), empty=0.0)
         self._step_stats.update(stats)
         return out
 
@@ -345,8 +348,15 @@ class ATODModule(OPDModule):
 
     # ------------------------------------------------------------------------------ OPDModule's hooks
     def training_step(self, dataloader_iter):
-        self._step_stats = {}
+        self._step_stats = self._new_step_stats()
         return super().training_step(dataloader_iter)
+
+    @staticmethod
+    def _new_step_stats() -> dict[str, RankStat]:
+        """The ``ppo/`` statistics of a step before its first micro-batch, on every rank (the same keys on every
+        rank, also one without supervised tokens: :meth:`step_extras` reduces them over ranks)."""
+        return {"ppo/clip_frac": Mean(0.0, 0.0), "ppo/ratio_mean": Mean(0.0, 0.0),
+                "ppo/ratio_min": Min(float("inf")), "ppo/ratio_max": Max(float("-inf"))}
 
     def prepare_batch(self, batch: RolloutBatch, student_logprobs: torch.Tensor | None) -> RolloutBatch:
         """:meth:`prepare_hybrid`: advantages, old log-probs and T-DUR, fixed for all updates of the batch."""
@@ -367,19 +377,19 @@ class ATODModule(OPDModule):
         ratio, clipped = self.loss_fn.ratio_stats(out, **inputs)
         ratio, st = ratio[keep].double(), self._step_stats
         if ratio.numel():
-            st["_tokens"] = st.get("_tokens", 0.0) + ratio.numel()
-            st["_ratio_sum"] = st.get("_ratio_sum", 0.0) + float(ratio.sum())
-            st["_clipped"] = st.get("_clipped", 0.0) + float(clipped[keep].sum())
-            st["ppo/ratio_min"] = min(st.get("ppo/ratio_min", float("inf")), float(ratio.min()))
-            st["ppo/ratio_max"] = max(st.get("ppo/ratio_max", float("-inf")), float(ratio.max()))
+            n = ratio.numel()
+            st["ppo/clip_frac"] = Mean(st["ppo/clip_frac"].total + float(clipped[keep].sum()), st["ppo/clip_frac"].count + n)
+            st["ppo/ratio_mean"] = Mean(st["ppo/ratio_mean"].total + float(ratio.sum()), st["ppo/ratio_mean"].count + n)
+            st["ppo/ratio_min"] = Min(min(st["ppo/ratio_min"].value, float(ratio.min())))
+            st["ppo/ratio_max"] = Max(max(st["ppo/ratio_max"].value, float(ratio.max())))
 
     def step_extras(self) -> dict[str, float]:
-        """``grpo/*``, ``tdur/*`` and ``ppo/*`` of the step (this rank), ``train/kappa``, ``train/rho``."""
-        st = self._step_stats
-        values = {k: v for k, v in st.items() if not k.startswith("_")}
+        """``grpo/*``, ``tdur/*`` and ``ppo/*`` of the step over all ranks' episodes, groups and tokens (sums and
+        counts reduced, then divided: F27; collectives every rank reaches, with the same keys on every rank),
+        ``train/kappa``, ``train/rho``. The ``ppo/`` ratio statistics are left out when no rank had a supervised
+        token."""
+        values = all_ranks(self._step_stats, self.reduce_sum, self.reduce_max, self.device)
+        values = {k: v for k, v in values.items() if not (k.startswith("ppo/") and v != v)}  # NaN: no token anywhere
         values.update({"train/kappa": float(self.kappa), "train/rho": float(self.rho),
                        "ppo/updates": float(self.updates_per_batch)})
-        if st.get("_tokens"):
-            values["ppo/clip_frac"] = st["_clipped"] / st["_tokens"]
-            values["ppo/ratio_mean"] = st["_ratio_sum"] / st["_tokens"]
         return values

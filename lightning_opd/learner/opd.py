@@ -26,8 +26,12 @@ fixed order (:mod:`lightning_opd.losses.weighting`), installed by their callback
 no optimizer step was taken, docs/algorithms.md §1.5):
 Lightning hands that dict to every callback's ``on_train_batch_end`` as ``outputs``; ``turn_stats``
 (:class:`~lightning_opd.metrics.turn_stats.TurnStats`) holds the step's per-sample, per-turn sums on this
-rank (what the rollout-depth controller reads), ``freshness`` what the freshness weighting measured (what
-the staleness monitor reads).
+rank (what the rollout-depth controller reads; ``None`` after a step with a non-finite update, F28), ``freshness``
+what the freshness weighting measured (what the staleness monitor reads).
+
+F28: an optimizer update whose loss or gradient is not finite on any rank is skipped on every rank (weights, optimizer
+state and LR unchanged) and counted (``train/nonfinite_steps_skipped``); ``max_nonfinite_steps`` in a row stop the
+run (:mod:`lightning_opd.learner.nonfinite`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import Any, Callable, Iterator
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from lightning_opd.learner.nonfinite import NonFiniteGuard
 from lightning_opd.learner.policy import PolicyModule, check_dtype, check_optimizer
 from lightning_opd.learner.step_metrics import StepMetrics, StepRecord
 from lightning_opd.losses.aggregation import aggregate_token_loss, sequence_token_weights, supervised_sequences
@@ -120,6 +125,9 @@ class OPDModule(PolicyModule):
         aggregation: ``"token"`` (default, docs/algorithms.md §0.5: the mean over the step's supervised tokens)
             or ``"sequence"`` (§0.5's option, ATOD as published: the mean over the step's sequences of each
             sequence's token mean); both are independent of micro-batching and ranks (F07).
+        max_nonfinite_steps: an optimizer update whose loss or gradient is NaN/inf (on any rank) is skipped, weights
+            and optimizer state unchanged, and counted (``train/nonfinite_steps_skipped``); this many in a row stop
+            the run with :class:`~lightning_opd.learner.nonfinite.NonFiniteUpdateError` (optimizer updates, >= 1; F28).
 
     Raises:
         TokenizerMismatchError: at setup, when the teacher's tokenizer differs from the student's.
@@ -128,7 +136,8 @@ class OPDModule(PolicyModule):
         ValueError: a non-positive ``micro_batch_size``, ``micro_batch_tokens``, ``max_logged_turns`` or learning
             rate; both ``micro_batch_size`` and ``micro_batch_tokens`` set; an unknown
             ``dtype``, ``teacher_dtype`` or ``aggregation`` (at construction, before any weights load); ``loss: ClippedSurrogate``
-            (ATOD's objective: use ``ATODModule``).
+            (ATOD's objective: use ``ATODModule``); ``max_nonfinite_steps < 1``.
+        NonFiniteUpdateError: in fit, ``max_nonfinite_steps`` updates in a row with a non-finite loss or gradient.
     """
 
     def __init__(self, student: str, teacher: str, loss: TokenDivergence | None = None,
@@ -137,7 +146,7 @@ class OPDModule(PolicyModule):
                  teacher_dtype: str | None = None, max_logged_turns: int = 16, log_text_every_n_steps: int = 10,
                  strict_on_policy: bool = True, trust_remote_code: bool = False, export_dir: str | None = None,
                  gradient_checkpointing: bool = False, fsdp_mixed_precision: str | None = None,
-                 micro_batch_tokens: int | None = None, aggregation: str = "token") -> None:
+                 micro_batch_tokens: int | None = None, aggregation: str = "token", max_nonfinite_steps: int = 3) -> None:
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"model.init_args.aggregation={aggregation!r}: use one of {AGGREGATIONS} (token: the "
                              "mean over the step's supervised tokens, docs/algorithms.md §0.5; sequence: the mean "
@@ -157,6 +166,8 @@ class OPDModule(PolicyModule):
         check_optimizer(self.optimizer_factory)
         self.lr_scheduler_factory = lr_scheduler
         self.grad_clip_norm = grad_clip_norm
+        #: F28: skips and counts optimizer updates with a non-finite loss or gradient, stops after a streak
+        self.nonfinite = NonFiniteGuard(max_nonfinite_steps)
         self.strict_on_policy = strict_on_policy
         self.step_metrics = StepMetrics(max_logged_turns, log_text_every_n_steps)
         #: loss-side token weightings, applied in this order (:mod:`lightning_opd.losses.weighting`)
@@ -258,14 +269,17 @@ class OPDModule(PolicyModule):
         return values
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Also saves the rollout totals (``rollout_totals``: generated, used; the same on every rank)."""
+        """Also saves the rollout totals (``rollout_totals``: generated, used; the same on every rank) and the
+        non-finite update counts (``nonfinite_steps``: skipped, in_a_row; the same on every rank)."""
         super().on_save_checkpoint(checkpoint)
         checkpoint["rollout_totals"] = dict(self.rollout_totals)
+        checkpoint["nonfinite_steps"] = self.nonfinite.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
         totals = checkpoint.get("rollout_totals", {})
         self.rollout_totals = {k: int(totals.get(k, 0)) for k in ("generated", "used")}
+        self.nonfinite.load_state_dict(checkpoint.get("nonfinite_steps", {}))
 
     def updates(self, batch: RolloutBatch) -> list[tuple[int, RolloutBatch]]:
         """``(epoch, part)`` of every optimizer update of the step, in order. OPD: one update on the whole batch."""
@@ -589,6 +603,37 @@ class OPDModule(PolicyModule):
             kept=batch.loss_mask[:, 1:].sum(1) > 0)
         return sums, stats
 
+    def apply_update(self, opt, sched, loss: torch.Tensor, clip: float, filtered: bool) -> torch.Tensor:
+        """Clip the accumulated gradients and take the optimizer and LR-scheduler step, unless the update is skipped.
+
+        Skipped (no ``optimizer.step()``, no scheduler step: weights, AdamW's moments and step count and the LR stay
+        as they are; Lightning still counts the step: ``global_step``, so ``max_steps`` ends the run):
+
+        * ``filtered``: the freshness filter kept no supervised token on any rank (§1.5);
+        * F28: this rank's ``loss`` or the global gradient norm is NaN/inf on any rank (one all-reduce, so every
+          rank skips together), counted by :attr:`nonfinite`, which raises after ``max_nonfinite_steps`` in a row.
+
+        Returns:
+            the global gradient L2 norm before clipping (a plain tensor, also under FSDP2).
+        """
+        params = [p for p in self.student.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # clip_grad_norm_ = this + the clip below
+        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+        bad = self.nonfinite.check(loss.detach(), full, self.student.named_parameters, self.reduce_sum,
+                                   self.global_rank, self.trainer.world_size)
+        if filtered or bad is not None:
+            if bad is not None:  # may raise NonFiniteUpdateError (on every rank alike)
+                self.nonfinite.skip(self.trainer.global_step, bad)
+            opt._on_before_step()
+            opt._on_after_step()
+            return full
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        self.nonfinite.applied()
+        return full
+
     def training_step(self, dataloader_iter: Iterator) -> dict[str, Any]:
         """One rollout batch: pulled now, checked (on-policy), planned, prepared, trained on with
         :meth:`updates` optimizer updates; ``policy_version += 1``.
@@ -596,11 +641,14 @@ class OPDModule(PolicyModule):
         An update whose samples the freshness filter (M2) all dropped, on every rank, is skipped (PROPOSED,
         docs/algorithms.md §1.5): no ``optimizer.step()`` and no LR-scheduler step, so weights and optimizer
         state are unchanged; Lightning still counts it as an optimizer step (``global_step``, ``max_steps``), and
-        ``policy_version`` still moves by 1 (a rollout iteration; the weights equal the previous version's).
+        ``policy_version`` still moves by 1 (a rollout iteration; the weights equal the previous version's). So is an
+        update whose loss or gradient is not finite on any rank (F28, :meth:`apply_update`), which is also counted;
+        ``max_nonfinite_steps`` of them in a row raise :class:`~lightning_opd.learner.nonfinite.NonFiniteUpdateError`.
 
         Returns:
-            ``{"loss": the step loss (detached by Lightning), "turn_stats": the step's TurnStats on this rank,
-            "skipped_update": whether every update of the step was skipped, "freshness": the freshness
+            ``{"loss": the step loss (detached by Lightning), "turn_stats": the step's TurnStats on this rank
+            (``None``, on every rank, when an update of the step was skipped for a non-finite loss or gradient),
+            "skipped_update": whether the freshness filter skipped every update of the step, "freshness": the freshness
             weighting's FreshnessReport of the step (``None`` without it)}``, what callbacks get as ``outputs``
             in ``on_train_batch_end``.
         """
@@ -618,24 +666,15 @@ class OPDModule(PolicyModule):
         clip = self.grad_clip_norm if self.grad_clip_norm is not None else float("inf")
         step_tokens = self.reduce_sum(batch.loss_mask[:, 1:].sum().to(self.device))
         totals, norms, turn_stats, epochs, skipped = None, [], [], 0, 0
+        nonfinite_before = self.nonfinite.skipped
         for epoch, part in self.updates(batch):
             part_tokens = step_tokens if part is batch else self.reduce_sum(
                 part.loss_mask[:, 1:].sum().to(self.device))  # §0.5 per update: its own tokens
             sums, stats = self.backward_step(part, self.loss_denominator(part, part_tokens), self.manual_backward,
                                              self.trainer.world_size)
-            norm = torch.nn.utils.clip_grad_norm_(self.student.parameters(), clip)
-            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
-            if self.freshness is not None and self.freshness.filtering and int(part_tokens) == 0:
-                # §1.5: the filter kept no supervised token on any rank (part_tokens is all-reduced): no update, so
-                # weights and optimizer state (AdamW's moments and step) stay as they are and the LR scheduler does
-                # not move; Lightning still counts the step (global_step, so max_steps ends the run)
-                opt._on_before_step()
-                opt._on_after_step()
-                skipped += 1
-            else:
-                opt.step()
-                if sched is not None:
-                    sched.step()
+            filtered = self.freshness is not None and self.freshness.filtering and int(part_tokens) == 0
+            norms.append(self.apply_update(opt, sched, sums["loss"], clip, filtered))
+            skipped += filtered
             opt.zero_grad(set_to_none=True)
             totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
             if epoch == 0:
@@ -651,7 +690,8 @@ class OPDModule(PolicyModule):
         self._notify_policy_update()
         t2 = time.perf_counter()
         self.step_metrics.log_step(self, StepRecord(batch, sums, step_tokens, grad_norm, max_lag, t1 - t0, t2 - t1,
-                                                    stats, self.step_extras()))
+                                                    stats, self.step_extras(), self.nonfinite.skipped))
         self.log_rollout_counts(batch)
-        return {"loss": sums["loss"], "turn_stats": stats, "skipped_update": skipped == n_updates,
+        measured = self.nonfinite.skipped == nonfinite_before  # F28: a NaN step's per-turn KL is no measurement
+        return {"loss": sums["loss"], "turn_stats": stats if measured else None, "skipped_update": skipped == n_updates,
                 "freshness": self.freshness.report() if self.freshness is not None else None}

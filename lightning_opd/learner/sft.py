@@ -104,9 +104,18 @@ class SFTModule(PolicyModule):
         lp = log_probs(logits)
         nll = -lp.gather(-1, batch.input_ids[:, 1:].index_select(1, cols).unsqueeze(-1)).squeeze(-1)  # (B, K)
         loss = aggregate_token_loss(nll, mask.index_select(1, cols), mask.sum())
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch.size)
-        self.log("train/supervised_tokens", mask.sum(), batch_size=batch.size)
+        self._log_step(loss, mask.sum(), batch.size)
         return loss
+
+    def _log_step(self, loss: torch.Tensor, tokens: torch.Tensor, episodes: int) -> None:
+        """Log ``train/loss`` (nats/token) and ``train/supervised_tokens`` over all data-parallel ranks' reply tokens
+        (F27): each rank's loss sum and token count are summed over ranks, then divided (one all-reduce, every rank)."""
+        if self.trainer.world_size > 1:
+            total = self.trainer.strategy.reduce(torch.stack([loss.detach().float() * tokens, tokens.float()]),
+                                                 reduce_op="sum")
+            loss, tokens = total[0] / total[1].clamp(min=1), total[1]
+        self.log("train/loss", loss, prog_bar=True, batch_size=episodes)
+        self.log("train/supervised_tokens", tokens, batch_size=episodes)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.policy_version += 1

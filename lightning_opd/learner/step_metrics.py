@@ -13,20 +13,25 @@ Metric glossary (logged every step):
 | ``train/grad_norm`` | - | global L2 norm before clipping |
 | ``train/lr`` | - | learning rate |
 | ``train/supervised_tokens`` | tokens | per step, all ranks |
-| ``rollout/*`` | see ``lightning_opd.rollout.batch.rollout_stats`` | per batch |
-| ``rollout/lag`` | policy versions | max over the batch of learner version - behaviour version |
+| ``train/nonfinite_steps_skipped`` | optimizer updates | updates skipped so far in this fit (resumed runs included) because the loss or a gradient was not finite (F28) |
+| ``rollout/*`` | see ``lightning_opd.rollout.batch.rollout_stats`` | per batch: means over all ranks' episodes (sums and counts reduced, F27); ``env_errors`` summed |
+| ``rollout/lag`` | policy versions | max over all ranks' batches of learner version - behaviour version |
 | ``timing/rollout_s``, ``timing/update_s`` | seconds | per step |
 | ``turn/survivors_NN`` | episodes | episodes of the step (all ranks) still running at turn NN (TurnOPD §4); 0 once none reach it |
 | ``turn/token_share_NN``, ``turn/loss_share_NN`` | fraction | turn NN's share of supervised tokens / of ``sum m w l`` |
 | ``train/kappa``, ``train/rho`` | - | ATODModule only: the coefficients the step trained with |
-| ``grpo/reward_mean`` | reward units | mean episode reward of the batch (this rank) |
-| ``grpo/groups``, ``grpo/equal_reward_groups`` | groups | groups in the batch / of them with all rewards equal (advantage 0) |
+| ``grpo/reward_mean`` | reward units | mean episode reward over all ranks' episodes with a finite reward |
+| ``grpo/groups``, ``grpo/equal_reward_groups`` | groups | groups in the batch / of them with all rewards equal (advantage 0), all ranks |
 | ``grpo/equal_reward_share`` | fraction | ``equal_reward_groups / groups``: the share of groups with no GRPO signal |
-| ``grpo/invalid_rewards``, ``grpo/invalid_groups`` | episodes, groups | non-finite rewards and their groups (advantage 0, F13 fallback) |
-| ``ppo/clip_frac`` | fraction | supervised tokens in the clipped region, over all updates of the step |
+| ``grpo/invalid_rewards``, ``grpo/invalid_groups`` | episodes, groups | non-finite rewards and their groups (advantage 0, F13 fallback), all ranks |
+| ``ppo/clip_frac`` | fraction | supervised tokens in the clipped region, over all updates of the step and all ranks |
 | ``ppo/ratio_mean``, ``ppo/ratio_min``, ``ppo/ratio_max`` | - | importance ratio pi_theta/pi_old over the same tokens |
 | ``ppo/updates`` | optimizer updates | per rollout batch (``ppo_epochs * ppo_mini_batches``) |
-| ``tdur/mean_weight`` | - | mean T-DUR turn weight over the batch's (episode, turn) pairs (with ``tdur``) |
+| ``tdur/mean_weight`` | - | mean T-DUR turn weight over all ranks' (episode, turn) pairs (with ``tdur``) |
+
+Every mean over episodes or tokens is the mean over all data-parallel ranks' episodes or tokens: each
+rank's sum and count are summed over ranks, then divided (:mod:`lightning_opd.metrics.rank_stats`, F27).
+``timing/*`` are this rank's (the logger writes rank 0's).
 
 With several updates per batch, ``train/loss`` and ``train/grad_norm`` are means over the updates and
 ``train/kl``, ``train/entropy`` means over all updates' supervised tokens.
@@ -41,8 +46,9 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_opd.metrics.per_turn import PerTurnMean
+from lightning_opd.metrics.rank_stats import Max, Mean, RankStat, Sum, all_ranks
 from lightning_opd.metrics.turn_stats import TurnStats
-from lightning_opd.rollout.batch import RolloutBatch, rollout_stats
+from lightning_opd.rollout.batch import ROLLOUT_COUNTS, RolloutBatch, rollout_sums
 
 
 @dataclass
@@ -54,10 +60,12 @@ class StepRecord:
         sums: detached sums on this rank: ``loss`` (nats), ``kl`` and ``entropy`` (summed over supervised tokens).
         step_tokens: supervised tokens of the step on all ranks (tokens).
         grad_norm: global gradient L2 norm before clipping (mean over the step's updates).
-        max_lag: largest lag of the batch (policy versions).
+        max_lag: largest lag of the batch on this rank (policy versions).
         rollout_s, update_s: seconds spent waiting for the batch and training on it.
         turn_stats: the step's per-sample, per-turn sums on this rank (first epoch's updates).
-        extra: further scalars of the step (e.g. ATOD's ``grpo/*``, ``ppo/*``), logged as they are.
+        extra: further scalars of the step (e.g. ATOD's ``grpo/*``, ``ppo/*``), logged as they are (already
+            reduced over ranks).
+        nonfinite_skipped: optimizer updates skipped so far because the loss or a gradient was not finite (F28).
     """
 
     batch: RolloutBatch
@@ -69,6 +77,7 @@ class StepRecord:
     update_s: float
     turn_stats: TurnStats
     extra: dict[str, float] = field(default_factory=dict)
+    nonfinite_skipped: int = 0
 
 
 class StepMetrics(torch.nn.Module):
@@ -111,11 +120,11 @@ class StepMetrics(torch.nn.Module):
             "train/lr": torch.tensor(module.optimizers().param_groups[0]["lr"]),
             "train/supervised_tokens": record.step_tokens.float(),
             "train/policy_version": torch.tensor(float(module.policy_version)),
-            "rollout/lag": torch.tensor(float(record.max_lag)),
+            "train/nonfinite_steps_skipped": torch.tensor(float(record.nonfinite_skipped)),
             "timing/rollout_s": torch.tensor(record.rollout_s),
             "timing/update_s": torch.tensor(record.update_s),
         }
-        scalars.update({f"rollout/{k}": torch.tensor(v) for k, v in rollout_stats(batch.trajectories).items()})
+        scalars.update({k: torch.tensor(v) for k, v in self._rollout_values(module, record).items()})
         for key, value in scalars.items():
             module.log(key, value, batch_size=n, prog_bar=key in ("rollout/success", "train/kl"))
         turn = self.turn_kl.compute()
@@ -130,6 +139,17 @@ class StepMetrics(torch.nn.Module):
         every = self.log_text_every_n_steps
         if every and (module.policy_version - 1) % every == 0 and module.trainer.is_global_zero:
             self._log_episode_text(module, batch)
+
+    @staticmethod
+    def _rollout_values(module: L.LightningModule, record: StepRecord) -> dict[str, float]:
+        """``rollout/*`` over all ranks' episodes (F27): this rank's sums and episode count reduced, then
+        divided (0 when no rank has an episode, as :func:`~lightning_opd.rollout.batch.rollout_stats`);
+        ``rollout/env_errors`` summed, ``rollout/lag`` the maximum. Collectives every rank reaches."""
+        trajs = record.batch.trajectories
+        stats: dict[str, RankStat] = {f"rollout/{k}": Sum(v) if k in ROLLOUT_COUNTS else Mean(v, len(trajs), empty=0.0)
+                                      for k, v in rollout_sums(trajs).items()}
+        stats["rollout/lag"] = Max(float(record.max_lag))
+        return all_ranks(stats, module.reduce_sum, module.reduce_max, module.device)
 
     def _log_turn_shares(self, module: L.LightningModule, stats: TurnStats, n: int) -> None:
         """TurnOPD §4 diagnostics, summed over ranks: ``turn/survivors_NN`` (episodes still running at

@@ -150,7 +150,7 @@ class FreshnessReport:
             ``dropped_by_lag_bound`` (dropped samples whose own lag exceeds Δ_max), ``dropped_by_freshness`` (dropped
             samples within Δ_max whose own f < f_min; the rest of ``dropped_samples`` went with a group member),
             ``would_drop_samples`` (what M2 would drop with the current bound, also when it is off) -- this rank's
-            statistics, NaN without samples -- and,
+            statistics, NaN without samples (``StalenessMonitor`` logs them over all ranks, F27) -- and,
             the same on every rank: ``freshness_mean`` (supervised-token-weighted mean f over **all** samples of
             the step before filtering, all ranks: what the adaptive bound reads; the plain sample mean when no
             sample has a supervised token, NaN without samples), ``freshness_kept_mean`` (M1's f̄ over the kept
@@ -331,3 +331,11 @@ class FreshnessWeighting:
         if self.truncated_ratio and n:
             stats["ratio_mean"], stats["ratio_clip_frac"] = total / n, clipped / n
         return replace(self._report, stats=stats)
+
+    @property
+    def ratio_sums(self) -> tuple[float, float, float]:
+        """This rank's M3 sums since :meth:`plan`: ``(sum of ratios, clipped tokens, tokens)`` over the supervised
+        tokens of every :meth:`token_weights` call (what ``ratio_mean`` and ``ratio_clip_frac`` divide; summed over
+        ranks when logged, F27)."""
+        total, clipped, n = self._ratio
+        return float(total), float(clipped), float(n)

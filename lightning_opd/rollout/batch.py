@@ -226,6 +226,32 @@ def collate_trajectories(trajs: list[Trajectory], sampling: SamplingParams, pad_
     )
 
 
+#: keys of :func:`rollout_sums` that are counts (logged as sums); every other key is a mean per episode
+ROLLOUT_COUNTS = ("env_errors",)
+
+
+def rollout_sums(trajs: list[Trajectory]) -> dict[str, float]:
+    """Sums over the episodes of a batch (all episodes, empty ones included) of what :func:`rollout_stats`
+    reports: divided by the episodes, summed over ranks first when logged (F27), they give its means.
+
+    Keys as :func:`rollout_stats`'s, each a sum over episodes (``success``: episodes won, ``turns``: turns
+    played, ``reward``: points, ...); ``env_errors`` (in :data:`ROLLOUT_COUNTS`) is a count either way.
+    """
+    return {
+        "success": float(sum(t.success for t in trajs)),
+        "turns": float(sum(t.num_turns for t in trajs)),
+        "tokens": float(sum(t.num_tokens for t in trajs)),
+        "assistant_tokens": float(sum(t.num_assistant_tokens for t in trajs)),
+        "invalid_actions": float(sum(t.invalid_actions for t in trajs)),
+        "cut_replies": float(sum(t.cut_replies for t in trajs)),
+        "truncated": float(sum(t.truncated for t in trajs)),
+        "env_errors": float(sum(t.env_error for t in trajs)),
+        "reward": float(sum(t.total_reward for t in trajs)),
+        "prefill_tokens": float(sum(t.prefill_tokens for t in trajs)),
+        "cached_prompt_tokens": float(sum(t.cached_prompt_tokens for t in trajs)),
+    }
+
+
 def rollout_stats(trajs: list[Trajectory]) -> dict[str, float]:
     """Episode statistics of a batch (all episodes, empty ones included).
 
@@ -235,18 +261,7 @@ def rollout_stats(trajs: list[Trajectory]) -> dict[str, float]:
     ``truncated`` (fraction), ``env_errors`` (count), ``reward`` (mean total reward, points),
     ``prefill_tokens`` and ``cached_prompt_tokens`` (mean per episode over its turns: prompt tokens the generator
     prefilled, and those it served from a cache: HF's KV cache kept between turns, vLLM's prefix cache).
+    These are this batch's values; ``OPDModule`` logs them over all ranks' episodes (:func:`rollout_sums`).
     """
     n = max(1, len(trajs))
-    return {
-        "success": sum(t.success for t in trajs) / n,
-        "turns": sum(t.num_turns for t in trajs) / n,
-        "tokens": sum(t.num_tokens for t in trajs) / n,
-        "assistant_tokens": sum(t.num_assistant_tokens for t in trajs) / n,
-        "invalid_actions": sum(t.invalid_actions for t in trajs) / n,
-        "cut_replies": sum(t.cut_replies for t in trajs) / n,
-        "truncated": sum(t.truncated for t in trajs) / n,
-        "env_errors": float(sum(t.env_error for t in trajs)),
-        "reward": sum(t.total_reward for t in trajs) / n,
-        "prefill_tokens": sum(t.prefill_tokens for t in trajs) / n,
-        "cached_prompt_tokens": sum(t.cached_prompt_tokens for t in trajs) / n,
-    }
+    return {k: v if k in ROLLOUT_COUNTS else v / n for k, v in rollout_sums(trajs).items()}
