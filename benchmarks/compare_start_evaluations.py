@@ -3,7 +3,7 @@
 Used when a student is rebuilt on another kind of CPU and its files (sha256) differ from the experiment's recorded
 start (lightning_opd/cpu_isa.py): if its greedy episodes are the recorded student's on every task and the
 teacher-trajectory KL agrees to rounding, the runner may be told to continue it (``equivalents`` in the
-experiment's ``start/start.json``; lightning_opd/evaluation/runner.py). Prints the count of tasks with identical
+experiment's ``start/start.json``; lightning_opd/experiments/runner.py). Prints the count of tasks with identical
 greedy replies and equal success, both success rates and turn means, and the largest per-task difference of the
 teacher-trajectory KL (nats/token). Exit status 0 if every task's replies are identical, 1 otherwise.
 

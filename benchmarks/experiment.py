@@ -3,7 +3,7 @@ process with checkpoints every N steps, the checkpoints evaluated afterwards by 
 in a separate process, and the arms compared with paired bootstrap CIs at the end. Stop it at any
 moment and run the same command again to continue; finished (arm, seed) pairs are never rerun.
 
-The experiment file format and the folder layout: lightning_opd/evaluation/runner.py.
+The experiment file format and the folder layout: lightning_opd/experiments/runner.py.
 Example: benchmarks/experiments/opd_seeds.yaml (the demo's OPD, 3 seeds, all 50 held-out games).
 
 Run: .venv/bin/python -m benchmarks.experiment benchmarks/experiments/opd_seeds.yaml
@@ -16,7 +16,7 @@ lightning_opd/evaluation/curves.py)
 
 from __future__ import annotations
 
-from lightning_opd.evaluation.runner import main
+from lightning_opd.experiments.runner import main
 
 if __name__ == "__main__":
     main()

@@ -232,15 +232,14 @@ def load_student(name: str, path: str, base: str | None, dtype: str, device: tor
     process; ``torch.load(weights_only=True)``, F15); its ``state_dict`` entries ``student.*`` are loaded
     (strict) into the model at ``base`` (the ``model.init_args.student`` the run started from), whose
     tokenizer is used; its training seconds come from its ``Timer`` state
-    (:func:`~.checkpointing.train_seconds`), its rollouts generated and used so far from ``rollout_totals``
-    (``OPDModule.log_rollout_counts``).
+    (:func:`~lightning_opd.models.checkpoints.train_seconds`), its rollouts generated and used so far from
+    ``rollout_totals`` (``OPDModule.log_rollout_counts``).
 
     Raises:
         FileNotFoundError: ``path`` is neither a model directory nor a checkpoint.
         ValueError: a checkpoint without ``base`` or without ``student.*`` weights.
     """
-    from lightning_opd.evaluation.checkpointing import train_seconds
-    from lightning_opd.models.checkpoints import is_checkpoint, read_policy_checkpoint
+    from lightning_opd.models.checkpoints import is_checkpoint, read_policy_checkpoint, train_seconds
     from lightning_opd.models.loading import load_causal_lm, load_tokenizer
 
     p = Path(path)

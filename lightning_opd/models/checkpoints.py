@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:  # torch is imported where checkpoints are read: the experiment runner checks paths without it
     import torch
@@ -58,6 +58,18 @@ def sharded_checkpoint_note(path: str | os.PathLike) -> str:
             f"`lightning-opd evaluate --students {path} --base <the run's model.init_args.student>` (the shards "
             "are consolidated on load), or turn it into one checkpoint file with "
             f"`{CONSOLIDATE_COMMAND.format(path=path)}`")
+
+
+def train_seconds(checkpoint: Mapping[str, Any]) -> float | None:
+    """Training seconds recorded in a loaded Lightning checkpoint dict by a
+    :class:`~lightning.pytorch.callbacks.Timer` (``checkpoint["callbacks"]["Timer"]["time_elapsed"]["train"]``,
+    seconds from ``on_train_start`` to the save; the experiment runner adds the Timer to every fit,
+    :mod:`lightning_opd.experiments.checkpointing`), or ``None`` when the fit ran without one."""
+    timer = (checkpoint.get("callbacks") or {}).get("Timer")
+    if not isinstance(timer, Mapping):
+        return None
+    value = (timer.get("time_elapsed") or {}).get("train")
+    return None if value is None else float(value)
 
 
 def read_policy_checkpoint(path: str | os.PathLike, prefix: str = "student.") -> tuple[dict[str, torch.Tensor],

@@ -2,8 +2,8 @@
 contract the runner relies on (``--print_config``, ``--ckpt_path``, the runner overlay's checkpoint
 folder and interval, ``--out``) without a model, and appends every call to ``$FAKE_CALLS``.
 
-    python tests/evaluation/fake_lopd.py fit --config ... [--trainer.max_steps=N] [--ckpt_path=...]
-    python tests/evaluation/fake_lopd.py evaluate --students LABEL=CKPT --seeds K --out FILE ...
+    python tests/experiments/fake_lopd.py fit --config ... [--trainer.max_steps=N] [--ckpt_path=...]
+    python tests/experiments/fake_lopd.py evaluate --students LABEL=CKPT --seeds K --out FILE ...
         (LABEL ``start``: the runner's starting student, a model folder that is not read: step 0, no seconds)
 
 Fit: one step every ``$FAKE_STEP_SECONDS`` seconds up to ``trainer.max_steps`` (default 4), a checkpoint

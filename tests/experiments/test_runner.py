@@ -1,6 +1,6 @@
-"""The experiment runner (lightning_opd.evaluation.runner): killed at any moment and rerun, finished (arm, seed)
+"""The experiment runner (lightning_opd.experiments.runner): killed at any moment and rerun, finished (arm, seed)
 pairs are never rerun and unfinished fits resume from their last checkpoint; with a fake ``fit``/``evaluate``
-(tests/evaluation/fake_lopd.py) for the kill tests and the real commands on the tiny models end to end."""
+(tests/experiments/fake_lopd.py) for the kill tests and the real commands on the tiny models end to end."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from lightning_opd.cpu_isa import cpu_name
-from lightning_opd.evaluation.runner import Arm, Experiment, Runner, files_sha256, load_experiment
+from lightning_opd.experiments.runner import Arm, Experiment, Runner, files_sha256, load_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_lopd.py"))]
@@ -245,7 +245,7 @@ def test_keep_checkpoints_false_deletes_a_pairs_checkpoints_once_it_is_done(tmp_
 def test_summary_of_some_arms_uses_the_seeds_they_all_have(tmp_path, monkeypatch):
     """``--summary --arms``: the claim's arms over every seed they share while another arm lacks one; written
     beside the full summary (which keeps only the seed every arm has), with the contrasts among those arms."""
-    from lightning_opd.evaluation.runner import main
+    from lightning_opd.experiments.runner import main
     monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
     arm = {"overrides": ["--trainer.max_steps=2"]}
     path = spec(tmp_path, 0, arms={"a": arm, "b": arm, "c": arm}, contrasts=[["b", "a"], ["c", "a"]])
@@ -268,7 +268,7 @@ def test_summary_of_some_arms_uses_the_seeds_they_all_have(tmp_path, monkeypatch
 def test_a_run_with_arms_fits_only_those_pairs_and_a_later_run_adds_the_rest(tmp_path, monkeypatch):
     """A run with ``--arms``: only those arms' pairs, seed by seed; the comparison of every arm waits for a full
     run, which then fits only the pairs still missing."""
-    from lightning_opd.evaluation.runner import main
+    from lightning_opd.experiments.runner import main
     monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
     arm = {"overrides": ["--trainer.max_steps=2"]}
     path = spec(tmp_path, 0, arms={"a": arm, "b": arm, "c": arm}, contrasts=[["c", "b"]])

@@ -1,4 +1,4 @@
-"""What the runner adds to every fit (lightning_opd/evaluation/checkpointing.py), with Lightning's own Trainer on
+"""What the runner adds to every fit (lightning_opd/experiments/checkpointing.py), with Lightning's own Trainer on
 its ``BoringModel``: the final step is checkpointed when the interval does not divide it, checkpoints carry the
 Timer's training seconds, and a fit resumed from a checkpoint whose seconds already exceed the budget stops
 at once (no fresh budget). No wall-clock is measured: the resumed seconds are written into the checkpoint."""
@@ -11,7 +11,8 @@ import torch
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_opd.evaluation.checkpointing import StepCheckpoint, train_seconds
+from lightning_opd.experiments.checkpointing import StepCheckpoint
+from lightning_opd.models.checkpoints import train_seconds
 
 pytestmark = pytest.mark.timeout(120)
 

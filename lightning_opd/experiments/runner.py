@@ -68,9 +68,9 @@ Child processes die with the runner (Linux ``PR_SET_PDEATHSIG``); a lock file st
 working on one experiment at once, and another (``<results>/.runner.lock``) two experiments under one results
 root (training seconds are only comparable on cores nothing else uses). At the end, once every pair is done, the runner prints ``lightning-opd compare`` of the
 last evaluated checkpoint of every arm (all seeds merged, paired by (task, seed)) and writes it to
-``<results>/<name>/compare.json``, then the summary over every evaluated checkpoint (:mod:`.curves`:
-success vs rollout iterations and training seconds, Same-Step, Least-Time, time to target, final and best)
-to ``summary.md`` and ``summary.json``. ``--summary`` writes that summary from what is evaluated so far.
+``<results>/<name>/compare.json``, then the summary over every evaluated checkpoint
+(:mod:`lightning_opd.evaluation.curves`: success vs rollout iterations and training seconds, Same-Step, Least-Time,
+time to target, final and best) to ``summary.md`` and ``summary.json``. ``--summary`` writes that summary from what is evaluated so far.
 """
 
 from __future__ import annotations
@@ -438,14 +438,14 @@ class Runner:
                        "init_args": {"save_dir": str(d), "name": "logs", "version": ""}},
             "callbacks+": [{"class_path": "lightning.pytorch.callbacks.Timer",
                             "init_args": {"duration": duration, "interval": "step"}},
-                           {"class_path": "lightning_opd.evaluation.checkpointing.StepCheckpoint",
+                           {"class_path": "lightning_opd.experiments.checkpointing.StepCheckpoint",
                             "init_args": {"dirpath": str(d / "checkpoints"), "filename": "step={step}",
                                           "auto_insert_metric_name": False,
                                           "every_n_train_steps": self.exp.every(arm),
                                           "save_top_k": -1, "save_last": "link", "enable_version_counter": False}}]},
             "model": {"init_args": {"export_dir": str(d / "student")}}}
         path = d / "runner_overlay.yaml"
-        header = "# written by lightning_opd.evaluation.runner: logs, checkpoints and export of this (arm, seed)\n"
+        header = "# written by lightning_opd.experiments.runner: logs, checkpoints and export of this (arm, seed)\n"
         write_atomic(path, header + yaml.safe_dump(overlay, sort_keys=False))
         return path
 
@@ -591,8 +591,9 @@ class Runner:
         return text
 
     def summarise_curves(self, arms: list[str] | None = None) -> str | None:
-        """The summary over every evaluated checkpoint (:mod:`.curves`), printed and written to ``summary.md``
-        and ``summary.json``; ``None`` (and a line saying why) when there is nothing to summarise yet.
+        """The summary over every evaluated checkpoint (:mod:`lightning_opd.evaluation.curves`), printed and
+        written to ``summary.md`` and ``summary.json``; ``None`` (and a line saying why) when there is nothing to
+        summarise yet.
 
         ``arms``: only these arms (in the experiment's order) and the contrasts between them, over the seeds they
         all have (e.g. the claim's arms once they have a seed the others lack); written to
@@ -633,7 +634,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="benchmarks.experiment",
                                 description="Run (or continue) an experiment: arms x seeds of `lightning-opd fit`, "
                                             "checkpoints evaluated afterwards, compared at the end.")
-    p.add_argument("experiment", help="experiment YAML (see lightning_opd/evaluation/runner.py)")
+    p.add_argument("experiment", help="experiment YAML (see lightning_opd/experiments/runner.py)")
     p.add_argument("--results", default=None, help="results root (default: benchmarks/results)")
     p.add_argument("--summary", action="store_true",
                    help="only write summary.md/summary.json from the checkpoints evaluated so far (no fit, no evaluate)")

@@ -5,15 +5,14 @@ final step's checkpoint when the fit stops between two checkpoint steps.
   with the experiment's ``max_time`` as its ``duration`` or none) saves its elapsed training time in every
   checkpoint (``checkpoint["callbacks"]["Timer"]["time_elapsed"]["train"]``, seconds from ``on_train_start``
   to the save, model loading and evaluation after the fit excluded) and restores it on resume, so a resumed
-  fit continues the count and does not get a fresh time budget. :func:`train_seconds` reads it back.
+  fit continues the count and does not get a fresh time budget.
+  :func:`lightning_opd.models.checkpoints.train_seconds` reads it back (``evaluate`` records it).
 * :class:`StepCheckpoint`: ``ModelCheckpoint`` every ``N`` optimizer steps that also writes
   ``step=M.ckpt`` for the last step ``M`` when the fit ends between two multiples of ``N`` (the Timer's
   budget ran out, or ``trainer.max_steps`` is not a multiple of ``N``), so the final weights are evaluated.
 """
 
 from __future__ import annotations
-
-from typing import Any, Mapping
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -32,13 +31,3 @@ class StepCheckpoint(ModelCheckpoint):
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
         super().on_train_end(trainer, pl_module)
-
-
-def train_seconds(checkpoint: Mapping[str, Any]) -> float | None:
-    """Training seconds recorded by a ``Timer`` in a loaded Lightning checkpoint (module docstring), or
-    ``None`` when the fit ran without one."""
-    timer = (checkpoint.get("callbacks") or {}).get("Timer")
-    if not isinstance(timer, Mapping):
-        return None
-    value = (timer.get("time_elapsed") or {}).get("train")
-    return None if value is None else float(value)
