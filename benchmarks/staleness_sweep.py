@@ -42,7 +42,7 @@ def run(lag: int, monitor: bool, args) -> dict:
     dm = RolloutDataModule(env, episodes_per_step=args.episodes, max_turns=args.turns, forced_lag=lag,
                            eval_batch_size=args.eval_games, seed=0)
     collect = Collect()
-    callbacks = [collect] + ([StalenessMonitor(truncated_ratio=True)] if monitor else [])
+    callbacks = [collect] + ([StalenessMonitor()] if monitor else [])
     trainer = L.Trainer(accelerator="cpu", max_steps=args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, val_check_interval=args.steps,
                         check_val_every_n_epoch=None, num_sanity_val_steps=0, callbacks=callbacks)
