@@ -58,9 +58,9 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_opd.callbacks.lag_control import SyncFallback
 from lightning_opd.losses.freshness import FreshnessReport, FreshnessWeighting
 from lightning_opd.metrics.rank_stats import Max, Mean, Min, RankStat, Sum, all_ranks
-from lightning_opd.rollout.lag_control import SyncFallback
 
 #: per-sample means of :class:`FreshnessReport` ``stats`` that are this rank's, and the (B,) values they average
 _SAMPLE_MEANS = {"lag_mean": lambda r: r.diagnostics.lag, "delta": lambda r: r.diagnostics.delta,
@@ -132,7 +132,7 @@ class StalenessMonitor(Callback):
             weight_sync_interval + 1))``, §1.5.1); no effect in sync mode or with ``forced_lag``.
         fallback_freshness: async with ``producer_control``: after ``patience`` consecutive steps with f̄ below
             it, generate synchronously (lag limit 0, Δ_max held at 1) until ``patience`` consecutive steps reach
-            ``low_freshness`` (:class:`~lightning_opd.rollout.lag_control.SyncFallback`, §1.5.1); ``None``: never.
+            ``low_freshness`` (:class:`~lightning_opd.callbacks.lag_control.SyncFallback`, §1.5.1); ``None``: never.
 
     Raises:
         ValueError: a bound out of range or a bad score knob (named in the message); ``max_lag`` given; an

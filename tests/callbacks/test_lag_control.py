@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from lightning_opd.rollout.lag_control import SyncFallback
+from lightning_opd.callbacks.lag_control import SyncFallback
 
 
 def test_enters_after_patience_steps_below_the_floor_and_leaves_after_patience_steps_recovered():

@@ -6,6 +6,9 @@ The staleness monitor decides the producer's lag limit (its lag bound Δ_max, ha
 consecutive steps whose mean freshness f̄ (all samples of the step, before filtering; unitless in [0, 1]) is
 below ``floor``, and until ``patience`` consecutive steps reach ``recover`` again. A step without samples
 (f̄ ``None`` or NaN) says nothing and changes nothing.
+
+Not a callback itself: the rule :class:`~lightning_opd.callbacks.staleness_monitor.StalenessMonitor` applies
+(kept apart so it is tested on hand-made sequences of f̄).
 """
 
 from __future__ import annotations
