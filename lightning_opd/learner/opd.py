@@ -606,8 +606,9 @@ class OPDModule(PolicyModule):
     def apply_update(self, opt, sched, loss: torch.Tensor, clip: float, filtered: bool) -> torch.Tensor:
         """Clip the accumulated gradients and take the optimizer and LR-scheduler step, unless the update is skipped.
 
-        Skipped (no ``optimizer.step()``, no scheduler step: weights, AdamW's moments and step count and the LR stay
-        as they are; Lightning still counts the step: ``global_step``, so ``max_steps`` ends the run):
+        Skipped (:meth:`skip_update`: no gradients reach the optimizer and no scheduler step is taken, so weights,
+        AdamW's moments and step count and the LR stay as they are; Lightning still counts the step: ``global_step``,
+        so ``max_steps`` ends the run):
 
         * ``filtered``: the freshness filter kept no supervised token on any rank (§1.5);
         * F28: this rank's ``loss`` or the global gradient norm is NaN/inf on any rank (one all-reduce, so every
@@ -624,8 +625,7 @@ class OPDModule(PolicyModule):
         if filtered or bad is not None:
             if bad is not None:  # may raise NonFiniteUpdateError (on every rank alike)
                 self.nonfinite.skip(self.trainer.global_step, bad)
-            opt._on_before_step()
-            opt._on_after_step()
+            self.skip_update(opt)
             return full
         torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         opt.step()
@@ -633,6 +633,21 @@ class OPDModule(PolicyModule):
             sched.step()
         self.nonfinite.applied()
         return full
+
+    @staticmethod
+    def skip_update(opt) -> None:
+        """Take a skipped optimizer update through Lightning's public manual-optimization API: the gradients are
+        dropped (``zero_grad(set_to_none=True)``), then ``opt.step()`` (the ``LightningOptimizer``) is called, so
+        Lightning counts the update (``trainer.global_step``, hence ``max_steps``) while the optimizer changes
+        nothing: ``torch.optim`` optimizers skip every parameter whose ``.grad`` is ``None`` (AdamW: no moment, no
+        step count, no weight decay; weights bit-identical). Callbacks' ``on_before_optimizer_step`` hooks run, with
+        no gradients. No LR-scheduler step: the caller does not take one.
+
+        Args:
+            opt: the ``LightningOptimizer`` of :meth:`~lightning.pytorch.core.LightningModule.optimizers`.
+        """
+        opt.zero_grad(set_to_none=True)
+        opt.step()
 
     def training_step(self, dataloader_iter: Iterator) -> dict[str, Any]:
         """One rollout batch: pulled now, checked (on-policy), planned, prepared, trained on with
