@@ -1,22 +1,11 @@
-"""Read logged scalars back from TensorBoard event files (for result tables)."""
+"""``lightning-opd results``: the last logged value of a metric per run, read back from its TensorBoard event
+files (:func:`lightning_opd.report.read_scalars`)."""
 
 from __future__ import annotations
 
 import difflib
 import sys
 from pathlib import Path
-
-
-def last_scalar(run_dir: str | Path, tag: str) -> tuple[int, float] | None:
-    """``(step, value)`` of the last logged step of ``tag`` under ``run_dir`` (event files merged by
-    :func:`lightning_opd.report.read_scalars`), or None when the tag or the event files are missing."""
-    from lightning_opd.report import read_scalars
-
-    try:
-        steps, values = read_scalars(run_dir)[tag]
-    except (FileNotFoundError, KeyError):
-        return None
-    return steps[-1], values[-1]
 
 
 def print_results(runs: list[str], metric: str = "val/success") -> None:

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from lightning_opd.envs.base import EnvFactory, StepResult
+from lightning_opd.rollout.generator import SamplingParams
 
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -121,6 +122,31 @@ class StaticPolicy:
 
     def __init__(self, model, tokenizer, version: int = 0) -> None:
         self.policy_model, self.tokenizer, self.policy_version = model, tokenizer, version
+
+
+def sampling_log_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The test oracle of F02/F26: log-probs of the distribution a generator samples from, recomputed from its
+    model's logits; ``(..., V)`` logits -> ``(..., V)`` fp32, ``-inf`` outside the top-k / top-p support. fp32
+    upcast, then temperature, then top-k, then top-p (nucleus) truncation with renormalisation, in the order
+    Hugging Face's and vLLM's samplers apply them. Greedy (temperature 0) is scored at temperature 1.
+
+    A token is kept by top-p if the probability mass of the tokens strictly more likely than it is
+    below ``top_p`` (the most likely token is always kept).
+    """
+    t = sampling.temperature if sampling.temperature > 0 else 1.0
+    scores = logits.float() / t
+    if sampling.temperature > 0 and sampling.top_k > 0 and sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.temperature > 0 and sampling.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
+        drop_sorted = mass_before >= sampling.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scores, dim=-1)
 
 
 def free_port() -> int:

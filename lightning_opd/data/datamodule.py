@@ -234,17 +234,6 @@ class RolloutDataModule(L.LightningDataModule):
         return self.sync.forced_lag
 
     @property
-    def weight_sync_interval(self) -> int:
-        """``data.init_args.weight_sync_interval`` (versions)."""
-        return self.sync.weight_sync_interval
-
-    @property
-    def manages_weights(self) -> bool:
-        """The DataModule pushes weights to the generator (async, forced_lag) instead of the generator
-        following the live student."""
-        return self.sync.manages_weights
-
-    @property
     def max_allowed_lag(self) -> int:
         """Largest lag (versions) a correct run of this configuration can produce; the module checks it
         (known from the configuration, before :meth:`connect`)."""

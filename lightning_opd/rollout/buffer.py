@@ -1,9 +1,11 @@
-"""A bounded buffer of rollout batches, each tagged with the policy versions that produced it.
+"""A bounded buffer of rollout batches (lists of :class:`~lightning_opd.rollout.types.Trajectory`, whose turns
+carry the policy versions that produced them).
 
-In synchronous mode the buffer holds at most one batch: it is filled on demand inside the training
-step and emptied at once. The asynchronous producer (a later issue) fills it from the background; the
-bound gives back-pressure. ``get`` re-raises an error put by the producer, so a crash surfaces in the
-trainer instead of hanging it.
+The asynchronous :class:`~lightning_opd.rollout.producer.RolloutProducer` fills it from its background thread
+and the learner takes batches from it (``data.init_args.mode=async``); the bound (the producer lead, at least
+one batch) gives back-pressure. Synchronous generation does not use it: each batch is generated inside the
+training step. ``get`` re-raises an error put by the producer, so a crash surfaces in the trainer instead of
+hanging it.
 """
 
 from __future__ import annotations
@@ -74,8 +76,3 @@ class RolloutBuffer:
         """The buffered batches, oldest first (a shallow copy; the buffer is unchanged)."""
         with self._cond:
             return list(self._items)
-
-    def versions(self) -> list[tuple[int, ...]]:
-        """Policy versions of the buffered batches (oldest batch first)."""
-        with self._cond:
-            return [tuple(sorted({v for t in b for v in t.turn_versions})) for b in self._items]

@@ -21,7 +21,7 @@ from the model's ``generation_config.json`` (``repetition_penalty``, ``no_repeat
 sampler draw from another distribution than the trainer scores. The backend passes an
 :class:`ExplicitGenerationConfig`, which ``generate`` cannot complete: every knob is the generator's own
 (:data:`SAMPLING_KNOBS`, the rest off), so replies are drawn from temperature, top-k and top-p of
-:class:`~lightning_opd.rollout.generator.SamplingParams` alone, what :mod:`lightning_opd.rollout.sampling` scores.
+:class:`~lightning_opd.rollout.generator.SamplingParams` alone.
 Only the model's EOS ids are read from its generation config (the stop ids, F23).
 """
 

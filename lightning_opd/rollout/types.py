@@ -93,15 +93,6 @@ class Trajectory:
         """Prompt tokens served from a cache over all turns."""
         return sum(self.turn_cached_tokens)
 
-    def reply_lengths(self) -> list[int]:
-        """Sampled tokens per turn (the reply as sampled: an end-of-turn id appended to a cut reply is
-        not counted)."""
-        lengths = [0] * self.num_turns
-        for turn, m in zip(self.turn_index, self.assistant_mask):
-            if m and 0 <= turn < len(lengths):
-                lengths[turn] += 1
-        return lengths
-
     @property
     def total_reward(self) -> float:
         return float(sum(self.rewards))

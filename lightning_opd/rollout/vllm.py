@@ -134,6 +134,7 @@ class VLLMGenerator(Generator):
         self.engine_kwargs = dict(engine_kwargs or {})
         self.llm = None
         self.sync: VLLMWeightSync | None = None
+        #: policy version of the weights the engine serves (``None``: the checkpoint it started from)
         self._engine_version: int | None = None
         self.last_push_seconds: float | None = None
         #: push the attached policy's weights before sampling whenever its version moved (synchronous
@@ -186,11 +187,6 @@ class VLLMGenerator(Generator):
         if self.llm is None:
             raise RuntimeError("the vLLM engine is not started; call start() first")
         return int(self.llm.llm_engine.vllm_config.cache_config.block_size)
-
-    @property
-    def engine_version(self) -> int | None:
-        """Policy version of the weights the engine serves (``None``: the checkpoint it started from)."""
-        return self._engine_version
 
     @property
     def policy_version(self) -> int:

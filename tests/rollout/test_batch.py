@@ -111,7 +111,7 @@ def test_buffer_back_pressure_and_error_propagation():
     buf.put([_traj([1])])
     with pytest.raises(TimeoutError, match="still full"):
         buf.put([_traj([1])], timeout=0.05)
-    assert buf.versions() == [(0,)]
+    assert len(buf) == 1
     assert len(buf.get(timeout=1)) == 1
 
     def fail():

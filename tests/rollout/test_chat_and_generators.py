@@ -13,11 +13,10 @@ from lightning_opd.rollout.chat import ChatFormat, ChatTemplateError, stop_token
 from lightning_opd.rollout.generator import (GenerationOutput, GenerationRequest, Generator, SamplingParams,
                                              policy_configs)
 from lightning_opd.rollout.hf import HFGenerator
-from lightning_opd.rollout.sampling import sampling_log_probs
 from lightning_opd.rollout.scripted import ScriptedGenerator
 from tests.helpers import (KeywordEnvFactory, LongObservationEnvFactory, StaticPolicy,
                            assert_only_the_long_episode_truncated, assert_replies_end_on_the_second_eos,
-                           make_second_eos_model)
+                           make_second_eos_model, sampling_log_probs)
 
 SCRIPT = {"apple": ["apple", "apple"], "cherry": ["banana"], "door": ["Door!", "door", "door"], "key": ["key", "key"]}
 

@@ -2,7 +2,7 @@
 that sets every knob changing the sampling distribution (penalties, n-gram blocking, suppressed and bad tokens,
 sequence bias, min-p, typical-p, epsilon/eta cutoffs, top-k/top-p/temperature, min length, forced EOS, length
 decay, renormalisation) is sampled by each backend from the distribution the trainer scores: the behaviour
-log-probs equal :func:`~lightning_opd.rollout.sampling.sampling_log_probs` of the model's own logits, and greedy
+log-probs equal :func:`tests.helpers.sampling_log_probs` of the model's own logits, and greedy
 replies are the argmax. The vLLM case has the marker ``vllm``."""
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from lightning_opd.models.loading import load_causal_lm, save_hf_atomic
 from lightning_opd.rollout.chat import ChatFormat, stop_token_ids
 from lightning_opd.rollout.generator import GenerationRequest, SamplingParams
 from lightning_opd.rollout.hf import HFGenerator, model_sampling_knobs
-from lightning_opd.rollout.sampling import sampling_log_probs
-from tests.helpers import StaticPolicy, make_model
+from tests.helpers import StaticPolicy, make_model, sampling_log_probs
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -66,6 +66,15 @@ def _prompt_lengths(traj) -> list[int]:
             for k in range(traj.num_turns)]
 
 
+def _reply_lengths(traj) -> list[int]:
+    """Sampled tokens per turn (the reply as sampled: an end-of-turn id appended to a cut reply is not counted)."""
+    lengths = [0] * traj.num_turns
+    for turn, m in zip(traj.turn_index, traj.assistant_mask):
+        if m and 0 <= turn < len(lengths):
+            lengths[turn] += 1
+    return lengths
+
+
 @pytest.mark.timeout(120)
 def test_hf_turn_prefills_only_the_tokens_not_in_its_kv_cache(tokenizer, tiny_model):
     """Two 3-turn episodes of different lengths in one batch: turn 0 prefills the first prompt; every
@@ -76,7 +85,7 @@ def test_hf_turn_prefills_only_the_tokens_not_in_its_kv_cache(tokenizer, tiny_mo
     assert [t.num_turns for t in trajs] == [3, 3] and len(prefills) == 3
     chat = ChatFormat(tokenizer, KeywordEnvFactory.system_prompt)
     for traj in trajs:
-        prompts, replies = _prompt_lengths(traj), traj.reply_lengths()
+        prompts, replies = _prompt_lengths(traj), _reply_lengths(traj)
         assert prompts[0] == len(chat.first_prompt(KeywordEnvFactory().make(traj.task_id).reset()))
         want = [prompts[0]] + [prompts[k] - prompts[k - 1] - replies[k - 1] + 1 for k in (1, 2)]
         assert traj.turn_prefill_tokens == want
@@ -152,7 +161,7 @@ def test_generate_fills_in_the_accounting_of_a_backend_that_reports_none(tokeniz
         wrong.generate([GenerationRequest(key=0, prompt_ids=[5, 6, 7])], SamplingParams())
 
 
-def test_trajectory_reply_lengths_exclude_the_appended_end_of_turn():
+def test_trajectory_token_counts_and_reply_lengths_exclude_the_appended_end_of_turn():
     from lightning_opd.rollout.types import NON_ASSISTANT, Trajectory
 
     t = Trajectory(task_id="t", turn_versions=[0, 0], turn_prefill_tokens=[3, 4], turn_cached_tokens=[0, 5])
@@ -161,7 +170,7 @@ def test_trajectory_reply_lengths_exclude_the_appended_end_of_turn():
     t.append([2], assistant=False, turn=0)  # end-of-turn id closing the cut reply 0
     t.append([4, 5, 6, 4], assistant=False, turn=NON_ASSISTANT)
     t.append([9, 2], assistant=True, turn=1)
-    assert t.reply_lengths() == [2, 2]
+    assert _reply_lengths(t) == [2, 2]  # the helper the prefill test above relies on
     assert (t.prefill_tokens, t.cached_prompt_tokens) == (7, 5)
     assert torch.tensor(t.turn_prefill_tokens).sum() == 7
 

@@ -16,11 +16,10 @@ from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec  # noqa: E40
 from lightning_opd.rollout.chat import ChatFormat, stop_token_ids  # noqa: E402
 from lightning_opd.rollout.generator import GenerationRequest, SamplingParams  # noqa: E402
 from lightning_opd.rollout.hf import HFGenerator  # noqa: E402
-from lightning_opd.rollout.sampling import sampling_log_probs  # noqa: E402
 from lightning_opd.rollout.vllm import VLLMGenerator  # noqa: E402
 from tests.helpers import (KeywordEnvFactory, LongObservationEnvFactory, StaticPolicy,  # noqa: E402
                            assert_only_the_long_episode_truncated, assert_replies_end_on_the_second_eos,
-                           make_model, make_second_eos_model)
+                           make_model, make_second_eos_model, sampling_log_probs)
 from tests.rollout.test_chat_and_generators import DirPolicy  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -128,7 +127,7 @@ def test_f09_weight_push_moves_engine_logprobs_to_the_trainer(engine, vllm_model
     copy = {k: v.clone() for k, v in model_b.state_dict().items()}  # the plain-copy baseline
     copy_s = time.perf_counter() - t0
     push_s = gen.push_weights(model_b.state_dict(), version=7)
-    assert gen.engine_version == 7 and gen.policy_version == 7
+    assert gen._engine_version == 7 and gen.policy_version == 7
     after = gen.generate(requests, greedy)
     assert all(o.policy_version == 7 for o in after)
     # engine log-probs now match model b (the trainer's weights), on the probe, and differ from before
@@ -148,7 +147,7 @@ def test_engine_follows_the_attached_policy_version(engine, vllm_models, tokeniz
     gen.follow_policy = True
     policy.policy_version = 11
     out = gen.generate([GenerationRequest(key=0, prompt_ids=_prompts(tokenizer)[0])], SamplingParams(max_new_tokens=3))
-    assert gen.engine_version == 11 and out[0].policy_version == 11
+    assert gen._engine_version == 11 and out[0].policy_version == 11
 
 
 def test_many_long_seeded_prompts_do_not_crash_the_cpu_engine(engine, tokenizer):
@@ -186,7 +185,7 @@ def test_f23_vllm_reply_ending_on_the_second_eos_is_finished(second_eos_policy, 
     dm.connect(policy)
     policy.policy_model = model  # configure_model
     assert_replies_end_on_the_second_eos(dm.next_train_batch(), tokenizer, envs)
-    assert gen.engine_version == 1000
+    assert gen._engine_version == 1000
 
 
 def test_f24_vllm_episode_over_max_model_len_ends_truncated(second_eos_policy, tokenizer):

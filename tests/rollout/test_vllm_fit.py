@@ -34,7 +34,7 @@ class Probe(OPDModule):
     def _check_on_policy(self, batch):
         gen = self.trainer.datamodule.generator
         self.weights[self.policy_version] = copy.deepcopy(self.student).eval()
-        self.steps.append({"version": self.policy_version, "engine": gen.engine_version, "batch": batch,
+        self.steps.append({"version": self.policy_version, "engine": gen._engine_version, "batch": batch,
                            "scores": {v: self._sampled_logprobs(m, batch) for v, m in self.weights.items()}})
         return super()._check_on_policy(batch)
 
@@ -64,7 +64,7 @@ def test_sync_fit_samples_with_vllm_pushed_every_step(real_auto_generator, tmp_p
 
     def recording(requests, sampling):
         outs = original(requests, sampling)
-        played.append((sampling.greedy, gen.engine_version))
+        played.append((sampling.greedy, gen._engine_version))
         for r, o in zip(requests, outs):
             sampled.setdefault((r.task_id, r.seed), []).extend(o.token_ids)
         return outs
