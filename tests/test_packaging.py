@@ -1,6 +1,7 @@
-"""pyproject.toml's dependency ranges admit exactly the tested versions of constraints.txt: each range has a
-lower and an upper bound, and the pinned version satisfies it (so ``pip install -e .`` cannot resolve an
-untested major/minor release, and ``pip install -c constraints.txt`` never conflicts)."""
+"""pyproject.toml's dependency ranges admit the tested versions of constraints.txt: each range has a lower bound
+at the tested major.minor and an upper bound, and the pinned version satisfies it (so ``pip install -e .`` cannot
+resolve an older release or a release past the bound, and ``pip install -c constraints.txt`` never conflicts).
+torch and transformers are bounded at their next major, so that a GPU stack's own versions fit (docs/scaling.md)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ Run::
 
     .venv/bin/python tutorials/01_quickstart.py            # real short run: conf/textworld/opd.yaml as is,
                                                            # 20 steps x 4 episodes (about 40 s per step on
-                                                           # 2 CPU cores, README; plus two held-out evaluations)
+                                                           # 2 CPU cores, docs/results.md; plus two held-out evaluations)
     .venv/bin/python tutorials/01_quickstart.py --tiny     # CI smoke run: 2 steps x 2 episodes, 3 turns,
                                                            # 4 held-out games (8 min measured while the 2 cores
                                                            # were shared with other jobs; less alone)
