@@ -15,7 +15,7 @@ from lightning_opd.data import RolloutDataModule
 from lightning_opd.losses.divergences import log_probs
 from lightning_opd.rollout.producer import ProducerError
 from tests.helpers import KeywordEnvFactory
-from tests.test_training import RecordingOPD
+from tests.learner.test_training import RecordingOPD
 
 pytestmark = pytest.mark.timeout(300)
 

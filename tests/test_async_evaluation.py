@@ -8,7 +8,7 @@ import pytest
 
 from lightning_opd.data import RolloutDataModule
 from tests.helpers import KeywordEnvFactory
-from tests.test_training import RecordingOPD
+from tests.learner.test_training import RecordingOPD
 
 
 class PlayedVersions(L.Callback):

@@ -21,7 +21,7 @@ from lightning_opd.losses import ClippedSurrogate, FullVocabReverseKL
 from lightning_opd.models.fsdp import FSDP2Strategy, shard_causal_lm
 from lightning_opd.learner import ATODModule, OPDModule
 from tests.helpers import KeywordEnvFactory, make_tokenizer, spawn_ranks
-from tests.test_module import make_batch, make_module, step_grads
+from tests.learner.test_module import make_batch, make_module, step_grads
 
 pytestmark = pytest.mark.timeout(300)
 

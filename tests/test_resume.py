@@ -21,7 +21,7 @@ from lightning_opd.data import RolloutDataModule
 from lightning_opd.learner.policy import rng_states, set_rng_states
 from lightning_opd.rollout.hf import HFGenerator
 from tests.helpers import KeywordEnvFactory
-from tests.test_training import RecordingOPD
+from tests.learner.test_training import RecordingOPD
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")]
 STEPS = 4

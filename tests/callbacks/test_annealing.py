@@ -143,7 +143,7 @@ def test_state_key_and_resume_keeps_the_horizon():
      ("AnnealingSchedule('kappa') callback", "model.init_args.rho=0.0", "iteration 2")),
 ])
 def test_f22_schedule_that_switches_a_term_off_is_refused_at_setup(model_dirs, schedules, model_kw, keys):
-    from tests.test_hybrid import fit_until_setup_error
+    from tests.learner.test_hybrid import fit_until_setup_error
 
     message = fit_until_setup_error(model_dirs, callbacks=schedules, **model_kw)
     for key in keys:

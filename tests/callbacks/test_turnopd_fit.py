@@ -10,7 +10,7 @@ from lightning_opd.callbacks.rollout_depth import RolloutDepthController
 from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
 from lightning_opd.data import RolloutDataModule
 from tests.helpers import KeywordEnvFactory
-from tests.test_training import RecordingOPD
+from tests.learner.test_training import RecordingOPD
 
 pytestmark = pytest.mark.timeout(300)
 

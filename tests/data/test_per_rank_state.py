@@ -19,7 +19,7 @@ from lightning_opd.distributed import gather_per_rank
 from lightning_opd.models.fsdp import FSDP2Strategy
 from lightning_opd.learner.policy import rng_states
 from tests.helpers import KeywordEnvFactory, spawn_ranks
-from tests.test_training import RecordingOPD
+from tests.learner.test_training import RecordingOPD
 
 pytestmark = pytest.mark.timeout(420)
 

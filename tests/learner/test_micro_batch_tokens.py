@@ -13,7 +13,7 @@ from lightning_opd.learner import ATODModule, OPDModule
 from lightning_opd.losses import FullVocabReverseKL, SampledTokenReverseKL
 from lightning_opd.models.fsdp import shard_causal_lm
 from tests.helpers import make_tokenizer, spawn_ranks
-from tests.test_module import LOSSES, SCHEMES, make_batch, make_module, step_grads, with_scheme
+from tests.learner.test_module import LOSSES, SCHEMES, make_batch, make_module, step_grads, with_scheme
 
 # the 4 scripted episodes of make_batch are 109, 195, 163 and 104 tokens long; per budget, the micro-batches
 # (row ranges) hand-worked from rows x longest row <= budget, fewest micro-batches then least padding

@@ -28,7 +28,7 @@ from lightning_opd.rollout.hf import HFGenerator
 from lightning_opd.rollout.types import NON_ASSISTANT, Trajectory
 from tests.helpers import KeywordEnvFactory, make_model
 from tests.rollout.test_chat_and_generators import _score_like_trainer
-from tests.test_module import make_batch, step_grads
+from tests.learner.test_module import make_batch, step_grads
 
 pytestmark = pytest.mark.timeout(300)
 

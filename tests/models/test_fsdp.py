@@ -20,7 +20,7 @@ from lightning_opd.models.fsdp import FSDP2Strategy, decoder_layers, full_state_
 from lightning_opd.models.loading import load_causal_lm
 from lightning_opd.learner import OPDModule
 from tests.helpers import make_tokenizer, spawn_ranks
-from tests.test_module import make_batch, make_module, step_grads
+from tests.learner.test_module import make_batch, make_module, step_grads
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, BertConfig, BertLMHea
 from lightning_opd.losses import log_probs
 from lightning_opd.models import logits as logits_mod
 from lightning_opd.models.logits import LogitTransform, UnsupportedArchitectureError, check_head_path, logit_transform
-from tests.test_module import make_batch, make_module
+from tests.learner.test_module import make_batch, make_module
 
 # model_type -> config keys that switch its post-processing on (and make it matter on a tiny model)
 FAMILIES = {"llama": {}, "granite": {"logits_scaling": 8.0}, "gemma2": {"final_logit_softcapping": 2.0},

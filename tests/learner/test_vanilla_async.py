@@ -16,8 +16,8 @@ from lightning_opd.losses import SampledTokenReverseKL
 from lightning_opd.losses.divergences import log_probs
 from lightning_opd.rollout.weight_sync import SyncConfig, WeightSync
 from tests.helpers import KeywordEnvFactory
-from tests.test_module import make_batch, step_grads
-from tests.test_training import RecordingOPD
+from tests.learner.test_module import make_batch, step_grads
+from tests.learner.test_training import RecordingOPD
 
 pytestmark = pytest.mark.timeout(300)
 

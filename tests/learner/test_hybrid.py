@@ -21,8 +21,8 @@ from lightning_opd.data import RolloutDataModule
 from lightning_opd.losses import ClippedSurrogate, EpisodeReward, FullVocabReverseKL, SampledTokenReverseKL, log_probs
 from lightning_opd.learner import ATODModule, OPDModule
 from tests.helpers import KeywordEnvFactory, free_port, make_tokenizer
-from tests.test_module import (assert_masked_row_adds_nothing, make_batch, teacher_noise_off_the_loss,
-                               with_freshness)
+from tests.learner.test_module import (assert_masked_row_adds_nothing, make_batch, teacher_noise_off_the_loss,
+                                       with_freshness)
 
 # (kappa, rho, tdur, ppo_epochs): "atod" needs the collection-time pass (old log-probs + T-DUR)
 HYBRIDS = {"atod": dict(kappa=0.7, rho=1.0, tdur=True, ppo_epochs=2), "grpo": dict(kappa=0.0, rho=1.0)}
