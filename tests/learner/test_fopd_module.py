@@ -18,7 +18,7 @@ from lightning_opd.data import RolloutDataModule
 from lightning_opd.learner import ATODModule, OPDModule
 from lightning_opd.losses.freshness import NO_LAG, FreshnessWeighting
 from tests.helpers import KeywordEnvFactory
-from tests.losses.test_freshness import _batch
+from tests.losses.test_freshness import no_reply_batch
 
 
 class ExactBehaviour(ATODModule):
@@ -74,12 +74,7 @@ def test_plan_batch_gives_a_row_without_a_reply_no_lag(model_dirs):
     module = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"])
     module.configure_freshness(FreshnessWeighting(lag_bound=4, min_freshness=0.05))
     module.policy_version = 5
-    batch, student = _batch(lags=[1, 6, 1, 1], groups=[0, 0, 1, 1], drift=[0.0, 0.0, 0.0, 0.0], version=5)
-    mask = batch.loss_mask.clone()
-    mask[1] = 0
-    batch = replace(batch, loss_mask=mask, turn_index=torch.where(mask > 0, batch.turn_index, -1),
-                    behaviour_logprobs=-mask)
-    assert batch.behaviour_version.tolist() == [4, -1, 4, 4]
+    batch, student = no_reply_batch()
     planned = module.plan_batch(batch, student)
     assert torch.equal(planned.loss_mask, batch.loss_mask)  # group 0 survives
     st = module.freshness.report().stats

@@ -133,6 +133,18 @@ def _fresh(lag, rho, cap=8, tau=0.1, alpha=4.0, beta=1.0):
     return 1 / (1 + math.exp(alpha * (s - beta)))
 
 
+def no_reply_batch():
+    """Four samples at learner version 5 in GRPO groups [0, 0, 1, 1], lag 1 and no drift, except row 1, which has
+    no reply (behaviour version -1, no sampled token); returns ``(batch, student_logprobs)``."""
+    batch, student = _batch(lags=[1, 6, 1, 1], groups=[0, 0, 1, 1], drift=[0.0, 0.0, 0.0, 0.0], version=5)
+    mask = batch.loss_mask.clone()
+    mask[1] = 0
+    batch = replace(batch, loss_mask=mask, turn_index=torch.where(mask > 0, batch.turn_index, -1),
+                    behaviour_logprobs=-mask)
+    assert batch.behaviour_version.tolist() == [4, -1, 4, 4]
+    return batch, student
+
+
 def _plan(weighting, batch, student, version=10):
     """What ``OPDModule.plan_batch`` hands the weighting (target positions; lag NO_LAG for a row without a reply),
     with a one-process reducer."""
@@ -261,12 +273,7 @@ def test_a_sample_without_a_reply_has_no_lag_and_never_decides_its_group():
     statistics. Now: every row kept; lag statistics over rows 0, 2, 3 only (lag 1 each: δ = 1/8, s = 2/8,
     f = sigmoid(4 - 1) = 0.9526)."""
     mon = FreshnessWeighting(lag_bound=4, min_freshness=0.05)
-    batch, student = _batch(lags=[1, 6, 1, 1], groups=[0, 0, 1, 1], drift=[0.0, 0.0, 0.0, 0.0], version=5)
-    mask = batch.loss_mask.clone()
-    mask[1] = 0
-    batch = replace(batch, loss_mask=mask, turn_index=torch.where(mask > 0, batch.turn_index, -1),
-                    behaviour_logprobs=-mask)
-    assert batch.behaviour_version.tolist() == [4, -1, 4, 4]
+    batch, student = no_reply_batch()
     plan = _plan(mon, batch, student, version=5)
     f1 = 1 / (1 + math.exp(-3))
     assert plan.keep.tolist() == [True, True, True, True]
