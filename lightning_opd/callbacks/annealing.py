@@ -11,8 +11,11 @@ per attribute does it: ``AnnealingSchedule("kappa", 1.0, 0.1, steps=80)`` and
 ``AnnealingSchedule("rho", 1.0, 2.0, steps=80)``. The value is a pure function of the step, set on the
 module in ``on_train_batch_start`` before every rollout batch (nothing to restore on resume but the
 horizon), through the module's named setter ``set_<attribute>`` (``ATODModule.set_kappa`` /
-``set_rho``, which check the value when it is set). The step ``s`` is ``pl_module.policy_version``: rollout iterations trained on, however many
-optimizer updates each batch gets (§3.1 note), never ``trainer.global_step``.
+``set_rho``, which check the value when it is set). At fit setup the schedule also hands itself to the module's
+``set_<attribute>_schedule`` where it has one (``ATODModule.set_kappa_schedule`` / ``set_rho_schedule``), so the
+module's F22 check sees the coefficient at every iteration (Lightning runs the callbacks' setup before the module's).
+The step ``s`` is ``pl_module.policy_version``: rollout iterations trained on, however many optimizer updates each
+batch gets (§3.1 note), never ``trainer.global_step``.
 
 PROPOSED (not from the paper): the horizon may be given as a fraction of training (the paper's 80 of
 150 steps is longer than a CPU run), where training = ``trainer.max_steps // updates_per_batch`` rollout
@@ -110,6 +113,9 @@ class AnnealingSchedule(StepSchedule):
         if self.fraction is not None:
             iterations = self.training_iterations(trainer, pl_module, "give the horizon in steps")
             self.horizon = max(1, round(self.fraction * iterations))
+        hand_over = getattr(pl_module, f"{self.setter_name}_schedule", None)  # e.g. ATODModule.set_kappa_schedule
+        if callable(hand_over):
+            hand_over(self)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,

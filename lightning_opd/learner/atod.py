@@ -10,8 +10,11 @@ iteration: ``policy_version`` moves by 1 (§3.1 note), while ``trainer.global_st
 changed between steps through :meth:`ATODModule.set_kappa` / :meth:`ATODModule.set_rho` (``AnnealingSchedule``),
 which check the value when it is set.
 
-F22 (docs/faults.md): at setup, with the module, the DataModule and the schedules known, a knob combination
-that makes a term of the loss identically zero is refused, naming both keys (:meth:`ATODModule.setup`).
+F22 (docs/faults.md): at setup, a knob combination that makes a term of the loss identically zero is refused, naming
+both keys (:meth:`ATODModule.check_loss_terms`). What the check needs is handed over explicitly before it runs: the
+schedules of κ and ρ by their callbacks (:meth:`ATODModule.set_kappa_schedule` / :meth:`ATODModule.set_rho_schedule`,
+in the callbacks' setup, which Lightning runs before the module's) and the rollouts' group size and temperature by
+the DataModule binding (:meth:`ATODModule.connect_data`, :class:`RolloutGroups`).
 
 Deliberate simplification: PPO mini-batches are contiguous row ranges, the same in every epoch (no
 shuffling).
@@ -72,10 +75,27 @@ class PPOUpdates:
         return self.epochs * self.mini_batches
 
 
+@dataclass(frozen=True)
+class RolloutGroups:
+    """What the F22 check (:meth:`ATODModule.check_loss_terms`) knows of the training rollouts, handed over by
+    :meth:`ATODModule.connect_data`.
+
+    Attributes:
+        group_size: episodes per task sharing a GRPO group (``data.init_args.group_size``); ``None``: unknown
+            (a DataModule without groups), and the checks that need it are skipped.
+        temperature: sampling temperature of the training rollouts (``data.init_args.temperature``); ``None``:
+            unknown.
+    """
+
+    group_size: int | None = None
+    temperature: float | None = None
+
+
 @runtime_checkable
 class CoefficientSchedule(Protocol):
     """What the F22 check reads of a callback that sets ``kappa`` or ``rho`` before every rollout batch
-    (:class:`lightning_opd.callbacks.annealing.AnnealingSchedule` is one): the coefficient it drives, its
+    (:class:`lightning_opd.callbacks.annealing.AnnealingSchedule` is one, and hands itself over through
+    :meth:`ATODModule.set_kappa_schedule` / :meth:`ATODModule.set_rho_schedule`): the coefficient it drives, its
     value at every rollout iteration, the iteration after which it is constant, and how messages name it."""
 
     attribute: str
@@ -111,7 +131,7 @@ class ATODModule(OPDModule):
     Raises:
         ValueError: a loss other than ``ClippedSurrogate``; a non-positive ``ppo_epochs`` or ``ppo_mini_batches``;
             a negative or non-finite ``kappa`` or ``rho``; a negative ``advantage_eps``; and everything
-            :class:`~lightning_opd.learner.opd.OPDModule` refuses. At fit setup: F22 (:meth:`_check_signal`).
+            :class:`~lightning_opd.learner.opd.OPDModule` refuses. At fit setup: F22 (:meth:`check_loss_terms`).
     """
 
     def __init__(self, student: str, teacher: str, loss: ClippedSurrogate | None = None,
@@ -139,6 +159,10 @@ class ATODModule(OPDModule):
         self.reward_fn = reward if reward is not None else EpisodeReward()
         self.advantage_eps = advantage_eps
         self._step_stats: dict[str, RankStat] = self._new_step_stats()  # of the current step, this rank (logged)
+        #: the schedules of kappa/rho handed over for the next fit's F22 check (set_kappa_schedule, set_rho_schedule)
+        self._schedules: dict[str, CoefficientSchedule] = {}
+        #: the training rollouts' group size and temperature (connect_data), for the F22 check
+        self.rollout_groups = RolloutGroups()
 
     # ----------------------------------------------------------------------------------- the objective
     @staticmethod
@@ -188,6 +212,39 @@ class ATODModule(OPDModule):
         """
         self.rho = value
 
+    def set_kappa_schedule(self, schedule: CoefficientSchedule) -> None:
+        """Hand over the schedule that will set κ before every rollout batch of the next fit, for its F22 check at
+        setup (``AnnealingSchedule`` calls this in its fit setup; the last one handed over wins, as it does for the
+        values). The check consumes it.
+
+        Raises:
+            TypeError: ``schedule`` is not a :class:`CoefficientSchedule` of ``kappa``.
+        """
+        self._hand_over_schedule("kappa", schedule)
+
+    def set_rho_schedule(self, schedule: CoefficientSchedule) -> None:
+        """Hand over the schedule that will set ρ, like :meth:`set_kappa_schedule`.
+
+        Raises:
+            TypeError: ``schedule`` is not a :class:`CoefficientSchedule` of ``rho``.
+        """
+        self._hand_over_schedule("rho", schedule)
+
+    def _hand_over_schedule(self, name: str, schedule: CoefficientSchedule) -> None:
+        if not isinstance(schedule, CoefficientSchedule) or schedule.attribute != name:
+            raise TypeError(f"set_{name}_schedule: expected a schedule of {name!r} (attribute, start, end, horizon, "
+                            f"schedule_name, value_at), got {type(schedule).__name__} "
+                            f"(attribute={getattr(schedule, 'attribute', None)!r})")
+        self._schedules[name] = schedule
+
+    def connect_data(self, datamodule) -> None:
+        """Bind the DataModule (:meth:`PolicyModule.connect_data`) and take the training rollouts' group size
+        (``group_size``) and temperature (``sampling.temperature``) from it into :attr:`rollout_groups` (each
+        ``None`` where the DataModule has none), for the F22 check."""
+        super().connect_data(datamodule)
+        self.rollout_groups = RolloutGroups(getattr(datamodule, "group_size", None),
+                                            getattr(getattr(datamodule, "sampling", None), "temperature", None))
+
     @property
     def ppo_epochs(self) -> int:
         """Passes over each rollout batch (``model.init_args.ppo_epochs``)."""
@@ -213,22 +270,24 @@ class ATODModule(OPDModule):
         return self.needs_old_logprobs or super().needs_learner_logprobs
 
     def setup(self, stage: str) -> None:
-        """At ``fit`` setup (after the DataModule's and the callbacks' setup, so every schedule's horizon is
-        known): refuse a knob combination that makes a loss term identically zero (F22, :meth:`_check_signal`)."""
+        """At ``fit`` setup (after the DataModule's and the callbacks' setup, so the DataModule is bound and every
+        schedule has been handed over with its horizon known): refuse a knob combination that makes a loss term
+        identically zero (F22, :meth:`check_loss_terms`), consuming the schedules handed over."""
         super().setup(stage)
         if stage == "fit":
-            self._check_signal(self.trainer)
+            schedules, self._schedules = self._schedules, {}
+            self.check_loss_terms(self.trainer.max_steps, schedules)
 
-    def _coefficient_plan(self, trainer) -> dict[str, tuple[list[float], str]]:
+    def _coefficient_plan(self, max_steps: int | None,
+                          schedules: dict[str, CoefficientSchedule]) -> dict[str, tuple[list[float], str]]:
         """``{"kappa": (values, key), "rho": (values, key)}``: the coefficient at every rollout iteration
-        ``0..n`` after which nothing changes any more (the latest horizon of the ``AnnealingSchedule``
-        callbacks (:class:`CoefficientSchedule`) of ``kappa``/``rho``, capped by the iterations of the fit), and the configuration key
-        that sets it (the schedule, which overrides the module's value, or ``model.init_args.<name>``)."""
-        schedules = {cb.attribute: cb for cb in trainer.callbacks  # the last one wins, as in on_train_batch_start
-                     if isinstance(cb, CoefficientSchedule) and cb.attribute in ("kappa", "rho")}
+        ``0..n`` after which nothing changes any more (the latest horizon of ``schedules``, the
+        :class:`CoefficientSchedule` of each coefficient, capped by the iterations of a fit of ``max_steps``
+        optimizer updates), and the configuration key that sets it (the schedule, which overrides the module's
+        value, or ``model.init_args.<name>``)."""
         last = max((cb.horizon for cb in schedules.values()), default=0)
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            last = min(last, max(1, trainer.max_steps // self.updates_per_batch) - 1)
+        if max_steps is not None and max_steps > 0:
+            last = min(last, max(1, max_steps // self.updates_per_batch) - 1)
         plan = {}
         for name in ("kappa", "rho"):
             cb = schedules.get(name)
@@ -241,8 +300,14 @@ class ATODModule(OPDModule):
                               f"init_args.end={cb.end})")
         return plan
 
-    def _check_signal(self, trainer) -> None:
-        """F22: refuse a configuration under which a term of the hybrid loss is identically zero.
+    def check_loss_terms(self, max_steps: int | None, schedules: dict[str, CoefficientSchedule] | None = None) -> None:
+        """F22: refuse a configuration under which a term of the hybrid loss is identically zero. The rollouts'
+        group size and temperature are those of :attr:`rollout_groups` (handed over by :meth:`connect_data`).
+
+        Args:
+            max_steps: the fit's ``trainer.max_steps`` (optimizer updates; ``None`` or <= 0: unbounded).
+            schedules: ``{"kappa" | "rho": schedule}`` that set the coefficients before every rollout batch (what
+                :meth:`set_kappa_schedule` / :meth:`set_rho_schedule` received); without one, the module's value.
 
         Refused, at any rollout iteration of the fit (schedules included, see :meth:`_coefficient_plan`):
 
@@ -256,10 +321,9 @@ class ATODModule(OPDModule):
         Raises:
             ValueError: naming both keys and the fix.
         """
-        plan = self._coefficient_plan(trainer)
+        plan = self._coefficient_plan(max_steps, schedules or {})
         (kappas, kappa_key), (rhos, rho_key) = plan["kappa"], plan["rho"]
-        dm = trainer.datamodule
-        group_size, temperature = getattr(dm, "group_size", None), getattr(getattr(dm, "sampling", None), "temperature", None)
+        group_size, temperature = self.rollout_groups.group_size, self.rollout_groups.temperature
         reward = self.reward_fn
         if any(r > 0 for r in rhos):
             if group_size == 1:

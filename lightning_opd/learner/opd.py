@@ -45,7 +45,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lightning_opd.learner.nonfinite import NonFiniteGuard
-from lightning_opd.learner.policy import PolicyModule, check_dtype, check_optimizer
+from lightning_opd.learner.policy import PolicyModule, check_dtype
 from lightning_opd.learner.step_metrics import StepMetrics, StepRecord
 from lightning_opd.losses.aggregation import aggregate_token_loss, sequence_token_weights, supervised_sequences
 from lightning_opd.losses.chunked import chunked_sampled_logprobs
@@ -92,10 +92,6 @@ def micro_batch_layout(micro_batch_size: int | None, micro_batch_tokens: int | N
 
 
 AGGREGATIONS = ("token", "sequence")
-
-
-def _default_optimizer(params):
-    return torch.optim.AdamW(params, lr=5e-5, weight_decay=0.0)
 
 
 class OPDModule(PolicyModule):
@@ -152,7 +148,8 @@ class OPDModule(PolicyModule):
                              "mean over the step's supervised tokens, docs/algorithms.md §0.5; sequence: the mean "
                              "over sequences of each sequence's token mean, §0.5's option)")
         super().__init__(student=student, dtype=dtype, trust_remote_code=trust_remote_code, export_dir=export_dir,
-                         gradient_checkpointing=gradient_checkpointing, fsdp_mixed_precision=fsdp_mixed_precision)
+                         gradient_checkpointing=gradient_checkpointing, fsdp_mixed_precision=fsdp_mixed_precision,
+                         optimizer=optimizer, lr_scheduler=lr_scheduler)
         self.micro_batch_size, self.micro_batch_tokens = micro_batch_layout(micro_batch_size, micro_batch_tokens)
         self.aggregation = aggregation
         if teacher_dtype is not None:
@@ -162,9 +159,6 @@ class OPDModule(PolicyModule):
         self.teacher_dtype = teacher_dtype or dtype
         self.loss_fn = loss if loss is not None else self.default_loss()
         self.check_loss(self.loss_fn)
-        self.optimizer_factory = optimizer if optimizer is not None else _default_optimizer
-        check_optimizer(self.optimizer_factory)
-        self.lr_scheduler_factory = lr_scheduler
         self.grad_clip_norm = grad_clip_norm
         #: F28: skips and counts optimizer updates with a non-finite loss or gradient, stops after a streak
         self.nonfinite = NonFiniteGuard(max_nonfinite_steps)
@@ -222,9 +216,9 @@ class OPDModule(PolicyModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        self.check_signal()
+        self.check_behaviour_signal()
 
-    def check_signal(self) -> None:
+    def check_behaviour_signal(self) -> None:
         """Refuse the stale (behaviour) signal where it has no meaning: a connected DataModule whose every batch
         is sampled by the weights being trained (``mode=sync`` without ``forced_lag``), so that the rollout-time
         log-probs are the learner's own (up to the generator's numerics).
@@ -315,12 +309,6 @@ class OPDModule(PolicyModule):
     def on_fit_start(self) -> None:
         if self.teacher is not None:
             self.teacher.to(self.device)
-
-    def configure_optimizers(self):
-        opt = self.optimizer_factory(self.student.parameters())
-        if self.lr_scheduler_factory is None:
-            return opt
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.lr_scheduler_factory(opt), "interval": "step"}}
 
     # ------------------------------------------------------------------------------------------- loss
     @staticmethod

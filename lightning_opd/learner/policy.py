@@ -22,12 +22,14 @@ Metric glossary (validation ``val/``, test ``test/``; means over held-out episod
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MaxMetric, MeanMetric, MinMetric, SumMetric
 
 from lightning_opd.rollout.batch import RolloutBatch
@@ -53,6 +55,9 @@ class PolicyModule(L.LightningModule):
         fsdp_mixed_precision: under ``FSDP2Strategy``/``ModelParallelStrategy``: parameter and activation
             dtype of the sharded student (e.g. ``"bfloat16"``; gradients are reduced in fp32); ``None``:
             the ``dtype`` throughout.
+        optimizer: optimizer factory over the student's parameters (:meth:`configure_optimizers`); default AdamW
+            with learning rate :attr:`default_lr` and no weight decay.
+        lr_scheduler: optional scheduler factory; stepped once per optimizer step.
 
     Sharding (``conf/trainer/fsdp.yaml``): under Lightning's ``ModelParallelStrategy`` (or
     :class:`~lightning_opd.models.fsdp.FSDP2Strategy`), ``configure_model`` shards the student with
@@ -61,13 +66,17 @@ class PolicyModule(L.LightningModule):
     Raises:
         FileNotFoundError: ``student`` is not a model directory.
         ValueError: an unknown ``dtype`` (at construction, before anything loads, naming
-            ``model.init_args.dtype`` and the accepted names); at setup, a device mesh with tensor parallelism
-            (only data-parallel FSDP is supported).
+            ``model.init_args.dtype`` and the accepted names); a learning rate <= 0 (:func:`check_optimizer`); at
+            setup, a device mesh with tensor parallelism (only data-parallel FSDP is supported).
     """
+
+    #: learning rate of the default optimizer (AdamW, no weight decay) when ``model.init_args.optimizer`` is not given
+    default_lr: float = 5e-5
 
     def __init__(self, student: str, dtype: str = "float32", trust_remote_code: bool = False,
                  export_dir: str | None = None, gradient_checkpointing: bool = False,
-                 fsdp_mixed_precision: str | None = None) -> None:
+                 fsdp_mixed_precision: str | None = None, optimizer: OptimizerCallable | None = None,
+                 lr_scheduler: LRSchedulerCallable | None = None) -> None:
         super().__init__()
         check_dtype(dtype, "model.init_args.dtype")
         self.student_path = student
@@ -77,6 +86,10 @@ class PolicyModule(L.LightningModule):
         self.gradient_checkpointing = gradient_checkpointing
         self.fsdp_mixed_precision = fsdp_mixed_precision
         self.tokenizer = load_tokenizer(student, trust_remote_code=trust_remote_code)
+        self.optimizer_factory = optimizer if optimizer is not None else functools.partial(default_optimizer,
+                                                                                            lr=self.default_lr)
+        check_optimizer(self.optimizer_factory)
+        self.lr_scheduler_factory = lr_scheduler
         self.student = None
         #: the connected DataModule's weight sync (``None`` until :meth:`setup` binds one, or without one)
         self.weight_sync: WeightSync | None = None
@@ -88,11 +101,18 @@ class PolicyModule(L.LightningModule):
         self.eval_metrics["version_gap"] = MaxMetric()
 
     def setup(self, stage: str) -> None:
-        """Bind the trainer's DataModule to this policy, once: ``datamodule.connect(self)`` (a DataModule with
-        ``connect``, e.g. ``RolloutDataModule``), keeping the weight sync it returns."""
+        """Hand the trainer's DataModule (if any) to :meth:`connect_data`."""
         dm = self.trainer.datamodule if self._trainer is not None else None
-        if dm is not None and hasattr(dm, "connect"):
-            self.weight_sync = dm.connect(self)
+        if dm is not None:
+            self.connect_data(dm)
+
+    def connect_data(self, datamodule) -> None:
+        """Bind ``datamodule`` to this policy (called by :meth:`setup`, every stage): ``datamodule.connect(self)``
+        where it has ``connect`` (``RolloutDataModule``, which binds once), keeping the weight sync it returns. The
+        one place a learner reads its DataModule: a subclass that needs a fact about the rollouts takes it here
+        (``ATODModule``: group size and temperature)."""
+        if hasattr(datamodule, "connect"):
+            self.weight_sync = datamodule.connect(self)
 
     # ------------------------------------------------------------------------------------------ model
     @property
@@ -132,6 +152,15 @@ class PolicyModule(L.LightningModule):
                              "strategy lightning_opd.models.fsdp.FSDP2Strategy (conf/trainer/fsdp.yaml) or "
                              "ModelParallelStrategy with tensor_parallel_size=1 and data_parallel_size=<processes>")
         return mesh["data_parallel"] if "data_parallel" in names else mesh
+
+    def configure_optimizers(self):
+        """The optimizer over all of the student's parameters (``optimizer_factory``) and, with an ``lr_scheduler``,
+        its scheduler, stepped once per optimizer step (``interval: step``). The learners step both themselves
+        (manual optimization in ``OPDModule``; ``SFTModule`` through Lightning's automatic optimization)."""
+        opt = self.optimizer_factory(self.student.parameters())
+        if self.lr_scheduler_factory is None:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.lr_scheduler_factory(opt), "interval": "step"}}
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The student's full ``state_dict`` on CPU (what generators load). A collective on every rank
@@ -220,6 +249,12 @@ def check_dtype(dtype: str, key: str) -> None:
         resolve_dtype(dtype)
     except ValueError as err:
         raise ValueError(f"{key}={dtype!r} is not a dtype: {err}") from None
+
+
+def default_optimizer(params, lr: float) -> torch.optim.Optimizer:
+    """AdamW over ``params`` with learning rate ``lr`` and no weight decay: the optimizer of a learner whose
+    ``model.init_args.optimizer`` is not given (``lr``: the class's :attr:`PolicyModule.default_lr`)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
 def check_optimizer(factory, key: str = "model.init_args.optimizer") -> None:

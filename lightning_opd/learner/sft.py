@@ -20,11 +20,7 @@ from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.divergences import log_probs
 from lightning_opd.models.loading import save_adapter_atomic, save_hf_atomic
-from lightning_opd.learner.policy import PolicyModule, check_optimizer
-
-
-def _default_optimizer(params):
-    return torch.optim.AdamW(params, lr=3e-5, weight_decay=0.0)
+from lightning_opd.learner.policy import PolicyModule
 
 
 class SFTModule(PolicyModule):
@@ -44,20 +40,19 @@ class SFTModule(PolicyModule):
         ValueError: ``lora_rank < 1``, or ``adapter_dir`` without ``lora_rank``.
     """
 
+    default_lr = 3e-5  # the teacher recipe's rate (PolicyModule.default_lr: the default AdamW's)
+
     def __init__(self, student: str, optimizer: OptimizerCallable | None = None,
                  lr_scheduler: LRSchedulerCallable | None = None, lora_rank: int | None = None,
                  lora_alpha: float | None = None, adapter_dir: str | None = None, dtype: str = "float32",
                  trust_remote_code: bool = False, export_dir: str | None = None,
                  gradient_checkpointing: bool = False) -> None:
         super().__init__(student=student, dtype=dtype, trust_remote_code=trust_remote_code, export_dir=export_dir,
-                         gradient_checkpointing=gradient_checkpointing)
+                         gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, lr_scheduler=lr_scheduler)
         if lora_rank is not None and lora_rank < 1:
             raise ValueError(f"model.lora_rank={lora_rank} must be >= 1 (or null for full fine-tuning)")
         if adapter_dir and lora_rank is None:
             raise ValueError("model.adapter_dir needs model.lora_rank (there is no adapter in full fine-tuning)")
-        self.optimizer_factory = optimizer if optimizer is not None else _default_optimizer
-        check_optimizer(self.optimizer_factory)
-        self.lr_scheduler_factory = lr_scheduler
         self.lora_rank = lora_rank
         self.lora_alpha = lora_alpha if lora_alpha is not None else (2 * lora_rank if lora_rank else None)
         self.adapter_dir = adapter_dir
@@ -87,12 +82,6 @@ class SFTModule(PolicyModule):
             save_adapter_atomic(self.student, self.adapter_dir)
         if self.export_dir:
             save_hf_atomic(self.student.merge_and_unload(), self.tokenizer, self.export_dir)
-
-    def configure_optimizers(self):
-        opt = self.optimizer_factory(self.student.parameters())
-        if self.lr_scheduler_factory is None:
-            return opt
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.lr_scheduler_factory(opt), "interval": "step"}}
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
         """Token-mean cross-entropy (nats/token) on the batch's reply tokens."""

@@ -156,15 +156,41 @@ def test_f22_schedule_check_counts_only_iterations_of_the_fit(model_dirs):
     from types import SimpleNamespace
 
     from lightning_opd.learner import ATODModule
+    from lightning_opd.learner.atod import RolloutGroups
 
     module = ATODModule(student=model_dirs["student"], teacher=model_dirs["teacher"], kappa=1.0, rho=1.0, tdur=False,
                         ppo_epochs=2, ppo_mini_batches=1)
     kappa, rho = AnnealingSchedule("kappa", 1.0, 0.0, steps=4), AnnealingSchedule("rho", 0.0, 0.0, steps=1)
-    trainer = SimpleNamespace(callbacks=[kappa, rho], max_steps=6, datamodule=SimpleNamespace(group_size=1))
-    plan = module._coefficient_plan(trainer)
+    module.connect_data(SimpleNamespace(group_size=1))  # the DataModule's group size handed over (no connect)
+    assert module.rollout_groups == RolloutGroups(group_size=1, temperature=None)
+    schedules = {"kappa": kappa, "rho": rho}
+    plan = module._coefficient_plan(6, schedules)
     assert plan["kappa"][0] == [1.0, 0.75, 0.5] and plan["rho"][0] == [0.0, 0.0, 0.0]
-    module._check_signal(trainer)  # accepted
-    trainer.max_steps = 10  # 5 iterations: kappa = 0 = rho at iteration 4
+    module.check_loss_terms(6, schedules)  # accepted
+    # 10 updates = 5 iterations: kappa = 0 = rho at iteration 4
     with pytest.raises(ValueError, match=r"AnnealingSchedule\('kappa'\) callback .* and the AnnealingSchedule\('rho'\) "
                                          r"callback .* iteration 4"):
-        module._check_signal(trainer)
+        module.check_loss_terms(10, schedules)
+
+
+def test_schedules_are_handed_to_the_module_at_setup_and_consumed_by_its_check(model_dirs):
+    """The callbacks' fit setup hands each schedule to ``set_<attribute>_schedule`` (the last of an attribute wins);
+    the module's setup consumes them in its F22 check; a schedule of another coefficient is refused by name."""
+    from types import SimpleNamespace
+
+    from lightning_opd.learner import ATODModule
+
+    module = ATODModule(student=model_dirs["student"], teacher=model_dirs["teacher"], kappa=1.0, rho=0.0)
+    first, last = AnnealingSchedule("kappa", 1.0, 0.5, steps=2), AnnealingSchedule("kappa", 1.0, 0.0, steps=2)
+    trainer = SimpleNamespace(max_steps=8)
+    for cb in (first, last):
+        cb.setup(trainer, module, "fit")
+    assert module._schedules == {"kappa": last}
+    with pytest.raises(TypeError, match=r"set_rho_schedule: expected a schedule of 'rho'.*attribute='kappa'"):
+        module.set_rho_schedule(first)
+    fake = SimpleNamespace(max_steps=8, datamodule=None, state=SimpleNamespace(fn="fit"))
+    module._trainer = fake
+    with pytest.raises(ValueError, match=r"AnnealingSchedule\('kappa'\) callback .* model.init_args.rho=0.0 .* iteration 2"):
+        module.setup("fit")  # kappa 0 = rho from iteration 2 on
+    assert module._schedules == {}  # consumed: a later fit without the callbacks does not see them
+    module.setup("fit")  # accepted: kappa = 1 throughout

@@ -353,14 +353,15 @@ def test_f22_a_term_that_is_identically_zero_is_refused_at_setup(model_dirs, mod
 
 def test_f22_check_accepts_every_term_that_can_train(model_dirs):
     """The same knobs set so that every term can be non-zero pass the setup check."""
-    from types import SimpleNamespace
+    from lightning_opd.learner.atod import RolloutGroups
 
     model = ATODModule(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=ClippedSurrogate(),
                        kappa=0.0, rho=1.0, reward=EpisodeReward(0.0, 1.0))
     dm = RolloutDataModule(env=KeywordEnvFactory(), episodes_per_step=4, group_size=2, temperature=0.7)
+    model.rollout_groups = RolloutGroups(dm.group_size, dm.sampling.temperature)
     for kappa, rho, tdur in ((0.0, 1.0, False), (1.0, 0.0, True), (0.5, 2.0, True)):
         model.kappa, model.rho, model.tdur = kappa, rho, tdur
-        model._check_signal(SimpleNamespace(callbacks=[], max_steps=4, datamodule=dm))
-    single = RolloutDataModule(env=KeywordEnvFactory(), group_size=1, temperature=0.0)  # OPD only: no groups needed
+        model.check_loss_terms(max_steps=4)
+    model.rollout_groups = RolloutGroups(group_size=1, temperature=0.0)  # OPD only: no groups needed
     model.kappa, model.rho = 1.0, 0.0
-    model._check_signal(SimpleNamespace(callbacks=[], max_steps=-1, datamodule=single))
+    model.check_loss_terms(max_steps=-1)

@@ -76,12 +76,12 @@ def test_refused_where_every_batch_has_lag_zero(model_dirs, config, refused):
     if refused:
         with pytest.raises(ValueError, match=r"model.init_args.loss.init_args.signal=behaviour .* data.init_args.mode="
                                              r"sync and data.init_args.forced_lag=0"):
-            m.check_signal()
+            m.check_behaviour_signal()
     else:
-        m.check_signal()
+        m.check_behaviour_signal()
     m.weight_sync = WeightSync(SyncConfig())  # the recomputed signal is fine anywhere
     m.loss_fn = SampledTokenReverseKL()
-    m.check_signal()
+    m.check_behaviour_signal()
 
 
 class StaleSignalRecorder(RecordingOPD):
