@@ -158,6 +158,23 @@ def _model_class(config) -> type | None:
         return None
 
 
+def init_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """The ``__init__`` parameters of ``cls`` by name, as the CLI (jsonargparse) resolves them: a class whose
+    ``__init__`` takes ``**kwargs`` and hands them to its base's (``ATODModule`` -> ``OPDModule``) also has the base's
+    parameters, its own definition of a name first. ``*args``/``**kwargs`` themselves are left out."""
+    params: dict[str, inspect.Parameter] = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        own = list(inspect.signature(klass.__init__).parameters.values())[1:]  # without self
+        for p in own:
+            if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+                params.setdefault(p.name, p)
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in own):
+            break
+    return params
+
+
 # ------------------------------------------------------------------------------- linked arguments
 # Values the module takes from the DataModule: set once, under ``data``, and copied by LightningCLI's
 # ``link_arguments`` when the classes are built (the DataModule first, so its own checks name the data key).
@@ -265,7 +282,7 @@ class OPDCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         clip = config.get("trainer", {}).get("gradient_clip_val")
         cls = _model_class(config)
-        if clip is not None and cls is not None and "grad_clip_norm" in inspect.signature(cls).parameters:
+        if clip is not None and cls is not None and "grad_clip_norm" in init_parameters(cls):
             self._parser(self.subcommand).error(
                 f"trainer.gradient_clip_val={clip}: {cls.__name__} optimizes manually and clips the gradient norm "
                 f"itself; set model.init_args.grad_clip_norm={clip} instead (and drop trainer.gradient_clip_val)")
@@ -276,7 +293,7 @@ class OPDCLI(LightningCLI):
         LightningCLI would replace it silently."""
         if cls is None:
             return
-        params, init = inspect.signature(cls).parameters, config.get("model", {}).get("init_args") or {}
+        params, init = init_parameters(cls), config.get("model", {}).get("init_args") or {}
         data = config.get("data", {}).get("init_args") or {}
         for target, source in LINKS.items():
             value = init.get(target) if hasattr(init, "get") else None

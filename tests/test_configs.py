@@ -9,7 +9,6 @@ construction), loggers and exports go to ``tmp_path``, and GPU settings are over
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import re
 from pathlib import Path
@@ -23,7 +22,7 @@ from lightning_opd.callbacks.annealing import AnnealingSchedule
 from lightning_opd.callbacks.rollout_depth import RolloutDepthController
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
-from lightning_opd.cli import OPDCLI, main
+from lightning_opd.cli import OPDCLI, init_parameters, main
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.data.expert import ExpertDataModule
 from lightning_opd.envs.search_qa import SearchQAEnvFactory
@@ -73,7 +72,7 @@ def init_params(node) -> set[str]:
     """``__init__`` parameter names of the class a ``{class_path: ...}`` node configures (empty if none)."""
     if not isinstance(node, dict) or "." not in str(node.get("class_path", "")):
         return set()
-    return set(inspect.signature(import_class(node["class_path"])).parameters)
+    return set(init_parameters(import_class(node["class_path"])))  # ATODModule: with OPDModule's (**kwargs)
 
 
 def overrides(cfg: dict, model_dirs: dict, data_dirs: dict[str, Path], tmp: Path) -> tuple[list[str], set[str]]:

@@ -23,10 +23,9 @@ shuffling).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lightning_opd.learner.opd import OPDModule
 from lightning_opd.losses.divergences import TokenDivergence, TokenLoss
@@ -111,12 +110,12 @@ class CoefficientSchedule(Protocol):
 class ATODModule(OPDModule):
     """ATOD: on-policy distillation with a GRPO reward term, PPO updates and T-DUR turn weights (§3).
 
+    The constructor takes ATOD's own knobs, by keyword; every other argument goes to
+    :class:`~lightning_opd.learner.opd.OPDModule` unchanged (``**kwargs``), so its list is written once, there:
+    the same ``model.init_args`` keys (``student``, ``teacher``, ``optimizer``, ``micro_batch_size``, ...), which the
+    CLI resolves through ``super().__init__`` and lists in ``--help`` with OPDModule's descriptions.
+
     Args:
-        student, teacher, optimizer, lr_scheduler, micro_batch_size, micro_batch_tokens, grad_clip_norm, dtype,
-            teacher_dtype, max_logged_turns, log_text_every_n_steps, strict_on_policy, trust_remote_code, export_dir,
-            gradient_checkpointing, fsdp_mixed_precision, aggregation, max_nonfinite_steps: see
-            :class:`~lightning_opd.learner.opd.OPDModule` (``aggregation="sequence"``: the paper's per-sequence
-            mean, docs/algorithms.md §0.5's option; each PPO mini-batch divides by its own sequences).
         loss: the clipped surrogate (default ``ClippedSurrogate()``, clip ε 0.2).
         kappa: κ, coefficient of the OPD term of the hybrid advantage (§3.1); 1 with ``rho = 0`` and one
             update per batch = the sampled-token OPD loss.
@@ -127,6 +126,9 @@ class ATODModule(OPDModule):
             per batch.
         reward: episode reward for the GRPO term (default ``EpisodeReward()``: 1 per won episode).
         advantage_eps: ε_A added to the group standard deviation (PROPOSED 1e-6).
+        **kwargs: the arguments of :class:`~lightning_opd.learner.opd.OPDModule` (``student`` and ``teacher``
+            required); ``aggregation="sequence"`` is the paper's per-sequence mean (docs/algorithms.md §0.5's
+            option), each PPO mini-batch dividing by its own sequences.
 
     Raises:
         ValueError: a loss other than ``ClippedSurrogate``; a non-positive ``ppo_epochs`` or ``ppo_mini_batches``;
@@ -134,27 +136,14 @@ class ATODModule(OPDModule):
             :class:`~lightning_opd.learner.opd.OPDModule` refuses. At fit setup: F22 (:meth:`check_loss_terms`).
     """
 
-    def __init__(self, student: str, teacher: str, loss: ClippedSurrogate | None = None,
-                 optimizer: OptimizerCallable | None = None, lr_scheduler: LRSchedulerCallable | None = None,
-                 micro_batch_size: int | None = None, grad_clip_norm: float | None = 1.0, dtype: str = "float32",
-                 teacher_dtype: str | None = None, max_logged_turns: int = 16, log_text_every_n_steps: int = 10,
-                 strict_on_policy: bool = True, trust_remote_code: bool = False, export_dir: str | None = None,
-                 gradient_checkpointing: bool = False, kappa: float = 1.0, rho: float = 0.0, ppo_epochs: int = 1,
-                 ppo_mini_batches: int = 1, tdur: bool = False, reward: EpisodeReward | None = None,
-                 advantage_eps: float = 1e-6, fsdp_mixed_precision: str | None = None,
-                 micro_batch_tokens: int | None = None, aggregation: str = "token", max_nonfinite_steps: int = 3) -> None:
+    def __init__(self, *, loss: ClippedSurrogate | None = None, kappa: float = 1.0, rho: float = 0.0,
+                 ppo_epochs: int = 1, ppo_mini_batches: int = 1, tdur: bool = False, reward: EpisodeReward | None = None,
+                 advantage_eps: float = 1e-6, **kwargs: Any) -> None:
         self.ppo = PPOUpdates(ppo_epochs, ppo_mini_batches)
         if advantage_eps < 0:
             raise ValueError(f"model.advantage_eps={advantage_eps} must be >= 0")
         kappa, rho = _coefficient("kappa", kappa), _coefficient("rho", rho)
-        super().__init__(student=student, teacher=teacher, loss=loss, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                         micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                         grad_clip_norm=grad_clip_norm, dtype=dtype,
-                         teacher_dtype=teacher_dtype, max_logged_turns=max_logged_turns,
-                         log_text_every_n_steps=log_text_every_n_steps, strict_on_policy=strict_on_policy,
-                         trust_remote_code=trust_remote_code, export_dir=export_dir,
-                         gradient_checkpointing=gradient_checkpointing, fsdp_mixed_precision=fsdp_mixed_precision,
-                         aggregation=aggregation, max_nonfinite_steps=max_nonfinite_steps)
+        super().__init__(loss=loss, **kwargs)
         self.kappa, self.rho, self.tdur = kappa, rho, tdur
         self.reward_fn = reward if reward is not None else EpisodeReward()
         self.advantage_eps = advantage_eps

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -189,6 +190,38 @@ def test_hybrid_settings_need_the_surrogate(model_dirs):
     with pytest.raises(ValueError, match="model.kappa=inf"):
         atod.set_kappa(float("inf"))
     assert (atod.kappa, atod.rho) == (1.0, 0.0)
+
+
+def test_atod_constructor_lists_only_its_own_knobs_and_takes_every_opd_argument(model_dirs, capsys, isolate):
+    """Issue 40: ``ATODModule.__init__`` copies no parameter list of ``OPDModule``; OPDModule's arguments reach it by
+    keyword (``**kwargs``) under the same ``model.init_args`` keys, which the CLI resolves and lists in ``--help``."""
+    import inspect
+
+    from lightning_opd.cli import init_parameters, main
+
+    own = set(inspect.signature(ATODModule.__init__).parameters) - {"self", "kwargs"}
+    opd = set(init_parameters(OPDModule))
+    assert own & opd == {"loss"}  # the one shared name: ATOD narrows its type to ClippedSurrogate
+    assert set(init_parameters(ATODModule)) == own | opd
+    atod = ATODModule(student=model_dirs["student"], teacher=model_dirs["teacher"], micro_batch_size=None,
+                      micro_batch_tokens=64, aggregation="sequence", max_nonfinite_steps=5, rho=0.5, ppo_mini_batches=2)
+    assert (atod.micro_batch_size, atod.micro_batch_tokens, atod.aggregation, atod.nonfinite.max_in_a_row,
+            atod.rho, atod.updates_per_batch) == (None, 64, "sequence", 5, 0.5, 2)
+    with pytest.raises(TypeError):  # keyword only: no positional copy of OPDModule's order either
+        ATODModule(model_dirs["student"], model_dirs["teacher"])
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.help", "lightning_opd.learner.ATODModule"])
+    out = capsys.readouterr().out
+    for key in ("--model.kappa", "--model.ppo_mini_batches", "--model.student", "--model.micro_batch_tokens",
+                "--model.grad_clip_norm", "--model.max_nonfinite_steps"):
+        assert key in out, key
+    assert "episodes per forward/backward" in out  # OPDModule's description of micro_batch_size
+    atod_yaml = Path(__file__).resolve().parents[2] / "conf" / "textworld" / "atod.yaml"
+    with pytest.raises(SystemExit) as exc:  # the CLI's checks of OPDModule's arguments see them on ATODModule too
+        main(["fit", "--config", str(atod_yaml), "--trainer.gradient_clip_val=0.5",
+              f"--model.init_args.student={model_dirs['student']}"])
+    assert exc.value.code == 2 and ("trainer.gradient_clip_val=0.5: ATODModule optimizes manually and clips the "
+                                    "gradient norm itself") in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- F01c F04 F06 F07, hybrid
