@@ -143,7 +143,7 @@ class PolicyModule(L.LightningModule):
         Raises:
             ValueError: the mesh has a tensor-parallel dimension larger than 1.
         """
-        mesh = getattr(self, "_device_mesh", None)
+        mesh = self.device_mesh  # set by ModelParallelStrategy (FSDP2Strategy) before configure_model
         if mesh is None:
             return None
         names = mesh.mesh_dim_names or ()
