@@ -25,7 +25,8 @@ Run (from the checkout to measure; ``--artifacts`` where ``make prepare teacher`
         --artifacts /work/main/artifacts --out /work/main/benchmarks/results/behaviour_hashes/base.json
 
 Prints (and writes to ``--out``) a JSON object ``{"configs": {name: {"sha256": ..., "seconds": ..., "args": [...]}},
-"package": path of the lightning_opd that ran, "commit": its git HEAD, ...}``; a failed fit is recorded with its
+"package": path of the lightning_opd that ran, "commit": its git HEAD, "uncommitted": files of lightning_opd/ and
+conf/ that differ from it, ...}``; a failed fit is recorded with its
 return code and output tail instead of a hash, and the script exits 1.
 """
 
@@ -131,6 +132,16 @@ def git_head(path: Path) -> str | None:
         return None
 
 
+def git_dirty(path: Path) -> list[str] | None:
+    """Tracked files of ``lightning_opd/`` and ``conf/`` that differ from ``HEAD`` (what ran beyond the commit)."""
+    try:
+        out = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no", "--",
+                              "lightning_opd", "conf"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [line[3:] for line in out.splitlines()]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifacts", type=Path, default=Path("artifacts"),
@@ -150,7 +161,8 @@ def main() -> None:
     probe = subprocess.run([sys.executable, "-c", "import lightning_opd; print(lightning_opd.__file__)"],
                            cwd=Path.cwd(), capture_output=True, text=True)
     result = {"package": probe.stdout.strip() or probe.stderr[-500:], "cwd": str(Path.cwd()),
-              "commit": git_head(Path.cwd()), "steps": args.steps, "omp_num_threads": 1, "configs": {}}
+              "commit": git_head(Path.cwd()), "uncommitted": git_dirty(Path.cwd()), "steps": args.steps,
+              "omp_num_threads": 1, "configs": {}}
     with tempfile.TemporaryDirectory(prefix="behaviour_hashes_") as tmp:
         for name in args.configs:
             result["configs"][name] = run_fit(name, args, Path(tmp))
