@@ -41,7 +41,7 @@ class StepClock(L.Callback):
 def run(mode: str, lag: int, steps: int, args) -> dict:
     torch.manual_seed(0)
     model = OPDModule(student=args.model, teacher=args.teacher, log_text_every_n_steps=0)
-    kw = dict(mode="async", max_lag=lag) if mode == "async" else {}
+    kw = dict(mode="async", producer_lead=lag) if mode == "async" else {}
     dm = RolloutDataModule(TextWorldEnvFactory(args.games), episodes_per_step=args.episodes, max_turns=args.turns,
                            seed=0, **kw)
     clock = StepClock()
@@ -74,7 +74,7 @@ def main() -> None:
     rows = []
     for mode, lag in configs:
         r = results[f"{mode}/lag{lag}/s{a.steps}/e{a.episodes}/t{a.turns}"]
-        rows.append([mode if mode == "sync" else f"async, max_lag {lag}", f"{r['seconds_per_step']:.1f}",
+        rows.append([mode if mode == "sync" else f"async, producer_lead {lag}", f"{r['seconds_per_step']:.1f}",
                      f"{r['steps_per_hour']:.0f}", f"{r['steps_per_hour'] / base:.2f}x", f"{r['wait_fraction']:.2f}"])
     print(f"\n{a.episodes} episodes/step, <= {a.turns} turns, {a.steps} timed steps after 1 warm-up step")
     print(markdown_table(["rollouts", "s/step", "steps/hour", "vs sync", "waiting for data"], rows))

@@ -69,24 +69,24 @@ def test_sync_hf_run_has_lag_zero_and_no_weight_copy(model_dirs):
     assert dm.generator._own_model is None  # synchronous HF samples from the live student
 
 
-@pytest.mark.parametrize("max_lag", [1, 2])
-def test_async_lags_are_bounded_and_the_producer_stops(model_dirs, max_lag):
+@pytest.mark.parametrize("producer_lead", [1, 2])
+def test_async_lags_are_bounded_and_the_producer_stops(model_dirs, producer_lead):
     model = RecordingOPD(student=model_dirs["student"], teacher=model_dirs["teacher"])
-    dm = _dm(mode="async", max_lag=max_lag)
+    dm = _dm(mode="async", producer_lead=producer_lead)
     _trainer(6).fit(model, datamodule=dm)
     lags = [v - b for v, bs in model.seen for b in bs]
-    assert len(model.seen) == 6 and all(0 <= lag <= max_lag for lag in lags)
+    assert len(model.seen) == 6 and all(0 <= lag <= producer_lead for lag in lags)
     assert not dm.producer.running
     assert not any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())
 
 
 @pytest.mark.timeout(120)
 def test_async_pushes_rarer_than_the_lag_gate_finish(model_dirs):
-    """F18 (the issue's case): max_lag 1 with a push every 3 versions used to leave the learner waiting at
+    """F18 (the issue's case): producer_lead 1 with a push every 3 versions used to leave the learner waiting at
     version 2 for a batch the producer would only start after the push at 3. Batch v is sampled by the push
     at ``(v - 1) // 3 * 3`` or later; the last push is at version 3."""
     model = RecordingOPD(student=model_dirs["student"], teacher=model_dirs["teacher"])
-    dm = _dm(mode="async", max_lag=1, weight_sync_interval=3)
+    dm = _dm(mode="async", producer_lead=1, weight_sync_interval=3)
     _trainer(5).fit(model, datamodule=dm)
     assert [v for v, _ in model.seen] == [0, 1, 2, 3, 4]
     for v, behaviour in model.seen:
@@ -97,7 +97,7 @@ def test_async_pushes_rarer_than_the_lag_gate_finish(model_dirs):
 
 def test_async_producer_crash_surfaces_in_the_trainer(model_dirs):
     model = RecordingOPD(student=model_dirs["student"], teacher=model_dirs["teacher"])
-    dm = _dm(mode="async", max_lag=1, env=KeywordEnvFactory(reset_error=True), max_env_error_rate=0.0)
+    dm = _dm(mode="async", producer_lead=1, env=KeywordEnvFactory(reset_error=True), max_env_error_rate=0.0)
     t0 = time.time()
     with pytest.raises(ProducerError, match="EnvironmentFailureError"):
         _trainer(3).fit(model, datamodule=dm)
@@ -128,7 +128,7 @@ class RaiseAt(L.Callback):
 @pytest.mark.parametrize("exc", [KeyboardInterrupt(), RuntimeError("boom in a callback")], ids=["ctrl-c", "error"])
 def test_ctrl_c_and_errors_stop_the_producer(model_dirs, exc):
     model = RecordingOPD(student=model_dirs["student"], teacher=model_dirs["teacher"])
-    dm = _dm(mode="async", max_lag=2)
+    dm = _dm(mode="async", producer_lead=2)
     trainer = L.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         callbacks=[RaiseAt(2, exc)])
@@ -147,13 +147,13 @@ def test_ctrl_c_and_errors_stop_the_producer(model_dirs, exc):
 
 @pytest.mark.timeout(180)
 def test_staleness_monitor_falls_back_to_synchronous_generation(model_dirs):
-    """Producer-side control end to end (docs/algorithms.md §1.5.1): max_lag 2, a floor no step can reach
+    """Producer-side control end to end (docs/algorithms.md §1.5.1): producer_lead 2, a floor no step can reach
     (fallback after step 0, never back). Batches up to 3 may be made under the lead of 2 (batch 3 needs
     version 1, pushed before the monitor lowers the lead); from batch 4 on each is sampled by its own version."""
     from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 
     model = RecordingOPD(student=model_dirs["student"], teacher=model_dirs["teacher"])
-    dm = _dm(mode="async", max_lag=2)
+    dm = _dm(mode="async", producer_lead=2)
     monitor = StalenessMonitor(fallback_freshness=1.0, low_freshness=1.0, high_freshness=1.0, patience=1)
     trainer = _trainer(6)
     trainer.callbacks.append(monitor)

@@ -32,13 +32,13 @@ class PlayedVersions(L.Callback):
 
 @pytest.mark.timeout(300)
 def test_async_evaluation_plays_the_learners_version(model_dirs):
-    """max_lag 1, a push every 2 versions, validation after every step (versions 1..5). On main the generator
+    """producer_lead 1, a push every 2 versions, validation after every step (versions 1..5). On main the generator
     held the last even push at odd versions (learner 1 played by 0, 3 by 2, 5 by 4) and nothing said so; now
     every held-out episode is played by the learner's version, the logged version equals it, the gap is 0, and
     training batches stay within max_allowed_lag = 1 + 2 - 1 = 2."""
     model = RecordingOPD(student=model_dirs["student"], teacher=model_dirs["teacher"])
     dm = RolloutDataModule(env=KeywordEnvFactory(need=2), episodes_per_step=2, max_turns=2, max_new_tokens=4,
-                           eval_batch_size=2, mode="async", max_lag=1, weight_sync_interval=2)
+                           eval_batch_size=2, mode="async", producer_lead=1, weight_sync_interval=2)
     rec = PlayedVersions()
     L.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False, num_sanity_val_steps=0, val_check_interval=1, check_val_every_n_epoch=None,

@@ -267,7 +267,7 @@ def check_staleness_monitor(cli, tmp):
 
 
 def check_fopd_async(cli, tmp):
-    assert cli.datamodule.mode == "async" and cli.datamodule.max_lag == 2 and cli.datamodule.max_allowed_lag == 2
+    assert cli.datamodule.mode == "async" and cli.datamodule.producer_lead == 2 and cli.datamodule.max_allowed_lag == 2
     assert len(_monitors(cli)) == 1
 
 

@@ -140,7 +140,7 @@ def test_async_checkpoint_keeps_the_buffered_batches(model_dirs, tmp_path):
         L.seed_everything(0, verbose=False)
         model = Recorder(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=4)
         dm = RolloutDataModule(env=KeywordEnvFactory(need=9), episodes_per_step=2, max_turns=2, max_new_tokens=4,
-                               eval_batch_size=2, seed=0, mode="async", max_lag=2)
+                               eval_batch_size=2, seed=0, mode="async", producer_lead=2)
         ckpt = [WaitForBuffered(), L.pytorch.callbacks.ModelCheckpoint(dirpath=path, save_last=True, save_top_k=0)
                 ] if save else []
         trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
@@ -192,7 +192,7 @@ def test_async_resume_between_pushes_samples_with_the_restored_weights(model_dir
     def fit(path, steps, ckpt_path=None, save=False):
         model = Recorder(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=4)
         dm = RolloutDataModule(env=KeywordEnvFactory(need=9), generator=RecordingHF(), episodes_per_step=2,
-                               max_turns=2, max_new_tokens=4, eval_batch_size=2, seed=0, mode="async", max_lag=1,
+                               max_turns=2, max_new_tokens=4, eval_batch_size=2, seed=0, mode="async", producer_lead=1,
                                weight_sync_interval=2)
         ckpt = [L.pytorch.callbacks.ModelCheckpoint(dirpath=path, save_last=True, save_top_k=0)] if save else []
         trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,

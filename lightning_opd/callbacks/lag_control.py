@@ -2,7 +2,7 @@
 (PROPOSED, docs/algorithms.md §1.5 "Producer-side control"; not from the paper).
 
 The staleness monitor decides the producer's lag limit (its lag bound Δ_max, handed to
-``RolloutDataModule.set_lag_limit``); this rule decides when that limit is 0 instead: after ``patience``
+``RolloutDataModule.set_lag_bound``); this rule decides when that limit is 0 instead: after ``patience``
 consecutive steps whose mean freshness f̄ (all samples of the step, before filtering; unitless in [0, 1]) is
 below ``floor``, and until ``patience`` consecutive steps reach ``recover`` again. A step without samples
 (f̄ ``None`` or NaN) says nothing and changes nothing.

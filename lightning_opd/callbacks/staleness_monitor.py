@@ -128,7 +128,7 @@ class StalenessMonitor(Callback):
             ``adaptive_lag`` are ignored).
         sample_records: write the per-sample JSON lines also in ``control`` mode (``None``: only in ``measure``).
         producer_control: async (``data.init_args.mode=async``): hand Δ_max to the producer's lag gate after
-            every step (``RolloutDataModule.set_lag_limit``: lead ``min(max_lag, max(0, Δ_max -
+            every step (``RolloutDataModule.set_lag_bound``: lead ``min(max_lag, max(0, Δ_max -
             weight_sync_interval + 1))``, §1.5.1); no effect in sync mode or with ``forced_lag``.
         fallback_freshness: async with ``producer_control``: after ``patience`` consecutive steps with f̄ below
             it, generate synchronously (lag limit 0, Δ_max held at 1) until ``patience`` consecutive steps reach
@@ -180,7 +180,7 @@ class StalenessMonitor(Callback):
         self.skipped_steps_by_lag_bound = 0
         #: Δ_min, the adaptive bound's floor (versions): the DataModule's forced_lag when set (setup), else 1
         self.lag_floor = 1
-        #: producer-side control (§1.5.1); acts only when setup finds an async DataModule with set_lag_limit
+        #: producer-side control (§1.5.1); acts only when setup finds an async DataModule with set_lag_bound
         self.producer_control = producer_control and not measure
         self.sync_fallback = (SyncFallback(fallback_freshness, low_freshness, patience)
                               if self.producer_control and fallback_freshness is not None else None)
@@ -207,7 +207,7 @@ class StalenessMonitor(Callback):
         pl_module.configure_freshness(self.freshness)
         dm = trainer.datamodule
         self.controls_producer = (self.producer_control and getattr(dm, "mode", None) == "async"
-                                  and hasattr(dm, "set_lag_limit"))
+                                  and hasattr(dm, "set_lag_bound"))
         log_dir = getattr(trainer, "log_dir", None)
         if self.sample_records and log_dir is not None:
             world, rank = int(getattr(trainer, "world_size", 1)), int(getattr(trainer, "global_rank", 0))
@@ -234,7 +234,7 @@ class StalenessMonitor(Callback):
             self.freshness.set_lag_bound(1)
         else:
             self.update_bound(freshness_mean)
-        self.hand_over_lag_limit(trainer)
+        self.hand_over_lag_bound(trainer)
         self._log(pl_module, self._all_rank_report(trainer, pl_module, report))
         if self.records_path is not None and report.freshness is not None:
             self.write_records(self.records_path, report, int(getattr(trainer, "global_step", batch_idx)),
@@ -242,7 +242,7 @@ class StalenessMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.hand_over_lag_limit(trainer)  # also after a resume, before the producer starts
+        self.hand_over_lag_bound(trainer)  # also after a resume, before the producer starts
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -307,14 +307,14 @@ class StalenessMonitor(Callback):
                                  f"be dropped; set initial_lag_bound >= {forced_lag} or leave it unset")
         return min(forced_lag, self.lag_cap)
 
-    def hand_over_lag_limit(self, trainer: L.Trainer) -> None:
+    def hand_over_lag_bound(self, trainer: L.Trainer) -> None:
         """Async with producer control: the producer's lag limit, Δ_max or 0 while generating synchronously,
-        handed to ``trainer.datamodule.set_lag_limit`` (§1.5.1), which returns the lead now in use."""
+        handed to ``trainer.datamodule.set_lag_bound`` (§1.5.1), which returns the lead now in use."""
         if not self.controls_producer or self.max_lag_bound is None:
             return
         fallback = self.sync_fallback
         limit = fallback.lag_limit(self.max_lag_bound) if fallback is not None else int(self.max_lag_bound)
-        self.producer_lead = int(trainer.datamodule.set_lag_limit(limit))
+        self.producer_lead = int(trainer.datamodule.set_lag_bound(limit))
 
     def _all_rank_report(self, trainer, pl_module, report: FreshnessReport) -> FreshnessReport:
         """``report`` with the statistics over all data-parallel ranks (:func:`all_rank_stats`, F27); one process:

@@ -6,17 +6,17 @@ Modes:
   batch is generated then, by exactly the weights being trained (lag 0).
 * ``async``: a background thread generates batch ``i`` (the batch the learner will consume at
   version ``i``) as soon as the weights it samples with have reached :meth:`RolloutProducer.required_version`
-  ``(i)``: the version of the last weight push at or before learner version ``i - lead`` (``lead`` =
-  :attr:`~lightning_opd.rollout.weight_sync.SyncConfig.producer_lead`, the key ``data.init_args.max_lag``). Pushes land
+  ``(i)``: the version of the last weight push at or before learner version ``i - producer_lead``
+  (:attr:`~lightning_opd.rollout.weight_sync.SyncConfig.producer_lead`, ``data.init_args.producer_lead``). Pushes land
   at the start version (train start, resume) and at every multiple of ``weight_sync_interval``, so that is
-  ``max(start, (i - lead) // weight_sync_interval * weight_sync_interval)``. Every batch is then at most
-  ``lead + weight_sync_interval - 1`` versions behind the learner that trains on it (``lead`` when
-  weights are pushed every version; measured on the weights actually used, not on the learner's counter,
-  which moves before the push lands), and no pair of knobs deadlocks (F18): the learner waiting for batch
-  ``v`` holds weights of version ``max(start, v // interval * interval)``, which is never below what
-  batch ``v`` waits for, for any lead >= 0. The bounded buffer gives back-pressure. A controller may lower
+  ``max(start, (i - producer_lead) // weight_sync_interval * weight_sync_interval)``. Every batch is then at most
+  ``producer_lead + weight_sync_interval - 1`` (``max_allowed_lag``) versions behind the learner that trains on
+  it (``producer_lead`` when weights are pushed every version; measured on the weights actually used, not on
+  the learner's counter, which moves before the push lands), and no pair of knobs deadlocks (F18): the learner
+  waiting for batch ``v`` holds weights of version ``max(start, v // interval * interval)``, which is never below
+  what batch ``v`` waits for, for any lead >= 0. The bounded buffer gives back-pressure. A controller may lower
   the lead (down to 0, synchronous generation) and raise it again up to the configured one while running
-  (:meth:`RolloutProducer.set_lead`; ``RolloutDataModule.set_lag_limit``).
+  (:meth:`RolloutProducer.set_lead`; ``RolloutDataModule.set_lag_bound``).
 
 Checkpoints: :meth:`RolloutProducer.quiesce` parks the thread between batches and returns every finished
 batch not yet taken by the learner (the buffer, plus a batch waiting for room), so a checkpoint holds
@@ -65,11 +65,11 @@ class RolloutProducer:
         self.make_batch = make_batch
         self.weights_version = weights_version
         self.mode = config.mode
-        self.max_lead = config.lead  # the configured producer lead: the buffer and max_allowed_lag are sized for it
-        self.lead = config.lead  # the lead in use (lowered by set_lead: producer-side control)
+        self._configured_lead = config.lead  # the buffer and max_allowed_lag are sized for it
+        self.producer_lead = config.lead  # the lead in use (versions; lowered by set_lead: producer-side control)
         self.weight_sync_interval = config.weight_sync_interval
         self.start_version = 0  # the learner's version when the thread started (pushed then)
-        self.buffer = RolloutBuffer(capacity or max(1, self.lead))
+        self.buffer = RolloutBuffer(capacity or max(1, self.producer_lead))
         self.poll_seconds = poll_seconds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -147,22 +147,23 @@ class RolloutProducer:
 
     def required_version(self, index: int) -> int:
         """Weights version batch ``index`` waits for: the last push at or before learner version
-        ``index - lead``, i.e. ``max(start_version, (index - lead) // weight_sync_interval *
+        ``index - producer_lead``, i.e. ``max(start_version, (index - producer_lead) // weight_sync_interval *
         weight_sync_interval)``."""
         interval = self.weight_sync_interval
-        return max(self.start_version, (index - self.lead) // interval * interval)
+        return max(self.start_version, (index - self.producer_lead) // interval * interval)
 
-    def set_lead(self, lead: int) -> None:
-        """Run at most ``lead`` versions ahead of the pushed weights from now on (``0 <= lead <=`` the configured
-        lead; 0 = synchronous generation). The gate of the batch not yet started is re-read at once: a lower lead
-        holds it back, a higher one lets it go (waking the thread); batches already made keep their lag.
+    def set_lead(self, producer_lead: int) -> None:
+        """Run at most ``producer_lead`` versions ahead of the pushed weights from now on (``0 <= producer_lead <=``
+        the configured one; 0 = synchronous generation). The gate of the batch not yet started is re-read at once:
+        a lower lead holds it back, a higher one lets it go (waking the thread); batches already made keep their lag.
 
         Raises:
-            ValueError: ``lead`` outside ``[0, max_lead]``.
+            ValueError: ``producer_lead`` outside ``[0, data.init_args.producer_lead]`` (0 sync).
         """
-        if not 0 <= lead <= self.max_lead:
-            raise ValueError(f"producer lead {lead} must be in [0, data.init_args.max_lag={self.max_lead}]")
-        self.lead = int(lead)
+        if not 0 <= producer_lead <= self._configured_lead:
+            raise ValueError(f"producer lead {producer_lead} must be in [0, data.init_args.producer_lead="
+                             f"{self._configured_lead}]")
+        self.producer_lead = int(producer_lead)
         self.notify_version()
 
     def notify_version(self) -> None:
@@ -176,7 +177,7 @@ class RolloutProducer:
             while not self._stop.is_set():
                 self._park()
                 index = self._produced
-                with self._version_changed:  # at most lead + interval - 1 versions behind when consumed
+                with self._version_changed:  # at most producer_lead + interval - 1 versions behind when consumed
                     while (not self._stop.is_set() and not self._paused.is_set()
                            and self.weights_version() < self.required_version(index)):
                         self._version_changed.wait(self.poll_seconds)

@@ -2,16 +2,17 @@
 
 Three lag quantities, three names (versions = rollout iterations, docs/algorithms.md §3.1 note):
 
-* ``producer_lead`` (``data.init_args.max_lag``): async only, how many versions the background producer
+* ``producer_lead`` (``data.init_args.producer_lead``): async only, how many versions the background producer
   may run ahead of the last pushed weights (batch ``i`` waits for the push at or before ``i - producer_lead``);
 * ``max_allowed_lag`` (:attr:`SyncConfig.max_allowed_lag`): the largest lag a batch of this configuration
   can have when the learner trains on it (``producer_lead + weight_sync_interval - 1`` async, ``forced_lag``
   sync); the learner refuses a batch beyond it (``OPDModule.strict_on_policy``);
-* the f-OPD lag bound Δ_max (``StalenessMonitor``'s ``initial_lag_bound``, moved by its adaptive rule): the
+* ``lag_bound``, the f-OPD lag bound Δ_max (``FreshnessWeighting.lag_bound``; starts at ``StalenessMonitor``'s
+  ``initial_lag_bound``, moved by its adaptive rule): the
   largest lag the freshness filter keeps; a loss-side decision, not a property of the data. Async, it also caps
   the producer (producer-side control, PROPOSED, docs/algorithms.md §1.5): the lead in use becomes
   :meth:`SyncConfig.lead_for` ``(Δ_max)`` ``= min(producer_lead, max(0, Δ_max - weight_sync_interval + 1))``
-  (``RolloutDataModule.set_lag_limit``), so batches started after the change are at most Δ_max behind;
+  (``RolloutDataModule.set_lag_bound``), so batches started after the change are at most Δ_max behind;
   ``max_allowed_lag`` stays the configured ceiling (batches already buffered were made under the old lead).
 
 Modes: ``sync`` (the generator follows the live student: every batch lag 0), ``sync`` with ``forced_lag=k``
@@ -45,7 +46,7 @@ class SyncConfig:
     Attributes:
         mode: ``"sync"`` or ``"async"`` (``data.init_args.mode``).
         producer_lead: async: versions the producer may run ahead of the pushed weights
-            (``data.init_args.max_lag``; >= 1 async, >= 0 and unused sync).
+            (``data.init_args.producer_lead``; >= 1 async, >= 0 and unused sync).
         weight_sync_interval: async: push every N versions (``data.init_args.weight_sync_interval``, >= 1).
         forced_lag: sync only: sample with the weights of version ``max(0, v - forced_lag)`` (0 = off).
 
@@ -62,10 +63,10 @@ class SyncConfig:
         if self.mode not in MODES:
             raise ValueError(f"data.init_args.mode={self.mode!r}: use 'sync' or 'async'")
         if self.producer_lead < 0:
-            raise ValueError(f"data.init_args.max_lag={self.producer_lead} must be >= 0 (versions the async producer "
-                             "may run ahead of the pushed weights; >= 1 with data.init_args.mode=async)")
+            raise ValueError(f"data.init_args.producer_lead={self.producer_lead} must be >= 0 (versions the async "
+                             "producer may run ahead of the pushed weights; >= 1 with data.init_args.mode=async)")
         if self.mode == "async" and self.producer_lead < 1:
-            raise ValueError(f"data.init_args.max_lag={self.producer_lead} must be >= 1 in async mode (use "
+            raise ValueError(f"data.init_args.producer_lead={self.producer_lead} must be >= 1 in async mode (use "
                              "data.init_args.mode=sync for lag 0)")
         if self.weight_sync_interval < 1:
             raise ValueError(f"data.init_args.weight_sync_interval={self.weight_sync_interval} must be >= 1")
@@ -85,25 +86,25 @@ class SyncConfig:
             return self.producer_lead + self.weight_sync_interval - 1
         return self.forced_lag
 
-    def lead_for(self, lag_limit: int) -> int:
-        """The producer lead that keeps every batch started from now on at most ``lag_limit`` versions behind
+    def lead_for(self, lag_bound: int) -> int:
+        """The producer lead that keeps every batch started from now on at most ``lag_bound`` versions behind
         the learner that trains on it (producer-side control, PROPOSED, docs/algorithms.md §1.5):
-        ``min(producer_lead, max(0, lag_limit - (weight_sync_interval - 1)))`` async, 0 sync.
+        ``min(producer_lead, max(0, lag_bound - (weight_sync_interval - 1)))`` async, 0 sync.
 
         A batch's lag is at most ``lead + weight_sync_interval - 1`` and reaches it when the producer keeps up,
         so this is the largest lead within the limit. The configured ``producer_lead`` is never exceeded (the
-        buffer and :attr:`max_allowed_lag` are sized for it). ``lag_limit = 0`` is synchronous generation: each
+        buffer and :attr:`max_allowed_lag` are sized for it). ``lag_bound = 0`` is synchronous generation: each
         batch waits for the push of its own version (lag 0 with ``weight_sync_interval = 1``; with pushes every N
         versions the lag stays below N, and the f-OPD filter drops what exceeds its bound).
 
         Raises:
-            ValueError: ``lag_limit < 0``.
+            ValueError: ``lag_bound < 0``.
         """
-        if lag_limit < 0:
-            raise ValueError(f"lag_limit={lag_limit} must be >= 0 (versions; 0 = synchronous generation)")
+        if lag_bound < 0:
+            raise ValueError(f"lag_bound={lag_bound} must be >= 0 (versions; 0 = synchronous generation)")
         if self.mode != "async":
             return 0
-        return min(self.producer_lead, max(0, int(lag_limit) - (self.weight_sync_interval - 1)))
+        return min(self.producer_lead, max(0, int(lag_bound) - (self.weight_sync_interval - 1)))
 
     @property
     def manages_weights(self) -> bool:

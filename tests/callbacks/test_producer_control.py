@@ -1,5 +1,5 @@
 """StalenessMonitor's producer-side control (PROPOSED, docs/algorithms.md §1.5.1): after every step it hands
-Δ_max, or 0 during the synchronous fallback, to ``datamodule.set_lag_limit`` (async only), on a hand-made
+Δ_max, or 0 during the synchronous fallback, to ``datamodule.set_lag_bound`` (async only), on a hand-made
 sequence of the step's mean freshness."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from lightning_opd.rollout.weight_sync import SyncConfig
 
 
 class FakeDataModule:
-    """Records the lag limits handed over; the lead is SyncConfig's (max_lag 3, pushes every version)."""
+    """Records the lag limits handed over; the lead is SyncConfig's (producer_lead 3, pushes every version)."""
 
     def __init__(self, mode: str):
         self.mode, self.max_allowed_lag, self.limits = mode, 3, []
         self.sync = SyncConfig(mode, 3) if mode == "async" else SyncConfig()
 
-    def set_lag_limit(self, limit: int) -> int:
+    def set_lag_bound(self, limit: int) -> int:
         self.limits.append(limit)
         return self.sync.lead_for(limit)
 
@@ -61,7 +61,7 @@ def test_async_bound_caps_the_producer_and_collapse_falls_back_to_synchronous_ge
     monitor, dm, bounds, leads, fallback = _run("async", MEANS)
     assert dm.limits == [4, 5, 5, 0, 0, 1, 2, 3]  # the first at train start
     assert bounds == [5, 5, 1, 1, 1, 2, 3]
-    assert leads == [3, 3, 0, 0, 1, 2, 3]  # min(max_lag 3, limit - (1 - 1))
+    assert leads == [3, 3, 0, 0, 1, 2, 3]  # min(producer_lead 3, limit - (1 - 1))
     assert fallback == [0, 0, 1, 1, 0, 0, 0]
     assert monitor.state_dict()["sync_fallback"] == {"active": False, "streak": 0}
 

@@ -9,8 +9,8 @@ from tests.helpers import KeywordEnvFactory
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(max_lag=-1), r"data.init_args.max_lag=-1 must be >= 0"),  # sync mode: was accepted silently
-    (dict(mode="async", max_lag=0), r"data.init_args.max_lag=0 must be >= 1 in async mode"),
+    (dict(producer_lead=-1), r"data.init_args.producer_lead=-1 must be >= 0"),  # sync mode: was accepted silently
+    (dict(mode="async", producer_lead=0), r"data.init_args.producer_lead=0 must be >= 1 in async mode"),
     (dict(mode="lazy"), r"data.init_args.mode='lazy'"),
     (dict(eval_max_turns=0), r"data.init_args.eval_max_turns=0 must be >= 1"),  # was silently max_turns
     (dict(max_env_error_rate=1.5), r"data.init_args.max_env_error_rate=1.5 must be in \[0, 1\]"),
@@ -25,7 +25,7 @@ def test_bad_arguments_name_their_key(kwargs, message):
 
 
 def test_edge_values_are_accepted():
-    dm = RolloutDataModule(env=KeywordEnvFactory(), max_lag=0, eval_max_turns=1, max_env_error_rate=1.0)
-    assert (dm.max_lag, dm.eval_max_turns, dm.max_env_error_rate, dm.max_allowed_lag) == (0, 1, 1.0, 0)
-    async_dm = RolloutDataModule(env=KeywordEnvFactory(), mode="async", max_lag=2, weight_sync_interval=2)
-    assert (async_dm.max_lag, async_dm.max_allowed_lag) == (2, 3)  # producer lead vs the largest lag of a batch
+    dm = RolloutDataModule(env=KeywordEnvFactory(), producer_lead=0, eval_max_turns=1, max_env_error_rate=1.0)
+    assert (dm.producer_lead, dm.eval_max_turns, dm.max_env_error_rate, dm.max_allowed_lag) == (0, 1, 1.0, 0)
+    async_dm = RolloutDataModule(env=KeywordEnvFactory(), mode="async", producer_lead=2, weight_sync_interval=2)
+    assert (async_dm.producer_lead, async_dm.max_allowed_lag) == (2, 3)  # producer lead vs the largest lag of a batch

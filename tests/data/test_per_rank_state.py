@@ -92,7 +92,7 @@ def _worker(rank, port, model_dirs, out_dir):
     def fit(steps, ckpt_path=None, save=False):
         model = Recorder(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=2)
         dm = RecordingDM(env=KeywordEnvFactory(need=9), episodes_per_step=2, max_turns=2, max_new_tokens=4,
-                         eval_batch_size=1, seed=0, mode="async", max_lag=2)
+                         eval_batch_size=1, seed=0, mode="async", producer_lead=2)
         callbacks = [WaitForBuffered(), L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "ckpt", save_last=True,
                                                                             save_top_k=0)] if save else []
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), max_steps=steps, logger=False,

@@ -83,8 +83,8 @@ def test_batch_counter_resumes_from_state_dict(tokenizer):
     _assert_batch(fresh.next_train_batch(), True, FULL)
 
 
-@pytest.mark.parametrize("max_lag", [1, 2])
-def test_async_samples_carry_the_cap_set_when_their_batch_started(tokenizer, max_lag):
+@pytest.mark.parametrize("producer_lead", [1, 2])
+def test_async_samples_carry_the_cap_set_when_their_batch_started(tokenizer, producer_lead):
     """The producer plays ahead in its own thread. During turn 1 of batch i (i.e. after batch i started)
     the reply function sets the cap to ``caps[i]``: batch i keeps the cap it started with, batch i+1 (a
     non-probe) runs at ``caps[i]``; probe batches are indexed by batches started (= learner version)."""
@@ -97,7 +97,7 @@ def test_async_samples_carry_the_cap_set_when_their_batch_started(tokenizer, max
             dm.set_max_turns(caps[dm._batches_started - 1])  # only the producer thread starts batches
         return r.task_id
 
-    dm, policy = _dm(tokenizer, reply, mode="async", max_lag=max_lag)
+    dm, policy = _dm(tokenizer, reply, mode="async", producer_lead=producer_lead)
     holder["dm"] = dm
     dm.set_probe_schedule(WARMUP, INTERVAL, FULL)
     try:
@@ -105,7 +105,7 @@ def test_async_samples_carry_the_cap_set_when_their_batch_started(tokenizer, max
             batch = dm.next_train_batch()
             expected = FULL if k in PROBES else (caps[k - 1] if k else 4)
             _assert_batch(batch, k in PROBES, expected)
-            assert 0 <= k - int(batch.behaviour_version.max()) <= max_lag
+            assert 0 <= k - int(batch.behaviour_version.max()) <= producer_lead
             policy.policy_version = k + 1  # the learner's optimizer step
             dm.producer.notify_version()
     finally:
@@ -115,9 +115,9 @@ def test_async_samples_carry_the_cap_set_when_their_batch_started(tokenizer, max
 
 
 def test_async_resume_keeps_the_lag_gate(tokenizer):
-    """Resumed at learner version 5 with max_lag 1, the producer may start batches 5 and 6 only (batch i
+    """Resumed at learner version 5 with producer_lead 1, the producer may start batches 5 and 6 only (batch i
     waits for weights of version i - 1), not run ahead from a counter reset to 0."""
-    dm, policy = _dm(tokenizer, mode="async", max_lag=1)
+    dm, policy = _dm(tokenizer, mode="async", producer_lead=1)
     dm.load_state_dict({"train_batches": 5})
     policy.policy_version = 5
     try:

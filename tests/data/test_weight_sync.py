@@ -1,6 +1,6 @@
-"""Weight pushes and the async lag gate in the RolloutDataModule (F18): every ``(max_lag,
+"""Weight pushes and the async lag gate in the RolloutDataModule (F18): every ``(producer_lead,
 weight_sync_interval)`` pair finishes with batch ``i`` sampled by the weights of the last push at or
-before learner version ``i - max_lag``; after a restore (at a version that need not be a multiple of the
+before learner version ``i - producer_lead``; after a restore (at a version that need not be a multiple of the
 interval) and at train start the generator holds exactly the learner's version before the first rollout.
 The learner is simulated: one ``next_train_batch`` per version, ``WeightSync.on_policy_update`` after each."""
 
@@ -96,29 +96,29 @@ def _learn(dm, policy, steps: int, timeout: float = 20.0, train_start: bool = Tr
 
 
 @pytest.mark.parametrize("interval", [1, 2, 3, 4])
-@pytest.mark.parametrize("max_lag", [1, 2, 3])
-def test_every_lag_and_push_interval_pair_finishes(tokenizer, max_lag, interval):
-    """Batch ``i`` waits for the push at ``(i - max_lag) // interval * interval`` (at least the start version
-    0), so its lag is at most ``max_lag + interval - 1`` = ``max_allowed_lag``; pushes land at multiples of
+@pytest.mark.parametrize("producer_lead", [1, 2, 3])
+def test_every_lag_and_push_interval_pair_finishes(tokenizer, producer_lead, interval):
+    """Batch ``i`` waits for the push at ``(i - producer_lead) // interval * interval`` (at least the start version
+    0), so its lag is at most ``producer_lead + interval - 1`` = ``max_allowed_lag``; pushes land at multiples of
     the interval."""
-    dm, policy, gen = _dm(tokenizer, mode="async", max_lag=max_lag, weight_sync_interval=interval)
+    dm, policy, gen = _dm(tokenizer, mode="async", producer_lead=producer_lead, weight_sync_interval=interval)
     steps = 9
     seen = _learn(dm, policy, steps)
     assert [v for v, _ in seen] == list(range(steps))
     for i, (_, behaviour) in enumerate(seen):
-        gate = max(0, (i - max_lag) // interval * interval)
+        gate = max(0, (i - producer_lead) // interval * interval)
         assert all(gate <= b <= i for b in behaviour), (i, behaviour)
-        assert i - min(behaviour) <= dm.max_allowed_lag == max_lag + interval - 1
+        assert i - min(behaviour) <= dm.max_allowed_lag == producer_lead + interval - 1
     assert gen.pushes == list(range(0, steps + 1, interval))
 
 
-@pytest.mark.parametrize(("version", "interval", "max_lag"), [(3, 2, 1), (5, 3, 1), (5, 3, 2), (1, 4, 3)])
+@pytest.mark.parametrize(("version", "interval", "producer_lead"), [(3, 2, 1), (5, 3, 1), (5, 3, 2), (1, 4, 3)])
 @pytest.mark.parametrize("train_start", [True, False], ids=["train-start", "direct"])
-def test_async_resume_at_a_version_between_pushes(tokenizer, version, interval, max_lag, train_start):
+def test_async_resume_at_a_version_between_pushes(tokenizer, version, interval, producer_lead, train_start):
     """Restored at a learner version that is not a multiple of the interval: the restored weights are pushed
     before the first rollout (whether or not ``on_policy_update`` ran first), the next pushes land at
     multiples of the interval again, and the run finishes."""
-    dm, policy, gen = _dm(tokenizer, mode="async", max_lag=max_lag, weight_sync_interval=interval)
+    dm, policy, gen = _dm(tokenizer, mode="async", producer_lead=producer_lead, weight_sync_interval=interval)
     dm.load_state_dict({"train_batches": version})
     policy.policy_version = version
     seen = _learn(dm, policy, 6, train_start=train_start)
@@ -127,13 +127,13 @@ def test_async_resume_at_a_version_between_pushes(tokenizer, version, interval, 
     first_multiple = -(-(version + 1) // interval) * interval
     assert gen.pushes == [version, *range(first_multiple, version + 7, interval)]
     for i, (_, behaviour) in enumerate(seen, start=version):
-        assert all(max(version, (i - max_lag) // interval * interval) <= b <= i for b in behaviour)
+        assert all(max(version, (i - producer_lead) // interval * interval) <= b <= i for b in behaviour)
 
 
 def test_a_reused_generator_gets_the_restored_weights_even_with_a_matching_stamp(tokenizer):
     """A generator kept from an earlier run may already be stamped with the restored version (other weights):
     a restore does not trust the stamp and pushes again."""
-    dm, policy, gen = _dm(tokenizer, mode="async", max_lag=1, weight_sync_interval=2)
+    dm, policy, gen = _dm(tokenizer, mode="async", producer_lead=1, weight_sync_interval=2)
     gen.push_weights({"w": torch.tensor(-7)}, 3)  # another run's version 3
     dm.load_state_dict({"train_batches": 3})
     policy.policy_version = 3
@@ -155,31 +155,31 @@ def test_forced_lag_resume_pushes_the_restored_copy_before_the_first_rollout(tok
 
 
 def test_lag_limit_zero_is_synchronous_generation(tokenizer):
-    """Producer-side control: ``set_lag_limit(0)`` (the fallback) with pushes every version makes every batch
-    with the weights of the version that trains on it, although ``max_lag`` is 3."""
-    dm, policy, gen = _dm(tokenizer, mode="async", max_lag=3, weight_sync_interval=1)
-    assert dm.set_lag_limit(0) == 0 == dm.producer_lead
+    """Producer-side control: ``set_lag_bound(0)`` (the fallback) with pushes every version makes every batch
+    with the weights of the version that trains on it, although ``producer_lead`` is 3."""
+    dm, policy, gen = _dm(tokenizer, mode="async", producer_lead=3, weight_sync_interval=1)
+    assert dm.set_lag_bound(0) == 0 == dm.producer_lead
     seen = _learn(dm, policy, 6)
     assert seen == [(v, [v, v]) for v in range(6)]
     assert dm.max_allowed_lag == 3  # the on-policy check keeps the configured ceiling
 
 
 def test_lag_limit_caps_the_lead_with_rare_pushes(tokenizer):
-    """max_lag 2, pushes every 2 versions (max_allowed_lag 3): limit 1 gives lead 1 - (2 - 1) = 0, so batch i
+    """producer_lead 2, pushes every 2 versions (max_allowed_lag 3): limit 1 gives lead 1 - (2 - 1) = 0, so batch i
     waits for the push at i // 2 * 2 and its lag is at most 1 (2 or 3 without the limit)."""
-    dm, policy, gen = _dm(tokenizer, mode="async", max_lag=2, weight_sync_interval=2)
-    assert dm.set_lag_limit(1) == 0
+    dm, policy, gen = _dm(tokenizer, mode="async", producer_lead=2, weight_sync_interval=2)
+    assert dm.set_lag_bound(1) == 0
     seen = _learn(dm, policy, 8)
     for i, (_, behaviour) in enumerate(seen):
         assert all(i // 2 * 2 <= b <= i for b in behaviour), (i, behaviour)
-    assert dm.set_lag_limit(3) == 2 and dm.set_lag_limit(9) == 2  # never above max_lag
+    assert dm.set_lag_bound(3) == 2 and dm.set_lag_bound(9) == 2  # never above producer_lead
 
 
 def test_lowering_the_limit_mid_run_applies_to_batches_not_yet_started(tokenizer):
-    """max_lag 3: at learner version 4 the limit drops to 0. Batches up to 7 may already be made (they needed
+    """producer_lead 3: at learner version 4 the limit drops to 0. Batches up to 7 may already be made (they needed
     version >= i - 3 <= 4) and keep their lag (<= 3); batch 8 onwards waits for its own version."""
-    dm, policy, gen = _dm(tokenizer, mode="async", max_lag=3, weight_sync_interval=1)
-    seen = _learn(dm, policy, 11, before_step=lambda v: v == 4 and dm.set_lag_limit(0))
+    dm, policy, gen = _dm(tokenizer, mode="async", producer_lead=3, weight_sync_interval=1)
+    seen = _learn(dm, policy, 11, before_step=lambda v: v == 4 and dm.set_lag_bound(0))
     for i, (_, behaviour) in enumerate(seen):
         assert all(max(0, i - 3) <= b <= i for b in behaviour), (i, behaviour)
         if i >= 8:
@@ -188,5 +188,5 @@ def test_lowering_the_limit_mid_run_applies_to_batches_not_yet_started(tokenizer
 
 def test_lag_limit_leaves_sync_and_forced_lag_alone(tokenizer):
     dm, policy, gen = _dm(tokenizer, forced_lag=2)
-    assert dm.set_lag_limit(0) == 0
+    assert dm.set_lag_bound(0) == 0
     assert _learn(dm, policy, 4) == [(0, [0, 0]), (1, [0, 0]), (2, [0, 0]), (3, [1, 1])]

@@ -37,33 +37,33 @@ def _wait(cond, timeout=5.0):
     return False
 
 
-@pytest.mark.parametrize("max_lag", [1, 2, 4])
-def test_async_runs_at_most_max_lag_versions_ahead(max_lag):
+@pytest.mark.parametrize("producer_lead", [1, 2, 4])
+def test_async_runs_at_most_producer_lead_versions_ahead(producer_lead):
     tl = Timeline()
-    p = RolloutProducer(tl.make_batch, lambda: tl.version, SyncConfig("async", max_lag), capacity=16, poll_seconds=0.01)
+    p = RolloutProducer(tl.make_batch, lambda: tl.version, SyncConfig("async", producer_lead), capacity=16, poll_seconds=0.01)
     p.start()
     try:
-        # learner at version 0: batches 0..max_lag may be made (batch i needs version >= i - max_lag)
-        assert _wait(lambda: len(tl.made) == max_lag + 1)
+        # learner at version 0: batches 0..producer_lead may be made (batch i needs version >= i - producer_lead)
+        assert _wait(lambda: len(tl.made) == producer_lead + 1)
         time.sleep(0.1)
-        assert len(tl.made) == max_lag + 1 and tl.made == [0] * (max_lag + 1)
+        assert len(tl.made) == producer_lead + 1 and tl.made == [0] * (producer_lead + 1)
         for v in (1, 2, 3):
             tl.version = v
             p.notify_version()
-            assert _wait(lambda: len(tl.made) == max_lag + 1 + v)
+            assert _wait(lambda: len(tl.made) == producer_lead + 1 + v)
             time.sleep(0.05)
-            assert len(tl.made) == max_lag + 1 + v
-        # consumed in order; lag of batch i consumed at version i is i - made_version <= max_lag
+            assert len(tl.made) == producer_lead + 1 + v
+        # consumed in order; lag of batch i consumed at version i is i - made_version <= producer_lead
         for i in range(4):
             batch = p.next_batch(timeout=5)
-            assert i - batch[0].turn_versions[0] <= max_lag
+            assert i - batch[0].turn_versions[0] <= producer_lead
     finally:
         p.stop()
     assert not p.running
 
 
-def test_lag_gate_waits_for_the_last_push_at_or_before_index_minus_max_lag():
-    """max_lag 1, pushes every 3 versions: batch i needs the push at ``(i - 1) // 3 * 3``, and after a start
+def test_lag_gate_waits_for_the_last_push_at_or_before_index_minus_producer_lead():
+    """producer_lead 1, pushes every 3 versions: batch i needs the push at ``(i - 1) // 3 * 3``, and after a start
     (resume) at version 4 never less than 4 (F18)."""
     p = RolloutProducer(lambda: [], lambda: 0, SyncConfig("async", 1, 3))
     assert [p.required_version(i) for i in range(9)] == [0, 0, 0, 0, 3, 3, 3, 6, 6]
@@ -73,7 +73,7 @@ def test_lag_gate_waits_for_the_last_push_at_or_before_index_minus_max_lag():
 
 @pytest.mark.parametrize("interval", [2, 3, 5])
 def test_pushes_rarer_than_the_lag_never_deadlock(interval):
-    """The weights move only at multiples of ``interval`` (> max_lag + 1): the learner at version v still gets
+    """The weights move only at multiples of ``interval`` (> producer_lead + 1): the learner at version v still gets
     batch v, sampled by the push at ``(v - 1) // interval * interval`` or a later one."""
     tl = Timeline()
     weights = lambda: tl.version // interval * interval  # noqa: E731 - the last push
@@ -91,7 +91,7 @@ def test_pushes_rarer_than_the_lag_never_deadlock(interval):
 
 
 def test_set_lead_holds_back_and_releases_the_lag_gate():
-    """Producer-side control on a scripted timeline (max_lag 3, pushes every version): the producer runs 3
+    """Producer-side control on a scripted timeline (producer_lead 3, pushes every version): the producer runs 3
     versions ahead (batches 0-3 at version 0); lead 0 holds batch 4 until version 4 (synchronous: lag 0), then
     lead 2 lets batches 5 and 6 go at version 4 (batch i needs version i - 2) and holds batch 7."""
     tl = Timeline()
@@ -123,7 +123,7 @@ def test_set_lead_holds_back_and_releases_the_lag_gate():
 @pytest.mark.parametrize("lead", [-1, 4])
 def test_set_lead_refuses_a_lead_outside_the_configured_one(lead):
     p = RolloutProducer(lambda: [], lambda: 0, SyncConfig("async", 3))
-    with pytest.raises(ValueError, match=rf"producer lead {lead} must be in \[0, data.init_args.max_lag=3\]"):
+    with pytest.raises(ValueError, match=rf"producer lead {lead} must be in \[0, data.init_args.producer_lead=3\]"):
         p.set_lead(lead)
 
 

@@ -12,8 +12,8 @@ from lightning_opd.rollout.weight_sync import SyncConfig, WeightSync
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(mode="fast"), "data.init_args.mode='fast': use 'sync' or 'async'"),
-    (dict(mode="sync", producer_lead=-1), r"data.init_args.max_lag=-1 must be >= 0"),
-    (dict(mode="async", producer_lead=0), r"data.init_args.max_lag=0 must be >= 1 in async mode"),
+    (dict(mode="sync", producer_lead=-1), r"data.init_args.producer_lead=-1 must be >= 0"),
+    (dict(mode="async", producer_lead=0), r"data.init_args.producer_lead=0 must be >= 1 in async mode"),
     (dict(mode="async", weight_sync_interval=0), r"data.init_args.weight_sync_interval=0 must be >= 1"),
     (dict(mode="async", forced_lag=1), r"data.init_args.forced_lag=1 needs data.init_args.mode=sync"),
     (dict(mode="sync", forced_lag=-1), r"data.init_args.forced_lag=-1 needs"),
@@ -36,14 +36,14 @@ def test_the_three_quantities(kwargs, lead, allowed, manages):
 
 
 @pytest.mark.parametrize(("kwargs", "leads"), [
-    # lead = min(max_lag, max(0, limit - (interval - 1))) for limits 0..5
+    # lead = min(producer_lead, max(0, limit - (interval - 1))) for limits 0..5
     (dict(mode="async", producer_lead=3), [0, 1, 2, 3, 3, 3]),
     (dict(mode="async", producer_lead=3, weight_sync_interval=2), [0, 0, 1, 2, 3, 3]),
     (dict(mode="async", producer_lead=2, weight_sync_interval=3), [0, 0, 0, 1, 2, 2]),
     (dict(mode="sync", forced_lag=2), [0, 0, 0, 0, 0, 0]),  # the forced lag is the treatment: untouched
 ])
 def test_lead_for_a_lag_limit(kwargs, leads):
-    """Producer-side control: the largest lead whose batches stay within the limit, never above max_lag."""
+    """Producer-side control: the largest lead whose batches stay within the limit, never above producer_lead."""
     cfg = SyncConfig(**kwargs)
     assert [cfg.lead_for(limit) for limit in range(6)] == leads
     for limit, lead in enumerate(leads):  # the lag a batch can reach under that lead is within the limit...
@@ -53,7 +53,7 @@ def test_lead_for_a_lag_limit(kwargs, leads):
 
 
 def test_lead_for_refuses_a_negative_limit():
-    with pytest.raises(ValueError, match="lag_limit=-1 must be >= 0"):
+    with pytest.raises(ValueError, match="lag_bound=-1 must be >= 0"):
         SyncConfig("async", 2).lead_for(-1)
 
 

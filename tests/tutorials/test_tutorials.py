@@ -176,7 +176,7 @@ def test_03_overlay_composes_all_three_controllers(model_dirs, fake_games, isola
     overlay = build([CONF / "textworld/grpo.yaml", TUTORIALS / "03_compose_controllers.yaml"], model_dirs, fake_games,
                     isolate)
     assert isinstance(overlay.model.loss_fn, ClippedSurrogate) and overlay.model.tdur and overlay.model.kappa == 1.0
-    assert overlay.datamodule.mode == "async" and overlay.datamodule.max_lag == 2
+    assert overlay.datamodule.mode == "async" and overlay.datamodule.producer_lead == 2
     assert {c.attribute for c in _callbacks(overlay, AnnealingSchedule)} == {"kappa", "rho"}
     assert len(_callbacks(overlay, RolloutDepthController)) == 1 and len(_callbacks(overlay, StalenessMonitor)) == 1
     composed = build([CONF / "textworld/grpo.yaml", CONF / "callbacks/annealing.yaml", CONF / "callbacks/rollout_depth.yaml",
