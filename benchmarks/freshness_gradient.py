@@ -67,7 +67,7 @@ from lightning_opd.envs.base import EnvFactory
 from lightning_opd.learner import OPDModule
 from lightning_opd.losses.divergences import FullVocabReverseKL, SampledTokenReverseKL
 from lightning_opd.losses.freshness import SCORES, staleness_diagnostics
-from lightning_opd.rollout.batch import RolloutBatch, collate_trajectories
+from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.types import Trajectory
 
 # ------------------------------------------------------------------------------------------ statistics
@@ -219,12 +219,12 @@ def play(dm: RolloutDataModule, state: Mapping[str, torch.Tensor], version: int,
     """Play ``specs`` (``EpisodeSpec``) with the weights ``state`` stamped ``version`` (pushed to the DataModule's
     generator), with the training sampling settings; behaviour log-probs and versions recorded per token/turn."""
     dm.generator.push_weights(state, version)
-    return dm.loop.run(list(specs), dm.sampling)
+    return dm.session.play(list(specs), dm.sampling)
 
 
 def collate(dm: RolloutDataModule, trajs: list[Trajectory], device) -> RolloutBatch:
     """``trajs`` as a :class:`RolloutBatch` on ``device`` (the DataModule's padding and stop ids)."""
-    return collate_trajectories(trajs, dm.sampling, dm.pad_id, dm.loop.stop_ids).to(device)
+    return dm.session.collate(trajs, dm.sampling).to(device)
 
 
 def make_samples(dm: RolloutDataModule, snapshots: Mapping[int, Mapping[str, torch.Tensor]], lags: list[int],
@@ -242,12 +242,12 @@ def make_samples(dm: RolloutDataModule, snapshots: Mapping[int, Mapping[str, tor
         raise ValueError(f"--lags {bad}: each must be in [0, --versions={v}]")
     if per_lag < 1 or reference < 1:
         raise ValueError(f"--samples-per-lag={per_lag} and --reference={reference} must be >= 1")
-    tasks = [s.task_id for s in dm.next_episodes(per_lag)]
+    tasks = [s.task_id for s in dm.sampler.next_episodes(per_lag)]
     samples = []
     for lag in lags:
-        specs = [replace(s, task_id=t) for s, t in zip(dm.next_episodes(per_lag), tasks)]  # fresh seeds, same tasks
+        specs = [replace(s, task_id=t) for s, t in zip(dm.sampler.next_episodes(per_lag), tasks)]  # fresh seeds, same tasks
         samples += [(lag, t) for t in play(dm, snapshots[v - lag], v - lag, specs)]
-    ref = play(dm, snapshots[v], v, dm.next_episodes(reference))
+    ref = play(dm, snapshots[v], v, dm.sampler.next_episodes(reference))
     return samples, ref
 
 

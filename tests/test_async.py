@@ -57,7 +57,7 @@ def test_forced_lag_uses_the_weights_of_version_v_minus_k(model_dirs):
     # versions 0 (lag 0) match the learner; lagged batches were really sampled by older weights
     assert model.drift[0] < 1e-4
     assert min(model.drift[1:]) > 1e-3
-    assert dm.max_allowed_lag == 2 and sorted(map(int, dm.weight_sync.snapshots())) == [4, 5, 6]
+    assert dm.max_allowed_lag == 2 and sorted(map(int, dm.session.weight_sync.snapshots())) == [4, 5, 6]
 
 
 def test_sync_hf_run_has_lag_zero_and_no_weight_copy(model_dirs):
@@ -76,7 +76,7 @@ def test_async_lags_are_bounded_and_the_producer_stops(model_dirs, producer_lead
     _trainer(6).fit(model, datamodule=dm)
     lags = [v - b for v, bs in model.seen for b in bs]
     assert len(model.seen) == 6 and all(0 <= lag <= producer_lead for lag in lags)
-    assert not dm.producer.running
+    assert not dm.session.producer.running
     assert not any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())
 
 
@@ -92,7 +92,7 @@ def test_async_pushes_rarer_than_the_lag_gate_finish(model_dirs):
     for v, behaviour in model.seen:
         assert all(max(0, (v - 1) // 3 * 3) <= b <= v for b in behaviour), (v, behaviour)
     assert dm.generator.policy_version == 3 and dm.max_allowed_lag == 3
-    assert not dm.producer.running
+    assert not dm.session.producer.running
 
 
 def test_async_producer_crash_surfaces_in_the_trainer(model_dirs):
@@ -107,7 +107,7 @@ def test_async_producer_crash_surfaces_in_the_trainer(model_dirs):
 
 def test_group_ids_are_shared_within_a_group_and_unique_across(model_dirs):
     dm = _dm(episodes_per_step=4, group_size=2)
-    specs = dm.next_episodes(4) + dm.next_episodes(4)
+    specs = dm.sampler.next_episodes(4) + dm.sampler.next_episodes(4)
     assert [s.group_id for s in specs] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert specs[0].task_id == specs[1].task_id and specs[0].seed != specs[1].seed
     with pytest.raises(ValueError, match="multiple of data.init_args.group_size=2"):
@@ -141,7 +141,7 @@ def test_ctrl_c_and_errors_stop_the_producer(model_dirs, exc):
     finally:
         signal.signal(signal.SIGINT, handler)
     assert time.time() - t0 < 120
-    assert not dm.producer.running
+    assert not dm.session.producer.running
     assert not any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())
 
 
@@ -161,4 +161,4 @@ def test_staleness_monitor_falls_back_to_synchronous_generation(model_dirs):
     assert [v for v, _ in model.seen] == list(range(6))
     assert all(b == [v, v] for v, b in model.seen[4:]), model.seen
     assert monitor.sync_fallback.active and dm.producer_lead == 0 and dm.max_allowed_lag == 2
-    assert not dm.producer.running
+    assert not dm.session.producer.running

@@ -47,4 +47,4 @@ def test_async_evaluation_plays_the_learners_version(model_dirs):
     assert rec.logged == [(v, float(v), 0.0) for v in range(1, 6)]
     assert [v for v, _ in model.seen] == [0, 1, 2, 3, 4]
     assert all(0 <= v - b <= 2 for v, bs in model.seen for b in bs), model.seen
-    assert not dm.producer.running
+    assert not dm.session.producer.running

@@ -22,6 +22,7 @@ from lightning_opd.learner import ATODModule, OPDModule
 from lightning_opd.losses import SampledTokenReverseKL
 from lightning_opd.models.fsdp import FSDP2Strategy
 from lightning_opd.rollout.agent_loop import EpisodeSpec
+from lightning_opd.rollout.sampler import EpisodeSampler
 from lightning_opd.rollout.scripted import ScriptedGenerator
 from tests.helpers import KeywordEnvFactory, make_tokenizer, spawn_ranks
 
@@ -31,13 +32,22 @@ TASKS = (("apple",), ("cherry", "door", "key"))  # rank 0's, rank 1's
 FIELDS = ("success", "num_turns", "num_tokens", "num_assistant_tokens", "total_reward", "invalid_actions")
 
 
-class PerRankEpisodes(RolloutDataModule):
+class PerRankSampler(EpisodeSampler):
     """Every batch: rank ``r`` plays ``TASKS[r]``, one episode each, in its own GRPO group."""
 
     def next_episodes(self, n, max_turns=None, is_probe=False):
         first = sum(len(t) for t in TASKS[:self.rank])
         return [EpisodeSpec(task_id=t, seed=first + i, max_turns=self.max_turns, group_id=first + i)
                 for i, t in enumerate(TASKS[self.rank])]
+
+
+class PerRankEpisodes(RolloutDataModule):
+    """A RolloutDataModule whose session plays the episodes of :class:`PerRankSampler`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        s = self.sampler
+        self.session.sampler = PerRankSampler(s.env, s.episodes_per_step, s.max_turns, s.group_size, s.seed)
 
 
 def _reply(request) -> str:

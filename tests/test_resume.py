@@ -127,7 +127,7 @@ class WaitForBuffered(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == trainer.max_steps:
             deadline = time.monotonic() + 120
-            while len(trainer.datamodule.producer.buffer) == 0 and time.monotonic() < deadline:
+            while len(trainer.datamodule.session.producer.buffer) == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
 
 

@@ -57,9 +57,9 @@ class ExpertDataModule(RolloutDataModule):
     def train_dataloader(self) -> DataLoader:
         """The expert trajectories (played once, on first use, with the connected policy's tokenizer)."""
         if not self.expert_trajectories:
-            if self._policy is None:
+            if self.session.policy is None:
                 raise RuntimeError("ExpertDataModule is not connected to a policy (trainer.fit: the module's setup "
                                    "calls connect)")
-            self.expert_trajectories = self.expert_rollouts(self._policy.tokenizer)
+            self.expert_trajectories = self.expert_rollouts(self.session.policy.tokenizer)
         return DataLoader(self.expert_trajectories, batch_size=self.batch_size, shuffle=True, num_workers=0,
-                          collate_fn=lambda ts: collate_trajectories(ts, SamplingParams(), self.pad_id))
+                          collate_fn=lambda ts: collate_trajectories(ts, SamplingParams(), self.session.pad_id))

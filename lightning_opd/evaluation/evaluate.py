@@ -25,8 +25,9 @@ training ``OPDModule``, a file or an FSDP run's folder of shards, whose ``studen
   episodes it wins and in those it loses. It costs a student and a teacher forward over every greedy episode
   (on 2 CPU cores about 7 of the 20 minutes of a 50-game evaluation whose episodes all run 8 turns).
 
-Episodes go through the training stack unchanged: the agent loop that ``RolloutDataModule.connect``
-builds (same chat rendering, stop ids, context limit), with the vLLM generator when vLLM is importable
+Episodes go through the training stack unchanged: the agent loop of a
+:class:`~lightning_opd.rollout.session.RolloutSession`, as in training (same chat rendering, stop ids, context
+limit), with the vLLM generator when vLLM is importable
 (``--backend auto``; an in-process engine, reused across checkpoints of one ``--base`` by pushing their
 weights) or the HF generator.
 
@@ -68,6 +69,7 @@ import torch
 
 from lightning_opd.files import json_safe
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
+from lightning_opd.rollout.session import RolloutSession
 from lightning_opd.rollout.generator import Generator, SamplingParams
 from lightning_opd.rollout.types import Trajectory
 
@@ -279,17 +281,15 @@ class Backends:
         self._version = 0  # distinct version per policy: the engine pushes weights when it changes
 
     def loop(self, env, handle: PolicyHandle, engine_path: str) -> AgentLoop:
-        """The agent loop ``RolloutDataModule.connect`` builds for ``handle`` (errors counted, never raised)."""
-        from lightning_opd.data import RolloutDataModule
-
+        """The agent loop of a :class:`~lightning_opd.rollout.session.RolloutSession` for ``handle``, the same
+        wiring as training (stop ids F23, context limit F24); environment errors counted, never raised."""
         s = self.settings
         self._version += 1
         handle.policy_version = self._version
-        dm = RolloutDataModule(env, generator=self._generator(engine_path), max_turns=s.max_turns,
-                               max_new_tokens=s.max_new_tokens, max_context_tokens=s.max_context_tokens,
-                               max_env_error_rate=1.0, eval_batch_size=s.batch_size)
-        dm.connect(handle)
-        return dm.loop
+        session = RolloutSession(env, self._generator(engine_path), max_context_tokens=s.max_context_tokens,
+                                 max_turns=s.max_turns, max_env_error_rate=1.0)
+        session.connect(handle)
+        return session.loop
 
     def _generator(self, engine_path: str) -> Generator:
         if self.kind == "hf":

@@ -116,8 +116,8 @@ def test_state_key_and_validation():
 def test_setup_reads_h_max_once_and_sets_the_probe_schedule(tokenizer):
     ctrl, dm, _, trainer = _setup(tokenizer, max_turns=8)
     assert ctrl.h_max == 8 and ctrl.cap == 8 and dm.max_turns == 8
-    assert dm.probe_schedule == (3, 8, 8)
-    assert [k for k in range(20) if dm.is_probe_batch(k)] == [0, 1, 2, 8, 16]
+    assert dm.sampler.probe_schedule == (3, 8, 8)
+    assert [k for k in range(20) if dm.sampler.is_probe_batch(k)] == [0, 1, 2, 8, 16]
     dm.set_max_turns(3)  # the controller's own later changes never feed back into H_max
     ctrl.setup(trainer, Module(), "fit")
     assert ctrl.h_max == 8
@@ -288,7 +288,7 @@ def test_state_dict_round_trip_continues_identically(tokenizer):
     resumed, dm, module2, trainer2 = _setup(tokenizer, max_turns=6, **paper)  # configured differently: H_max comes back
     resumed.load_state_dict(state)
     resumed.on_train_start(trainer2, module2)
-    assert dm.probe_schedule == (3, 8, 8) and dm.max_turns == ctrl.cap == 4
+    assert dm.sampler.probe_schedule == (3, 8, 8) and dm.max_turns == ctrl.cap == 4
     for rows, _, _ in TABLE[4:]:
         assert _step(resumed, trainer2, module2, rows) == _step(ctrl, trainer, module, rows)
     assert resumed.state_dict() == ctrl.state_dict()

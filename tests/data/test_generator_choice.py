@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-import lightning_opd.data.datamodule as datamodule
+import lightning_opd.rollout.session as session
 import lightning_opd.rollout.vllm as vllm_backend
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.rollout.hf import HFGenerator
@@ -20,7 +20,7 @@ from tests.test_configs import games_dir, search_qa_dir  # noqa: F401 - fixtures
 @pytest.fixture
 def info_lines(monkeypatch) -> list[str]:
     lines: list[str] = []
-    monkeypatch.setattr(datamodule, "rank_zero_info", lines.append)
+    monkeypatch.setattr(session, "rank_zero_info", lines.append)
     return lines
 
 

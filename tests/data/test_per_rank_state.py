@@ -41,15 +41,16 @@ class RecordingDM(RolloutDataModule):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        self.saved = _own(state, self.rank)
+        self.saved = _own(state, self.sampler.rank)
         return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.loaded = {"epoch": self._epoch, "cursor": self._cursor, "episodes_started": self._episodes_started,
-                       "train_batches": self._batches_taken,
-                       "batches_started": self._batches_started,
-                       "buffered": [[(t.task_id, t.seed) for t in batch] for batch in self._restored]}
+        sampler, session = self.sampler, self.session
+        self.loaded = {"epoch": sampler.epoch, "cursor": sampler.cursor, "episodes_started": sampler.episodes_started,
+                       "train_batches": session.batches_taken,
+                       "batches_started": sampler.batches_started,
+                       "buffered": [[(t.task_id, t.seed) for t in batch] for batch in session.restored]}
 
 
 class Recorder(RecordingOPD):
@@ -79,7 +80,7 @@ class WaitForBuffered(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == trainer.max_steps:
             deadline = time.monotonic() + 120
-            while len(trainer.datamodule.producer.buffer) == 0 and time.monotonic() < deadline:
+            while len(trainer.datamodule.session.producer.buffer) == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
 
 
@@ -137,18 +138,18 @@ def test_a_checkpoint_of_two_ranks_on_one_rank():
     batches it cannot be split: an error naming the ranks and the fix."""
     dm = RolloutDataModule(env=KeywordEnvFactory(), mode="async")
     dm.load_state_dict(_state(buffered=False))
-    assert (dm._epoch, dm._cursor, dm._episodes_started, dm._batches_taken, dm._restored) == (1, 2, 12, 3, [])
+    assert (dm.sampler.epoch, dm.sampler.cursor, dm.sampler.episodes_started, dm.session.batches_taken, dm.session.restored) == (1, 2, 12, 3, [])
     with pytest.raises(ValueError, match=r"saved by 2 ranks.*this run has 1.*Resume with 2 ranks"):
         dm.load_state_dict(_state(buffered=True))
-    dm.set_rank(1, 2)
+    dm.sampler.set_rank(1, 2)
     dm.load_state_dict(_state(buffered=True))
-    assert dm._batches_started == 4 and [[t.task_id for t in b] for b in dm._restored] == [["door"]]
+    assert dm.sampler.batches_started == 4 and [[t.task_id for t in b] for b in dm.session.restored] == [["door"]]
 
 
 def test_a_flat_checkpoint_from_before_per_rank_states_loads():
     dm = RolloutDataModule(env=KeywordEnvFactory())
     dm.load_state_dict({"epoch": 1, "cursor": 3, "episodes_started": 10, "train_batches": 5})
-    assert (dm._epoch, dm._cursor, dm._episodes_started, dm._batches_taken, dm._batches_started) == (1, 3, 10, 5, 5)
+    assert (dm.sampler.epoch, dm.sampler.cursor, dm.sampler.episodes_started, dm.session.batches_taken, dm.sampler.batches_started) == (1, 3, 10, 5, 5)
     assert dm.state_dict() == {"world_size": 1, "per_rank": [
         {"epoch": 1, "cursor": 3, "episodes_started": 10, "train_batches": 5, "batches_started": 5}]}
 

@@ -39,14 +39,14 @@ def _assert_batch(batch, probe: bool, cap: int) -> None:
 
 def test_schedule_predicate_and_validation(tokenizer):
     dm, _ = _dm(tokenizer)
-    assert not any(dm.is_probe_batch(k) for k in range(10))  # no schedule: no probes
+    assert not any(dm.sampler.is_probe_batch(k) for k in range(10))  # no schedule: no probes
     dm.set_probe_schedule(WARMUP, INTERVAL, FULL)
-    assert {k for k in range(10) if dm.is_probe_batch(k)} == PROBES
+    assert {k for k in range(10) if dm.sampler.is_probe_batch(k)} == PROBES
     for args, bad in (((-1, 3, 5), "warmup=-1"), ((0, 0, 5), "interval=0"), ((0, 3, 0), "full_depth=0")):
         with pytest.raises(ValueError, match=bad):
             dm.set_probe_schedule(*args)
     dm.clear_probe_schedule()
-    assert dm.probe_schedule is None and not dm.is_probe_batch(0)
+    assert dm.sampler.probe_schedule is None and not dm.sampler.is_probe_batch(0)
 
 
 def test_sync_probe_flags_and_caps_follow_the_schedule(tokenizer):
@@ -94,7 +94,7 @@ def test_async_samples_carry_the_cap_set_when_their_batch_started(tokenizer, pro
     def reply(r):
         if r.turn == 1:
             dm = holder["dm"]
-            dm.set_max_turns(caps[dm._batches_started - 1])  # only the producer thread starts batches
+            dm.set_max_turns(caps[dm.sampler.batches_started - 1])  # only the producer thread starts batches
         return r.task_id
 
     dm, policy = _dm(tokenizer, reply, mode="async", producer_lead=producer_lead)
@@ -107,11 +107,11 @@ def test_async_samples_carry_the_cap_set_when_their_batch_started(tokenizer, pro
             _assert_batch(batch, k in PROBES, expected)
             assert 0 <= k - int(batch.behaviour_version.max()) <= producer_lead
             policy.policy_version = k + 1  # the learner's optimizer step
-            dm.producer.notify_version()
+            dm.session.producer.notify_version()
     finally:
-        dm.producer.stop()
+        dm.session.producer.stop()
     assert dm.state_dict()["per_rank"][0]["train_batches"] == len(caps)
-    assert dm._batches_started >= len(caps)  # the producer ran ahead
+    assert dm.sampler.batches_started >= len(caps)  # the producer ran ahead
 
 
 def test_async_resume_keeps_the_lag_gate(tokenizer):
@@ -123,6 +123,6 @@ def test_async_resume_keeps_the_lag_gate(tokenizer):
     try:
         dm.next_train_batch()
         time.sleep(0.5)  # time for a wrongly ungated producer to start batch 7
-        assert dm._batches_started == 7
+        assert dm.sampler.batches_started == 7
     finally:
-        dm.producer.stop()
+        dm.session.producer.stop()

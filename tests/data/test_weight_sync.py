@@ -72,14 +72,14 @@ def _learn(dm, policy, steps: int, timeout: float = 20.0, train_start: bool = Tr
     def loop():
         try:
             if train_start:
-                dm.weight_sync.on_policy_update(policy.policy_version, policy.policy_state_dict)  # what OPDModule.on_train_start does
+                dm.session.weight_sync.on_policy_update(policy.policy_version, policy.policy_state_dict)  # what OPDModule.on_train_start does
             for _ in range(steps):
                 if before_step is not None:
                     before_step(policy.policy_version)
                 batch = dm.next_train_batch()
                 seen.append((policy.policy_version, batch.behaviour_version.tolist()))
                 policy.policy_version += 1  # the optimizer step
-                dm.weight_sync.on_policy_update(policy.policy_version, policy.policy_state_dict)
+                dm.session.weight_sync.on_policy_update(policy.policy_version, policy.policy_state_dict)
         except BaseException as err:  # noqa: BLE001 - re-raised below unless the loop hung
             errors.append(err)
 
@@ -87,7 +87,7 @@ def _learn(dm, policy, steps: int, timeout: float = 20.0, train_start: bool = Tr
     thread.start()
     thread.join(timeout)
     hung = thread.is_alive()
-    dm.producer.stop(timeout=10)
+    dm.session.producer.stop(timeout=10)
     thread.join(10)  # a hung learner gets ProducerError once the producer stopped
     assert not hung, f"deadlock: the learner got {len(seen)} of {steps} batches within {timeout} s"
     if errors:

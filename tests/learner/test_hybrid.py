@@ -365,7 +365,7 @@ def fit_until_setup_error(model_dirs, callbacks=(), data=None, max_steps=4, **mo
                         num_sanity_val_steps=0, callbacks=list(callbacks))
     with pytest.raises(ValueError) as err:
         trainer.fit(model, datamodule=dm)
-    assert model.policy_version == 0 and trainer.global_step == 0 and dm._batches_started == 0  # nothing generated
+    assert model.policy_version == 0 and trainer.global_step == 0 and dm.sampler.batches_started == 0  # nothing generated
     return str(err.value)
 
 

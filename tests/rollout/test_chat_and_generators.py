@@ -273,5 +273,5 @@ def test_f24_hf_episode_over_the_model_limit_ends_truncated(tokenizer):
     with pytest.warns(UserWarning, match=r"max_context_tokens=2048 \(data\.init_args\.max_context_tokens\) is above "
                                          r"the generator's limit 256 \(max_position_embeddings"):
         dm.connect(StaticPolicy(model, tokenizer))
-    assert dm.loop.max_context_tokens == 256
+    assert dm.session.loop.max_context_tokens == 256
     assert_only_the_long_episode_truncated(dm.next_train_batch(), limit=256)

@@ -200,7 +200,7 @@ def test_f24_vllm_episode_over_max_model_len_ends_truncated(second_eos_policy, t
             r"\(data\.init_args\.generator\.init_args\.max_model_len\)")
     with pytest.warns(UserWarning, match=both):
         dm.connect(policy)
-    assert dm.loop.max_context_tokens == 1024
+    assert dm.session.loop.max_context_tokens == 1024
     assert_only_the_long_episode_truncated(dm.next_train_batch(), limit=1024)
 
 
