@@ -3,11 +3,12 @@
 from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.chunked import chunked_sampled_logprobs, chunked_token_terms
 from lightning_opd.losses.divergences import (ForwardKL, FullVocabReverseKL, GeneralizedJSD, SampledTokenReverseKL,
-                                              TokenDivergence, TokenLoss, log_probs)
+                                              TeacherSignal, TokenDivergence, TokenLoss, log_probs)
 from lightning_opd.losses.grpo import ClippedSurrogate, EpisodeReward
 from lightning_opd.losses.topk import (StudentTopKRenormalizedReverseKL, TeacherTopKForwardKL,
                                        TeacherTopKRenormalizedReverseKL)
 
-__all__ = ["aggregate_token_loss", "chunked_token_terms", "chunked_sampled_logprobs", "TokenDivergence", "TokenLoss",
+__all__ = ["aggregate_token_loss", "chunked_token_terms", "chunked_sampled_logprobs", "TeacherSignal", "TokenDivergence",
+           "TokenLoss",
            "SampledTokenReverseKL", "FullVocabReverseKL", "ForwardKL", "GeneralizedJSD",
            "StudentTopKRenormalizedReverseKL", "TeacherTopKForwardKL", "TeacherTopKRenormalizedReverseKL", "ClippedSurrogate", "EpisodeReward", "log_probs"]

@@ -1,4 +1,5 @@
-"""What every per-token loss shares: the fp32 log-prob primitives and :class:`TokenLoss`, the per-token output.
+"""What every per-token loss shares: the fp32 log-prob primitives, :class:`TokenLoss` (the per-token output) and
+:class:`TeacherSignal` (what a loss needs of the teacher, the teacher seam of :mod:`lightning_opd.teachers`).
 
 Kept apart from :mod:`lightning_opd.losses.divergences` so that the chunked head pass
 (:mod:`lightning_opd.losses.chunked`) and the divergences both build on it without importing each other.
@@ -8,9 +9,32 @@ Logits are upcast to fp32 *before* temperature and softmax (F05).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable
 
 import torch
+
+
+class TeacherSignal(str, Enum):
+    """What a loss needs of the teacher at each of the ``N`` scored positions (each loss class names one in its
+    ``teacher_signal`` attribute; each teacher of :mod:`lightning_opd.teachers` lists those it ``provides``).
+
+    Members (log-probs in nats, at the batch's sampling temperature, F02):
+
+    * ``SAMPLED_TOKEN``: ``log p_T(a_t)`` of the sampled token, ``(N,)``
+      (``SampledTokenReverseKL``, ATOD's ``ClippedSurrogate``, T-DUR's teacher term).
+    * ``TOP_K``: the teacher's own ``K`` most likely ids ``(N, K)`` and their log-probs ``(N, K)``
+      (``TeacherTopKRenormalizedReverseKL``, ``TeacherTopKForwardKL``; what ``prompt_logprobs=K`` of a
+      ``vllm serve`` endpoint returns, beside the sampled token's log-prob).
+    * ``FULL_VOCAB``: ``log p_T(v)`` for every ``v`` of the shared vocabulary, ``(N, V)``, never built at once:
+      handed over as hidden states and an LM head that the loss applies chunk by chunk
+      (``FullVocabReverseKL``, ``ForwardKL``, ``GeneralizedJSD``, and ``StudentTopKRenormalizedReverseKL``, whose
+      support, the student's top-k ids, is known only at learner time).
+    """
+
+    SAMPLED_TOKEN = "sampled_token"
+    TOP_K = "top_k"
+    FULL_VOCAB = "full_vocab"
 
 
 def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

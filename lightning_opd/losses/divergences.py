@@ -20,15 +20,15 @@ gradient flows through the student only (the teacher is frozen).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 from torch import nn
 
-from lightning_opd.losses.base import TokenLoss, entropy_of, gather_token, log_probs
+from lightning_opd.losses.base import TeacherSignal, TokenLoss, entropy_of, gather_token, log_probs
 from lightning_opd.losses.chunked import chunked_token_terms
 
-__all__ = ["TokenLoss", "TokenDivergence", "SampledTokenReverseKL", "FullVocabReverseKL", "ForwardKL",
+__all__ = ["TeacherSignal", "TokenLoss", "TokenDivergence", "SampledTokenReverseKL", "FullVocabReverseKL", "ForwardKL",
            "GeneralizedJSD", "log_probs", "entropy_of", "gather_token"]
 
 
@@ -44,6 +44,13 @@ def _log_mixture(lp_t: torch.Tensor, lp_s: torch.Tensor, beta: float) -> torch.T
 class TokenDivergence(nn.Module):
     """Base class of the per-token divergences.
 
+    Attributes:
+        teacher_signal: what the loss's objective needs of the teacher (:class:`~lightning_opd.losses.base.
+            TeacherSignal`); ``OPDModule`` refuses a teacher that does not provide it, naming both. A subclass
+            that does not set it needs ``FULL_VOCAB`` (the most a teacher gives). In this version every kernel
+            reads the teacher's logits chunk by chunk (also for the exact ``kl`` it logs), i.e. runs on a teacher
+            that provides ``FULL_VOCAB``; the declaration is what a teacher with less must provide.
+
     Args:
         chunk_size: tokens per chunk in :meth:`forward` (peak memory ~ a few ``chunk_size x V`` fp32
             tensors; time is nearly flat above a few hundred).
@@ -51,6 +58,8 @@ class TokenDivergence(nn.Module):
     Raises:
         ValueError: ``chunk_size < 1``.
     """
+
+    teacher_signal: ClassVar[TeacherSignal] = TeacherSignal.FULL_VOCAB
 
     def __init__(self, chunk_size: int = 256) -> None:
         super().__init__()
@@ -130,6 +139,7 @@ class SampledTokenReverseKL(TokenDivergence):
     """
 
     SIGNALS = ("recomputed", "behaviour")
+    teacher_signal = TeacherSignal.SAMPLED_TOKEN
 
     def __init__(self, signal: str = "recomputed", chunk_size: int = 256) -> None:
         super().__init__(chunk_size)
@@ -168,6 +178,7 @@ class FullVocabReverseKL(TokenDivergence):
     Support: the whole vocabulary; estimator: exact expectation (no sampling); gradient through p_S.
     """
 
+    teacher_signal = TeacherSignal.FULL_VOCAB
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
         lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
@@ -182,6 +193,7 @@ class ForwardKL(TokenDivergence):
     ``kl`` logs the reverse KL, like every loss, so curves stay comparable.
     """
 
+    teacher_signal = TeacherSignal.FULL_VOCAB
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
         lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
@@ -203,6 +215,7 @@ class GeneralizedJSD(TokenDivergence):
         ValueError: ``beta`` outside [0, 1].
     """
 
+    teacher_signal = TeacherSignal.FULL_VOCAB
 
     def __init__(self, beta: float = 0.5, chunk_size: int = 256) -> None:
         super().__init__(chunk_size)

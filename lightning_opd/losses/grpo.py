@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from lightning_opd.losses.divergences import TokenDivergence, TokenLoss, gather_token
+from lightning_opd.losses.divergences import TeacherSignal, TokenDivergence, TokenLoss, gather_token
 
 
 class RewardFunctionError(RuntimeError):
@@ -198,6 +198,8 @@ class ClippedSurrogate(TokenDivergence):
     and the learner (asynchronous rollouts) is left to f-OPD's truncated ratio (StalenessMonitor M3),
     which composes as a weight (§0.5).
 
+    Teacher signal: ``SAMPLED_TOKEN`` (the advantage reads ``log π_T(a_t)`` only).
+
     Args:
         clip_eps: ε of the clip range [1 − ε, 1 + ε] (PROPOSED 0.2, verl default; not reported by ATOD).
         chunk_size: see :class:`TokenDivergence`.
@@ -205,6 +207,8 @@ class ClippedSurrogate(TokenDivergence):
     Raises:
         ValueError: ``clip_eps`` not in (0, 1).
     """
+
+    teacher_signal = TeacherSignal.SAMPLED_TOKEN
 
     def __init__(self, clip_eps: float = 0.2, chunk_size: int = 256) -> None:
         super().__init__(chunk_size)

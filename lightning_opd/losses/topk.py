@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_opd.losses.divergences import TokenDivergence, TokenLoss
+from lightning_opd.losses.divergences import TeacherSignal, TokenDivergence, TokenLoss
 
 
 def _complement_logsumexp(lp: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -47,6 +47,11 @@ class StudentTopKRenormalizedReverseKL(_TopK):
     Exact on its support (no sampling), >= 0; ``S_k`` is chosen without gradient, the gradient flows
     through the student's renormalised log-probs. ``k >= V`` gives exactly the full reverse KL.
 
+    Teacher signal: ``FULL_VOCAB``. The support is the student's top-k, known only at learner time, and the loss
+    needs the teacher's log-probs on those ids; a teacher that reports only its own top-k ids (a ``vllm serve``
+    endpoint's ``prompt_logprobs``) cannot give them, so this loss runs on a teacher whose logits (hidden states +
+    head, chunk by chunk) are at hand, like the full-vocabulary losses.
+
     Args:
         k: support size (tokens); default 50 (§2.6, PROPOSED).
 
@@ -54,6 +59,7 @@ class StudentTopKRenormalizedReverseKL(_TopK):
         ValueError: ``k < 1``.
     """
 
+    teacher_signal = TeacherSignal.FULL_VOCAB
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
         lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
@@ -72,7 +78,8 @@ class TeacherTopKRenormalizedReverseKL(_TopK):
     Exact on its support, >= 0. The support follows the teacher (no gradient flows through its choice),
     so tokens the student favours but the teacher does not rank in its top-k are outside the loss; the
     gradient flows through the student's renormalised log-probs. ``k >= V`` gives exactly the full
-    reverse KL. Shapes: logits ``(N, V)`` per chunk, loss ``(N,)`` nats per token.
+    reverse KL. Shapes: logits ``(N, V)`` per chunk, loss ``(N,)`` nats per token. Teacher signal: ``TOP_K``
+    (the teacher's top-k ids and log-probs; the renormalisation needs nothing else of the teacher).
 
     Args:
         k: support size (tokens); default 50 (the paper's ``distill_topk``).
@@ -80,6 +87,8 @@ class TeacherTopKRenormalizedReverseKL(_TopK):
     Raises:
         ValueError: ``k < 1``.
     """
+
+    teacher_signal = TeacherSignal.TOP_K
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
         lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
@@ -100,6 +109,9 @@ class TeacherTopKForwardKL(_TopK):
     full forward KL. The tail log-masses are computed as a log-sum-exp over the complement (stable
     when the tail is tiny). ``k >= V`` gives exactly the full forward KL (the tail is empty).
 
+    Teacher signal: ``TOP_K``: the teacher's tail mass is ``1 - sum_{v in S_k} p_T(v)``, from its top-k
+    log-probs; the student's comes from its own logits.
+
     Args:
         k: support size (tokens); default 32 (verl).
         tail_bucket: add the tail term.
@@ -108,6 +120,7 @@ class TeacherTopKForwardKL(_TopK):
         ValueError: ``k < 1``.
     """
 
+    teacher_signal = TeacherSignal.TOP_K
 
     def __init__(self, k: int = 32, tail_bucket: bool = False, chunk_size: int = 256) -> None:
         super().__init__(k, chunk_size)

@@ -302,14 +302,14 @@ def test_f07_two_ranks_equal_single_process(model_dirs, tokenizer, loss_name, sc
 ])
 def test_bad_module_arguments_fail_at_construction(model_dirs, monkeypatch, kwargs, message):
     """Refused in __init__, before any weights load (load_causal_lm is never reached)."""
-    import lightning_opd.learner.opd as opd_mod
     import lightning_opd.learner.policy as policy_mod
+    import lightning_opd.teachers.in_process as teacher_mod
 
     def no_load(*a, **k):
         raise AssertionError("weights loaded before the argument check")
 
     monkeypatch.setattr(policy_mod, "load_causal_lm", no_load)
-    monkeypatch.setattr(opd_mod, "load_causal_lm", no_load)
+    monkeypatch.setattr(teacher_mod, "load_causal_lm", no_load)
     with pytest.raises(ValueError, match=message):
         OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], **kwargs)
 

@@ -1,0 +1,6 @@
+"""The teacher seam (:mod:`lightning_opd.teachers.base`) and its implementations."""
+
+from lightning_opd.teachers.base import Teacher, TeacherScores, check_teacher_fits, losses_for
+from lightning_opd.teachers.in_process import InProcessTeacher
+
+__all__ = ["Teacher", "TeacherScores", "check_teacher_fits", "losses_for", "InProcessTeacher"]

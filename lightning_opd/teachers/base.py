@@ -1,0 +1,145 @@
+"""The teacher seam: what scores the student's tokens, whatever holds the teacher's weights.
+
+A teacher gets a batch of token sequences (a :class:`~lightning_opd.rollout.batch.RolloutBatch`, the student's
+own ids, no re-tokenisation) and the ``N`` positions to score, ``(rows, cols)``: position ``(rows[i], cols[i])``
+predicts the token ``input_ids[rows[i], cols[i] + 1]``, the sampled token ``a_i``. It returns
+:class:`TeacherScores`: per position, the signals a loss asked for (:class:`~lightning_opd.losses.base.TeacherSignal`:
+the sampled token's log-prob, the teacher's top-k, or the full vocabulary). Each loss class names the one it
+needs (``teacher_signal``), each teacher the ones it ``provides``; :func:`check_teacher_fits` refuses a pair that
+does not fit, naming both and the losses that would work.
+
+Implementations: :class:`~lightning_opd.teachers.in_process.InProcessTeacher` (a Hugging Face model in the
+learner's process: all three signals). A teacher that scores elsewhere (a ``vllm serve`` endpoint) or on its
+own view of the episode (privileged context: other token positions, the same sampled tokens) subclasses
+:class:`Teacher`: it owns how it gets the numbers, and returns them at the student's positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Collection
+
+import torch
+
+from lightning_opd.losses.base import TeacherSignal
+from lightning_opd.rollout.batch import RolloutBatch
+
+
+@dataclass
+class TeacherScores:
+    """The teacher's signals at ``N`` scored positions (fields not asked for, or not provided, are ``None``).
+
+    Log-probs are fp32 nats at the temperature the teacher was asked to score at (F02: the batch's sampling
+    temperature), the same as the loss assumes.
+
+    Attributes:
+        sampled_logprobs: ``(N,)`` ``log p_T(a_i)`` of the sampled tokens (``SAMPLED_TOKEN``).
+        topk_ids: ``(N, K)`` long, the teacher's ``K`` most likely ids, most likely first (``TOP_K``).
+        topk_logprobs: ``(N, K)`` their log-probs (``TOP_K``).
+        hidden: ``(N, D_T)`` teacher final hidden states, no grad (``FULL_VOCAB``, with ``head``).
+        head: ``(c, D_T) -> (c, V)`` the teacher's logits over the shared vocabulary (F01b), raw: the loss upcasts
+            to fp32 and applies the temperature (F05), ``c`` positions at a time, so no ``(N, V)`` tensor is built
+            beyond one chunk (``FULL_VOCAB``, with ``hidden``).
+    """
+
+    sampled_logprobs: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def signals(self) -> frozenset[TeacherSignal]:
+        """The signals these scores hold."""
+        present = {TeacherSignal.SAMPLED_TOKEN: self.sampled_logprobs is not None,
+                   TeacherSignal.TOP_K: self.topk_ids is not None and self.topk_logprobs is not None,
+                   TeacherSignal.FULL_VOCAB: self.hidden is not None and self.head is not None}
+        return frozenset(s for s, ok in present.items() if ok)
+
+
+class Teacher:
+    """Base class of the teachers: scores token sequences at the positions a loss supervises.
+
+    Attributes:
+        provides: the :class:`~lightning_opd.losses.base.TeacherSignal` values :meth:`score` can return
+            (class attribute; every teacher should provide ``SAMPLED_TOKEN``, what ``TokenLoss.teacher_logprobs``
+            and ATOD's T-DUR read).
+    """
+
+    provides: ClassVar[frozenset[TeacherSignal]] = frozenset()
+
+    @property
+    def name(self) -> str:
+        """How messages name this teacher (its class and what it scores with)."""
+        return type(self).__name__
+
+    def load(self) -> None:
+        """Get ready to score (load weights, connect), once before fit. Default: nothing."""
+
+    def to(self, device: torch.device | str) -> "Teacher":
+        """Move what scores in this process to ``device`` (the student's). Default: nothing."""
+        return self
+
+    def score(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor, signals: Collection[TeacherSignal],
+              temperature: float = 1.0, top_k: int | None = None, chunk_size: int = 256) -> TeacherScores:
+        """The teacher's ``signals`` at the positions ``(rows, cols)`` of ``batch``; no gradient.
+
+        Args:
+            batch: ``(B, T)`` token sequences (``input_ids``, ``attention_mask``) and what the episodes carry.
+            rows, cols: ``(N,)`` long each: position ``(rows[i], cols[i])`` predicts ``input_ids[rows[i], cols[i]
+                + 1]``.
+            signals: what to return (each in :attr:`provides`).
+            temperature: scoring temperature (> 0), the batch's sampling temperature.
+            top_k: ``K`` of ``TOP_K`` (>= 1; required with it).
+            chunk_size: positions per LM-head chunk, for a teacher that applies a head here.
+
+        Returns:
+            :class:`TeacherScores` holding at least ``signals``.
+
+        Raises:
+            ValueError: a signal not in :attr:`provides`, or ``TOP_K`` without ``top_k >= 1``.
+        """
+        raise NotImplementedError
+
+    def check_request(self, signals: Collection[TeacherSignal], top_k: int | None) -> None:
+        """Refuse a :meth:`score` request this teacher cannot answer (for implementations).
+
+        Raises:
+            ValueError: a signal not in :attr:`provides`, or ``TOP_K`` without ``top_k >= 1``.
+        """
+        missing = sorted(s.value for s in set(signals) - self.provides)
+        if missing:
+            raise ValueError(f"teacher {self.name} was asked for {missing} but provides only "
+                             f"{sorted(s.value for s in self.provides)}")
+        if TeacherSignal.TOP_K in signals and (top_k is None or top_k < 1):
+            raise ValueError(f"teacher {self.name}: top_k={top_k} must be >= 1 to score the teacher's top-k")
+
+
+def losses_for(provides: Collection[TeacherSignal]) -> list[str]:
+    """Names of the loss classes of :mod:`lightning_opd.losses` whose ``teacher_signal`` is in ``provides``."""
+    from lightning_opd import losses
+
+    classes = [getattr(losses, n) for n in losses.__all__]
+    return [c.__name__ for c in classes if isinstance(c, type) and issubclass(c, losses.TokenDivergence)
+            and c is not losses.TokenDivergence and c.teacher_signal in provides]
+
+
+def check_teacher_fits(loss, teacher: Teacher) -> None:
+    """Refuse a loss that needs more of the teacher than the teacher provides (at construction of the module).
+
+    Args:
+        loss: a :class:`~lightning_opd.losses.divergences.TokenDivergence` (its ``teacher_signal``).
+        teacher: the :class:`Teacher` (its ``provides``).
+
+    Raises:
+        ValueError: naming the loss class, what it needs, the teacher and what it provides, and the losses that
+            work with that teacher.
+    """
+    need = loss.teacher_signal
+    if need in teacher.provides:
+        return
+    raise ValueError(
+        f"model.init_args.loss={type(loss).__name__} needs the teacher's {need.value} log-probs, but teacher "
+        f"{teacher.name} provides only {sorted(s.value for s in teacher.provides)}: use one of "
+        f"{', '.join(losses_for(teacher.provides)) or '(no loss)'} with this teacher, or a teacher that provides "
+        f"{need.value} (the in-process teacher provides all)")

@@ -1,0 +1,105 @@
+"""``InProcessTeacher``: a frozen Hugging Face causal LM in the learner's process, on the student's device.
+
+It provides every :class:`~lightning_opd.losses.base.TeacherSignal`. It runs the transformer once on the whole
+``(B, T)`` batch and keeps the final hidden states of the ``N`` scored positions only; the LM head turns them
+into logits ``chunk_size`` positions at a time, so no ``(B, T, V)`` (or ``(N, V)``) tensor is built:
+
+* ``FULL_VOCAB``: the ``(N, D_T)`` hidden states and the head, which the loss applies chunk by chunk
+  (:func:`~lightning_opd.losses.chunked.chunked_token_terms`);
+* ``SAMPLED_TOKEN``: :func:`~lightning_opd.losses.chunked.chunked_sampled_logprobs` on them;
+* ``TOP_K``: the top-k of each chunk's fp32 log-probs at the temperature.
+
+The model is kept out of the LightningModule's module tree: frozen (eval mode, no grad), never checkpointed,
+never sharded. Deliberate simplification: every data-parallel rank holds a full copy.
+"""
+
+from __future__ import annotations
+
+from typing import Collection
+
+import torch
+
+from lightning_opd.losses.base import TeacherSignal, log_probs
+from lightning_opd.losses.chunked import chunked_sampled_logprobs
+from lightning_opd.models.fsdp import with_root_params
+from lightning_opd.models.loading import load_causal_lm
+from lightning_opd.models.logits import check_head_path, output_head, trunk_hidden_states
+from lightning_opd.rollout.batch import RolloutBatch
+from lightning_opd.teachers.base import Teacher, TeacherScores
+
+
+class InProcessTeacher(Teacher):
+    """A Hugging Face teacher loaded into this process (``model.init_args.teacher``: its directory).
+
+    Args:
+        path: teacher model directory (Hugging Face causal LM sharing the student's tokenizer, F01).
+        vocab_size: the shared vocabulary ``V`` (logits are cut to ``[:V]``, F01b).
+        dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ...).
+        trust_remote_code: run modelling code shipped with the checkpoint (F15).
+    """
+
+    provides = frozenset(TeacherSignal)
+
+    def __init__(self, path: str, vocab_size: int, dtype: str = "float32", trust_remote_code: bool = False) -> None:
+        self.path = path
+        self.vocab_size = int(vocab_size)
+        self.dtype = dtype
+        self.trust_remote_code = trust_remote_code
+        self.model = None  #: the frozen ``PreTrainedModel``; ``None`` until :meth:`load`
+
+    @property
+    def name(self) -> str:
+        return f"{type(self).__name__}({self.path})"
+
+    def load(self) -> None:
+        """Load the model (once), frozen, and check its head path (F20).
+
+        Raises:
+            UnsupportedArchitectureError: a model whose log-probs the chunked head path cannot reproduce
+                (:func:`~lightning_opd.models.logits.check_head_path`, naming ``model.init_args.teacher``).
+        """
+        if self.model is not None:
+            return
+        model = load_causal_lm(self.path, self.dtype, self.trust_remote_code)
+        model.eval().requires_grad_(False)
+        check_head_path(model, self.vocab_size, "model.init_args.teacher")  # F20
+        self.model = model
+
+    def to(self, device: torch.device | str) -> "InProcessTeacher":
+        if self.model is not None:
+            self.model.to(device)
+        return self
+
+    @torch.no_grad()
+    def score(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor, signals: Collection[TeacherSignal],
+              temperature: float = 1.0, top_k: int | None = None, chunk_size: int = 256) -> TeacherScores:
+        """See :meth:`Teacher.score`. One transformer pass over ``batch``; ``SAMPLED_TOKEN`` and ``TOP_K`` apply the
+        head ``chunk_size`` positions at a time. ``K`` is ``min(top_k, V)``.
+
+        Raises:
+            RuntimeError: called before :meth:`load`.
+            ValueError: ``TOP_K`` without ``top_k >= 1``; ``temperature <= 0`` with ``SAMPLED_TOKEN`` or ``TOP_K``.
+        """
+        self.check_request(signals, top_k)
+        if self.model is None:
+            raise RuntimeError(f"teacher {self.name} is not loaded: call load() (OPDModule.configure_model does, "
+                               "for fit) before scoring")
+        model, head = self.model, output_head(self.model, self.vocab_size)
+
+        def hidden_states() -> torch.Tensor:  # (N, D_T)
+            return trunk_hidden_states(model, batch.input_ids, batch.attention_mask)[rows, cols]
+
+        hidden = with_root_params(model, hidden_states)
+        out = TeacherScores()
+        if TeacherSignal.FULL_VOCAB in signals:
+            out.hidden, out.head = hidden, head
+        if TeacherSignal.SAMPLED_TOKEN in signals:
+            targets = batch.input_ids[:, 1:][rows, cols]  # (N,)
+            out.sampled_logprobs = chunked_sampled_logprobs(hidden, targets, head, temperature, chunk_size)
+        if TeacherSignal.TOP_K in signals:
+            k = min(int(top_k), self.vocab_size)
+            parts = [log_probs(head(hidden[i:i + chunk_size]), temperature).topk(k, dim=-1)
+                     for i in range(0, hidden.shape[0], chunk_size)]
+            out.topk_ids = torch.cat([p.indices for p in parts]) if parts else hidden.new_zeros(0, k, dtype=torch.long)
+            out.topk_logprobs = torch.cat([p.values for p in parts]) if parts else hidden.new_zeros(0, k)
+        return out
