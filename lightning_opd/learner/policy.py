@@ -1,9 +1,10 @@
 """``PolicyModule``: what every trainer of the policy shares (OPD, the SFT teacher recipe).
 
 It owns the student (loaded in ``configure_model``, the FSDP-ready hook), its tokenizer, the policy
-version counter, held-out evaluation in Lightning's validation/test loops and the export of the
-student as a Hugging Face directory at the end of ``fit``. At ``setup`` it binds the DataModule once
-(``datamodule.connect(self)``, :class:`~lightning_opd.data.RolloutDataModule`) and keeps the
+version counter, the non-finite update guard (F28, :attr:`PolicyModule.nonfinite`; the learners decide with it:
+``OPDModule.apply_update``, ``SFTModule.optimizer_step``), held-out evaluation in Lightning's validation/test loops
+and the export of the student as a Hugging Face directory at the end of ``fit``. At ``setup`` it binds the DataModule
+once (``datamodule.connect(self)``, :class:`~lightning_opd.data.RolloutDataModule`) and keeps the
 :class:`~lightning_opd.rollout.weight_sync.WeightSync` that returns, to which the learner reports its
 new versions.
 
@@ -34,6 +35,7 @@ from torchmetrics import MaxMetric, MeanMetric, MinMetric, SumMetric
 
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.distributed import gather_per_rank
+from lightning_opd.learner.nonfinite import NonFiniteGuard
 from lightning_opd.models.fsdp import full_state_dict, is_sharded, mixed_precision_policy, shard_causal_lm, unsharded_copy
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer, resolve_dtype, save_hf_atomic
 from lightning_opd.rollout.weight_sync import WeightSync
@@ -58,6 +60,9 @@ class PolicyModule(L.LightningModule):
         optimizer: optimizer factory over the student's parameters (:meth:`configure_optimizers`); default AdamW
             with learning rate :attr:`default_lr` and no weight decay.
         lr_scheduler: optional scheduler factory; stepped once per optimizer step.
+        max_nonfinite_steps: an optimizer update whose loss or gradient is NaN/inf (on any rank) is skipped, weights
+            and optimizer state unchanged, and counted (``train/nonfinite_steps_skipped``); this many in a row stop
+            the run with :class:`~lightning_opd.learner.nonfinite.NonFiniteUpdateError` (optimizer updates, >= 1; F28).
 
     Sharding (``conf/trainer/fsdp.yaml``): under Lightning's ``ModelParallelStrategy`` (or
     :class:`~lightning_opd.models.fsdp.FSDP2Strategy`), ``configure_model`` shards the student with
@@ -66,8 +71,9 @@ class PolicyModule(L.LightningModule):
     Raises:
         FileNotFoundError: ``student`` is not a model directory.
         ValueError: an unknown ``dtype`` (at construction, before anything loads, naming
-            ``model.init_args.dtype`` and the accepted names); a learning rate <= 0 (:func:`check_optimizer`); at
-            setup, a device mesh with tensor parallelism (only data-parallel FSDP is supported).
+            ``model.init_args.dtype`` and the accepted names); a learning rate <= 0 (:func:`check_optimizer`);
+            ``max_nonfinite_steps < 1`` (naming ``model.init_args.max_nonfinite_steps``); at setup, a device mesh
+            with tensor parallelism (only data-parallel FSDP is supported).
     """
 
     #: learning rate of the default optimizer (AdamW, no weight decay) when ``model.init_args.optimizer`` is not given
@@ -76,9 +82,11 @@ class PolicyModule(L.LightningModule):
     def __init__(self, student: str, dtype: str = "float32", trust_remote_code: bool = False,
                  export_dir: str | None = None, gradient_checkpointing: bool = False,
                  fsdp_mixed_precision: str | None = None, optimizer: OptimizerCallable | None = None,
-                 lr_scheduler: LRSchedulerCallable | None = None) -> None:
+                 lr_scheduler: LRSchedulerCallable | None = None, max_nonfinite_steps: int = 3) -> None:
         super().__init__()
         check_dtype(dtype, "model.init_args.dtype")
+        #: F28: skips and counts optimizer updates with a non-finite loss or gradient, stops after a streak
+        self.nonfinite = NonFiniteGuard(max_nonfinite_steps)
         self.student_path = student
         self.dtype_name = dtype
         self.trust_remote_code = trust_remote_code
@@ -221,15 +229,19 @@ class PolicyModule(L.LightningModule):
         self.trainer.strategy.barrier("export")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Saves the policy version and every rank's random states (``rng_states``, a list indexed by rank:
-        a collective, reached on every rank as Lightning saves on every rank, F21)."""
+        """Saves the policy version, the non-finite update counts (``nonfinite_steps``: skipped, in_a_row; the same
+        on every rank, F28) and every rank's random states (``rng_states``, a list indexed by rank: a collective,
+        reached on every rank as Lightning saves on every rank, F21)."""
         checkpoint["policy_version"] = int(self.policy_version)
+        checkpoint["nonfinite_steps"] = self.nonfinite.state_dict()
         checkpoint["rng_states"] = gather_per_rank(rng_states(), self._trainer.world_size if self._trainer else 1)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Restores the policy version and this rank's random states. On a different number of ranks than
-        the checkpoint's, every rank keeps the state seeded at start (a warning says so)."""
+        """Restores the policy version, the non-finite update counts (0 from a checkpoint without them) and this
+        rank's random states. On a different number of ranks than the checkpoint's, every rank keeps the state seeded
+        at start (a warning says so)."""
         self.policy_version = int(checkpoint.get("policy_version", 0))
+        self.nonfinite.load_state_dict(checkpoint.get("nonfinite_steps", {}))
         states = checkpoint.get("rng_states")
         states = [states] if isinstance(states, dict) else states  # a checkpoint from before per-rank states
         world = self._trainer.world_size if self._trainer else 1

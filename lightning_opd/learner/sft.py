@@ -9,9 +9,19 @@ Run: ``lightning-opd fit --config conf/textworld/teacher_sft.yaml`` (exports to 
 With ``lora_rank`` set, only a LoRA adapter (peft) is trained; at the end it is saved on its own to
 ``adapter_dir`` (small enough to commit) and merged into the exported model. ``lightning-opd
 merge-adapter`` rebuilds the merged teacher from a committed adapter.
+
+F28 (docs/faults.md): an optimizer update whose loss or gradient is not finite on any rank is skipped (weights, the
+optimizer state and the LR scheduler untouched) and counted (``train/nonfinite_steps_skipped``);
+``max_nonfinite_steps`` of them in a row stop the run (:meth:`SFTModule.optimizer_step`).
+
+Metrics (``train/``, logged every step): ``loss`` (nats/token, over all ranks' reply tokens), ``supervised_tokens``
+(reply tokens of the step, all ranks), ``nonfinite_steps_skipped`` (optimizer updates skipped so far in this fit,
+resumed runs included, F28).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
@@ -19,6 +29,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.divergences import log_probs
+from lightning_opd.metrics.rank_stats import Mean, Sum, all_ranks
 from lightning_opd.models.loading import save_adapter_atomic, save_hf_atomic
 from lightning_opd.learner.policy import PolicyModule
 
@@ -34,10 +45,13 @@ class SFTModule(PolicyModule):
             (``None``: full fine-tuning).
         lora_alpha: LoRA scaling numerator (default ``2 * lora_rank``).
         adapter_dir: where the LoRA adapter alone is saved at the end of fit (bf16 safetensors).
-        dtype, trust_remote_code, export_dir, gradient_checkpointing: see :class:`PolicyModule`.
+        dtype, trust_remote_code, export_dir, gradient_checkpointing, max_nonfinite_steps: see :class:`PolicyModule`
+            (``max_nonfinite_steps``: F28, :meth:`optimizer_step`).
 
     Raises:
-        ValueError: ``lora_rank < 1``, or ``adapter_dir`` without ``lora_rank``.
+        ValueError: ``lora_rank < 1``, ``adapter_dir`` without ``lora_rank``, or ``max_nonfinite_steps < 1``.
+        NonFiniteUpdateError: in fit, ``max_nonfinite_steps`` optimizer updates in a row with a non-finite loss or
+            gradient (:class:`~lightning_opd.learner.nonfinite.NonFiniteUpdateError`).
     """
 
     default_lr = 3e-5  # the teacher recipe's rate (PolicyModule.default_lr: the default AdamW's)
@@ -46,9 +60,10 @@ class SFTModule(PolicyModule):
                  lr_scheduler: LRSchedulerCallable | None = None, lora_rank: int | None = None,
                  lora_alpha: float | None = None, adapter_dir: str | None = None, dtype: str = "float32",
                  trust_remote_code: bool = False, export_dir: str | None = None,
-                 gradient_checkpointing: bool = False) -> None:
+                 gradient_checkpointing: bool = False, max_nonfinite_steps: int = 3) -> None:
         super().__init__(student=student, dtype=dtype, trust_remote_code=trust_remote_code, export_dir=export_dir,
-                         gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, lr_scheduler=lr_scheduler)
+                         gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                         max_nonfinite_steps=max_nonfinite_steps)
         if lora_rank is not None and lora_rank < 1:
             raise ValueError(f"model.lora_rank={lora_rank} must be >= 1 (or null for full fine-tuning)")
         if adapter_dir and lora_rank is None:
@@ -56,6 +71,8 @@ class SFTModule(PolicyModule):
         self.lora_rank = lora_rank
         self.lora_alpha = lora_alpha if lora_alpha is not None else (2 * lora_rank if lora_rank else None)
         self.adapter_dir = adapter_dir
+        #: whether the last optimizer update was skipped (F28), read by :meth:`lr_scheduler_step`
+        self.update_skipped = False
 
     def configure_model(self) -> None:
         if self.student is not None:
@@ -98,13 +115,72 @@ class SFTModule(PolicyModule):
 
     def _log_step(self, loss: torch.Tensor, tokens: torch.Tensor, episodes: int) -> None:
         """Log ``train/loss`` (nats/token) and ``train/supervised_tokens`` over all data-parallel ranks' reply tokens
-        (F27): each rank's loss sum and token count are summed over ranks, then divided (one all-reduce, every rank)."""
-        if self.trainer.world_size > 1:
-            total = self.trainer.strategy.reduce(torch.stack([loss.detach().float() * tokens, tokens.float()]),
-                                                 reduce_op="sum")
-            loss, tokens = total[0] / total[1].clamp(min=1), total[1]
-        self.log("train/loss", loss, prog_bar=True, batch_size=episodes)
-        self.log("train/supervised_tokens", tokens, batch_size=episodes)
+        (F27): each rank's loss sum and token count are summed over ranks, then divided
+        (:func:`~lightning_opd.metrics.rank_stats.all_ranks`: one all-reduce, every rank; float64)."""
+        n = float(tokens)
+        stats = all_ranks({"loss": Mean(float(loss.detach()) * n, n, empty=0.0), "tokens": Sum(n)},
+                          self._reducer("sum"), self._reducer("max"), self.device)
+        self.log("train/loss", stats["loss"], prog_bar=True, batch_size=episodes)
+        self.log("train/supervised_tokens", stats["tokens"], batch_size=episodes)
+
+    def _reducer(self, op: str):
+        """``op`` (``"sum"``, ``"max"``) of a tensor over data-parallel ranks, through the trainer's strategy."""
+        return functools.partial(self.trainer.strategy.reduce, reduce_op=op)
+
+    # ------------------------------------------------------------------------- F28: non-finite updates
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        """Apply the update only when its loss and gradient are finite on every rank (F28, PROPOSED).
+
+        Lightning's public hook for automatic optimization: the closure (``training_step``, ``zero_grad``,
+        ``backward``) runs here first; then :meth:`NonFiniteGuard.check
+        <lightning_opd.learner.nonfinite.NonFiniteGuard.check>` looks at the closure's loss and the global gradient
+        L2 norm before clipping, with one all-reduce, so every rank decides alike.
+
+        * Applied: ``optimizer.step(closure=...)`` with a closure that returns the loss already computed, so
+          Lightning's precision plugin still calls the ``on_before_optimizer_step`` hooks and clips the gradients
+          (``trainer.gradient_clip_val``) before the step, as without this override.
+        * Skipped: no ``optimizer.step()`` at all and the gradients are dropped (``zero_grad(set_to_none=True)``):
+          weights, AdamW's moments and step count stay as they are; :meth:`lr_scheduler_step` holds back the
+          per-step LR scheduler of that update; ``on_before_optimizer_step`` hooks do not run. Lightning still counts
+          the update (``trainer.global_step``, so ``max_steps`` ends the run), as in ``OPDModule``. Counted by
+          :attr:`nonfinite`, which warns and, at ``max_nonfinite_steps`` in a row, raises.
+
+        Logs ``train/nonfinite_steps_skipped`` (updates skipped so far, resumed runs included) after each decision.
+
+        With a GradScaler (``trainer.precision: 16-mixed``) only the loss is checked: an inf gradient is then the
+        scaler's overflow, which it skips and handles itself. Optimizers that evaluate the closure more than once
+        (LBFGS) get the same loss each time.
+
+        Raises:
+            NonFiniteUpdateError: the ``max_nonfinite_steps``-th skipped update in a row, naming the step
+                (``trainer.global_step``) and the first non-finite quantity.
+        """
+        loss = optimizer_closure()
+        loss_now = loss.detach() if loss is not None else torch.zeros((), device=self.device)
+        grad_norm = torch.zeros((), device=self.device)
+        if getattr(self.trainer.precision_plugin, "scaler", None) is None:
+            grads = [p.grad for p in self.student.parameters() if p.grad is not None]
+            if grads:
+                grad_norm = torch.nn.utils.get_total_norm(grads)
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
+        bad = self.nonfinite.check(loss_now, grad_norm, self.student.named_parameters, self._reducer("sum"),
+                                   self.global_rank, self.trainer.world_size)
+        self.update_skipped = bad is not None
+        if bad is not None:
+            self.nonfinite.skip(self.trainer.global_step, bad)  # may raise NonFiniteUpdateError (every rank alike)
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            optimizer.step(closure=lambda: loss)
+            self.nonfinite.applied()
+        self.log("train/nonfinite_steps_skipped", float(self.nonfinite.skipped))  # the same on every rank
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        """Step ``scheduler`` as Lightning does, except a per-step (``interval: step``) scheduler after a skipped
+        update (F28, :meth:`optimizer_step`): its LR stays where it was."""
+        if self.update_skipped and any(cfg.scheduler is scheduler and cfg.interval == "step"
+                                       for cfg in self.trainer.lr_scheduler_configs):
+            return
+        super().lr_scheduler_step(scheduler, metric)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.policy_version += 1
