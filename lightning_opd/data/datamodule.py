@@ -6,9 +6,8 @@ described there) playing the episodes of one :class:`~lightning_opd.rollout.samp
 seeds, GRPO groups, rank slice, probe schedule). This class adds what Lightning needs: ``setup``, the dataloaders
 and the per-rank checkpoint state.
 
-Training: the train dataloader is an endless stream; each item is one rollout batch (``episodes_per_step``
-episodes) that becomes one optimizer step. ``OPDModule.training_step`` takes the dataloader iterator and pulls the
-batch inside the step, so Lightning's one-batch prefetch never runs the policy ahead of the learner.
+Training: an endless stream of rollout batches (``episodes_per_step`` episodes each), one per optimizer step, pulled
+by ``OPDModule.training_step`` inside the step, so Lightning's prefetch never runs the policy ahead of the learner.
 ``num_workers`` stays 0: worker processes would copy the model.
 
 Binding: the module calls :meth:`RolloutDataModule.connect` once (in its ``setup``) with itself as the policy;
