@@ -18,7 +18,7 @@ well its gradient agrees with the fresh-batch gradient?
    the gradient of the reference batch's loss (token-mean over the batch). Recorded: cos(g_i, G) (streamed:
    only G and the current g_i are held, in float64), and the sample's freshness f_i (the ``StalenessMonitor``'s
    own ``FreshnessWeighting``: as shipped (``default``), each other score variant of the component (``age_only``)
-   and any ``--variant NAME='{"monitor_kwarg": value}'``) with its components from ``staleness_diagnostics``: lag
+   and any ``--variant NAME='{"freshness_kwarg": value}'``) with its components from ``staleness_diagnostics``: lag
    Δ (versions), rollout drift ρ and supervision drift χ (nats), score s.
 4. Printed and saved (benchmarks/results/freshness_gradient.json, keyed by the settings, and the markdown table
    benchmarks/results/freshness_gradient.md): Spearman rank correlation of f_i (each variant), lag, ρ, χ and s
@@ -66,7 +66,7 @@ from lightning_opd.data import RolloutDataModule
 from lightning_opd.envs.base import EnvFactory
 from lightning_opd.learner import OPDModule
 from lightning_opd.losses.divergences import FullVocabReverseKL, SampledTokenReverseKL
-from lightning_opd.losses.freshness import SCORES, staleness_diagnostics
+from lightning_opd.losses.freshness import SCORES, FreshnessConfig, staleness_diagnostics
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.types import Trajectory
 
@@ -339,7 +339,7 @@ def freshness_of(module: OPDModule, batch: RolloutBatch, variants: Mapping[str, 
     lag = (module.policy_version - batch.behaviour_version).clamp(min=0)
     blp, mask, turns = batch.behaviour_logprobs[:, 1:], batch.loss_mask[:, 1:], batch.turn_index[:, 1:]
     first = next(iter(variants.values())).freshness
-    diag = staleness_diagnostics(lag, lp, blp, mask, turns, first.lag_cap)
+    diag = staleness_diagnostics(lag, lp, blp, mask, turns, first.config.lag_cap)
     out = {"lag": int(lag[0]), "delta": float(diag.delta[0]), "rho": float(diag.rho[0]), "chi": float(diag.chi[0])}
     for name, monitor in variants.items():
         weighting = monitor.freshness
@@ -353,18 +353,20 @@ def freshness_of(module: OPDModule, batch: RolloutBatch, variants: Mapping[str, 
 def score_variants(extra: list[tuple[str, dict]] = ()) -> dict[str, StalenessMonitor]:
     """The freshness scores measured: ``default`` (a ``StalenessMonitor()`` as shipped), one per other score
     variant of the component (:data:`~lightning_opd.losses.freshness.SCORES`, e.g. ``age_only``) with the
-    monitor's other defaults, then ``extra`` (name, ``StalenessMonitor`` keyword arguments).
+    monitor's other defaults, then ``extra`` (name, :class:`~lightning_opd.losses.freshness.FreshnessConfig` keyword
+    arguments: the monitor's ``init_args.freshness``).
 
     Raises:
         ValueError: a name used twice.
     """
     default = StalenessMonitor()
     variants = {"default": default}
-    variants.update({s: StalenessMonitor(score=s) for s in SCORES if s != default.freshness.score})
+    variants.update({s: StalenessMonitor(freshness=FreshnessConfig(score=s)) for s in SCORES
+                     if s != default.freshness.config.score})
     for name, kwargs in extra:
         if name in variants:
             raise ValueError(f"--variant {name}: the name is taken (measured: {', '.join(variants)})")
-        variants[name] = StalenessMonitor(**kwargs)
+        variants[name] = StalenessMonitor(freshness=FreshnessConfig(**kwargs))
     return variants
 
 
@@ -497,8 +499,8 @@ def _extra_tables(s: dict) -> list[str]:
 def _variant(text: str) -> tuple[str, dict]:
     name, _, kw = text.partition("=")
     if not name or not kw:
-        raise argparse.ArgumentTypeError(f"--variant {text!r}: write NAME='{{\"kwarg\": value}}' (StalenessMonitor "
-                                         "keyword arguments as JSON)")
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: write NAME='{{\"kwarg\": value}}' (FreshnessConfig "
+                                         "keyword arguments as JSON: the monitor's init_args.freshness)")
     try:
         value = json.loads(kw)
     except json.JSONDecodeError as err:
@@ -526,7 +528,8 @@ def parser() -> argparse.ArgumentParser:
                    help="gradients over the last K decoder blocks + final norm (+ an untied LM head) only "
                         "(default: all)")
     p.add_argument("--variant", type=_variant, action="append", default=[],
-                   help="extra freshness score: NAME='{\"StalenessMonitor kwarg\": value}' (repeatable)")
+                   help="extra freshness score: NAME='{\"FreshnessConfig kwarg\": value}' (the monitor's "
+                        "init_args.freshness; repeatable)")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs")
     p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--seed", type=int, default=0)

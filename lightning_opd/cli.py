@@ -147,6 +147,97 @@ def check_config_files(args: list[str]) -> None:
             raise SystemExit(2) from None
 
 
+# ------------------------------------------------------------------------------------ renamed keys
+#: the ``StalenessMonitor`` knobs grouped in ``init_args.freshness`` (``FreshnessConfig``) by issue 40
+_FRESHNESS_KEYS = ("lag_cap", "tau_rho", "tau_chi", "alpha", "beta", "lag_weight", "rho_weight", "chi_weight", "score",
+                   "weighting", "filtering", "min_freshness", "truncated_ratio", "ratio_cap")
+#: the one table of renamed keys (issue 40: one name per lag quantity, docs/design.md "Three lag quantities"):
+#: where -> {old key: new key}. ``"data"``: under ``data.init_args``; a class name: under the ``init_args`` of a
+#: ``trainer.callbacks`` entry of that class. Checked before parsing by :func:`check_renamed_keys`.
+RENAMED_KEYS: dict[str, dict[str, str]] = {
+    "data": {"max_lag": "producer_lead"},
+    "StalenessMonitor": {"max_lag": "initial_lag_bound", **{k: f"freshness.{k}" for k in _FRESHNESS_KEYS}},
+}
+_SUBCOMMANDS = ("fit", "validate", "test")
+
+
+def _renamed_in_config(config, source: str) -> list[str]:
+    """The renamed keys (:data:`RENAMED_KEYS`) used in one parsed config (a ``--config`` file's YAML, or a dict
+    given to the CLI), each as ``'<old> (in <source>): use <new>'``."""
+    found: list[str] = []
+    if not isinstance(config, dict):
+        return found
+    roots = [config] + [config[c] for c in _SUBCOMMANDS if isinstance(config.get(c), dict)]
+    for root in roots:
+        data = root.get("data")
+        if isinstance(data, dict):
+            for node, prefix in ((data.get("init_args"), "data.init_args."), (data, "data.")):
+                for old, new in RENAMED_KEYS["data"].items():
+                    if isinstance(node, dict) and old in node:
+                        found.append(f"{prefix}{old} (in {source}): use data.init_args.{new}")
+        trainer = root.get("trainer")
+        for key in ("callbacks", "callbacks+"):
+            entries = trainer.get(key) if isinstance(trainer, dict) else None
+            for entry in entries if isinstance(entries, list) else [entries]:
+                if not isinstance(entry, dict) or not isinstance(entry.get("class_path"), str):
+                    continue
+                name = entry["class_path"].rpartition(".")[2]
+                init = entry.get("init_args") if isinstance(entry.get("init_args"), dict) else {}
+                for old, new in RENAMED_KEYS.get(name, {}).items():
+                    if old in init or old in entry:
+                        found.append(f"trainer.{key}[{name}].init_args.{old} (in {source}): use init_args.{new}")
+    return found
+
+
+def _renamed_on_command_line(args: list[str], monitor_named: bool) -> list[str]:
+    """The renamed keys given as ``--key[=value]`` options: ``--data[.init_args].<old>`` and, when a callback of a
+    class in :data:`RENAMED_KEYS` is named (``monitor_named``), ``--trainer.callbacks[.init_args].<old>``."""
+    found: list[str] = []
+    for arg in args:
+        if not arg.startswith("--"):
+            continue
+        key = arg[2:].split("=", 1)[0]
+        for prefix in ("data.init_args.", "data."):
+            old = key[len(prefix):] if key.startswith(prefix) else None
+            if old in RENAMED_KEYS["data"]:
+                found.append(f"--{key} (command line): use --data.init_args.{RENAMED_KEYS['data'][old]}")
+                break
+        for prefix in ("trainer.callbacks.init_args.", "trainer.callbacks."):
+            old = key[len(prefix):] if key.startswith(prefix) else None
+            if monitor_named and old in RENAMED_KEYS["StalenessMonitor"]:
+                found.append(f"--{key} (command line): use --trainer.callbacks.init_args."
+                             f"{RENAMED_KEYS['StalenessMonitor'][old]} (StalenessMonitor)")
+                break
+    return found
+
+
+def check_renamed_keys(args, error: Callable[[str], object]) -> None:
+    """Refuse every renamed key (:data:`RENAMED_KEYS`) in the ``--config`` files, a config dict, or the
+    command-line options, before jsonargparse parses them: ``error`` (the parser's) gets one line per key, each
+    naming the new key. Config files that are missing or not YAML are left to :func:`check_config_files`."""
+    import yaml
+
+    if isinstance(args, dict):
+        found = _renamed_in_config(args, "the given config")
+        monitor_named = False
+    else:
+        found, texts = [], []
+        for path in _config_paths(args):
+            p = Path(path)
+            if not p.is_file():
+                continue
+            try:
+                texts.append(p.read_text())
+                found += _renamed_in_config(yaml.safe_load(texts[-1]), path)
+            except yaml.YAMLError:
+                continue
+        monitor_named = any("StalenessMonitor" in t for t in texts + list(args))
+        found += _renamed_on_command_line(list(args), monitor_named)
+    if found:
+        error("renamed keys (issue 40: one name per lag quantity, docs/design.md \"Three lag quantities\"):\n  "
+              + "\n  ".join(found))
+
+
 def _model_class(config) -> type | None:
     path = config.get("model", {}).get("class_path") if hasattr(config, "get") else None
     if not isinstance(path, str) or "." not in path:
@@ -275,7 +366,9 @@ class OPDCLI(LightningCLI):
             parser.link_arguments("data", f"model.init_args.{target}", compute_fn=_linked(target), apply_on="instantiate")
 
     def parse_arguments(self, parser, args) -> None:
-        check_config_files(list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else [])
+        argv = args if isinstance(args, dict) else list(sys.argv[1:] if args is None else args)
+        check_config_files(argv if not isinstance(argv, dict) else [])
+        check_renamed_keys(argv, parser.error)
         super().parse_arguments(parser, args)
 
     def before_instantiate_classes(self) -> None:

@@ -8,10 +8,10 @@ Panels, drawn with matplotlib (Agg, no display needed) into ``report.png`` and a
 3. success rate: held-out ``val/success`` and training ``rollout/success``, on a fixed 0-1 axis, with the
    given baselines (e.g. the student before and the teacher) as horizontal dashed lines;
 4. rollout-depth controller (TurnOPD): ``controller/cap``, ``h_eff``, ``h_cov``, ``h_bar`` (integer turns);
-5. staleness (f-OPD): ``staleness/freshness_mean``, ``freshness_min`` and ``rollout/lag`` (versions);
+5. staleness (f-OPD): ``staleness/freshness_mean``, ``freshness_min`` and ``rollout/lag_max`` (versions);
 6. schedules: ``schedule/*`` (annealing) and ``turn_blend/alpha``.
 
-Panels 2-6 are drawn only when the run logged one of their tags (a synchronous run's ``rollout/lag`` is
+Panels 2-6 are drawn only when the run logged one of their tags (a synchronous run's ``rollout/lag_max`` is
 always 0 and does not count): every method logs a different subset, and a plain OPD run gets the heat
 map, the KL and the success panels. Events are read with TensorBoard's ``EventAccumulator`` from every
 event file under the run directory (several versions or resumed runs: later files win at equal steps).
@@ -32,7 +32,8 @@ PANELS = (
     ("Success rate", ("val/success", "rollout/success"), "fraction of episodes", "fraction"),
     ("Rollout-depth controller", ("controller/cap", "controller/h_eff", "controller/h_cov", "controller/h_bar"),
      "turns", "integer"),
-    ("Staleness", ("staleness/freshness_mean", "staleness/freshness_min", "rollout/lag"), "freshness / versions", None),
+    ("Staleness", ("staleness/freshness_mean", "staleness/freshness_min", "rollout/lag_max"), "freshness / versions",
+     None),
     ("Schedules", ("schedule/", "turn_blend/alpha"), "value", None),
 )
 SFT_PANEL = ("Training loss", ("train/loss",), "nats/token", None)  # instead of the KL panel when no train/kl
@@ -76,7 +77,7 @@ def kl_matrix(series: Series) -> tuple[list[int], list[int], list[list[float]]]:
 
 def _tags(series: Series, wanted: tuple[str, ...]) -> list[str]:
     tags = [t for w in wanted for t in sorted(series) if (t.startswith(w) if w.endswith("/") else t == w)]
-    return [t for t in tags if not (t == "rollout/lag" and not any(series[t][1]))]  # sync run: always 0
+    return [t for t in tags if not (t == "rollout/lag_max" and not any(series[t][1]))]  # sync run: always 0
 
 
 def panels(series: Series) -> list[tuple[str, list[str], str, str | None]]:

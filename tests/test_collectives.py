@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
-from lightning_opd.losses.freshness import FreshnessWeighting
+from lightning_opd.losses.freshness import FreshnessConfig, FreshnessWeighting
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.rollout.batch import RolloutBatch, collate_trajectories
 from lightning_opd.losses import ClippedSurrogate, FullVocabReverseKL
@@ -54,7 +54,7 @@ def _stale_batch(module: OPDModule, tokenizer) -> RolloutBatch:
 
 
 def _monitor() -> FreshnessWeighting:
-    return FreshnessWeighting(filtering=True, weighting=True, truncated_ratio=True, lag_bound=2)
+    return FreshnessWeighting(FreshnessConfig(filtering=True, weighting=True, truncated_ratio=True), lag_bound=2)
 
 
 def _uneven_worker(rank, port, model_dirs, rows, out_dir):
@@ -154,7 +154,7 @@ def _fit_worker(rank, port, model_dirs, case, out_dir):
         env, max_steps, error_rate = FailingTaskFactory(fail=("apple",)), 2, 0.5
     else:  # every site of the step: staleness filter, hybrid preparation (T-DUR), 2 PPO mini-batches
         env, max_steps, error_rate = FailingTaskFactory(fail_rank=0), 4, 1.0
-        callbacks = [StalenessMonitor(filtering=True, initial_lag_bound=2)]
+        callbacks = [StalenessMonitor(FreshnessConfig(filtering=True), initial_lag_bound=2)]
         kwargs, cls = dict(loss=ClippedSurrogate(), tdur=True, ppo_mini_batches=2), ATODRecorder
     model = cls(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=4,
                      grad_clip_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), **kwargs)

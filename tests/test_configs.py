@@ -263,7 +263,8 @@ def _monitors(cli):
 def check_staleness_monitor(cli, tmp):
     (mon,) = _monitors(cli)  # appended to opd.yaml, which has no callbacks of its own
     w = mon.freshness  # the loss-side weighting the monitor installs
-    assert not w.truncated_ratio and w.filtering and w.weighting and mon.lag_cap == w.lag_cap == 8  # §1.5
+    c = w.config
+    assert not c.truncated_ratio and c.filtering and c.weighting and c.lag_cap == 8  # §1.5
 
 
 def check_fopd_async(cli, tmp):
@@ -349,11 +350,11 @@ def test_callback_overlays_append_instead_of_replacing(build_cli, tmp_path):
     need different state keys: Lightning refuses duplicates)."""
     extra = tmp_path / "second_monitor.yaml"
     extra.write_text("trainer:\n  callbacks+:\n    - class_path: lightning_opd.callbacks.staleness_monitor.StalenessMonitor\n"
-                     "      init_args:\n        lag_cap: 6\n")
+                     "      init_args:\n        freshness:\n          lag_cap: 6\n")
     cli, _, _ = build_cli(CONF / "textworld/fopd_async.yaml", extra)
-    assert sorted(m.lag_cap for m in _monitors(cli)) == [6, 8]
+    assert sorted(m.freshness.config.lag_cap for m in _monitors(cli)) == [6, 8]
     cli, _, _ = build_cli(BASE, CONF / "callbacks/staleness_monitor.yaml", extra)
-    assert sorted(m.lag_cap for m in _monitors(cli)) == [6, 8]
+    assert sorted(m.freshness.config.lag_cap for m in _monitors(cli)) == [6, 8]
 
 
 def test_monitor_overlays_merge_into_one_monitor(build_cli):
@@ -362,11 +363,11 @@ def test_monitor_overlays_merge_into_one_monitor(build_cli):
     mon_files = (BASE, CONF / "callbacks/staleness_monitor.yaml", CONF / "callbacks/staleness_sampled_tolerances.yaml")
     cli, _, _ = build_cli(*mon_files)
     (mon,) = _monitors(cli)
-    f = mon.freshness
+    f = mon.freshness.config
     assert (f.tau_rho, f.tau_chi, f.score, f.lag_weight) == (0.2036, 0.176, "full", 2.0)
     cli, _, _ = build_cli(*mon_files, CONF / "callbacks/staleness_age_only.yaml")
     (mon,) = _monitors(cli)
-    f = mon.freshness
+    f = mon.freshness.config
     assert (f.tau_rho, f.tau_chi, f.score, f.lag_weight) == (0.2036, 0.176, "age_only", 2.0)
 
 
@@ -398,7 +399,7 @@ def assert_ratio_off_with_an_analytic_loss(cli) -> None:
     monitors = _monitors(cli)
     assert monitors, "no StalenessMonitor built"
     if isinstance(cli.model.loss_fn, ANALYTIC_LOSSES):
-        on = [m.freshness.truncated_ratio for m in monitors]
+        on = [m.freshness.config.truncated_ratio for m in monitors]
         assert on == [False] * len(on), (f"{type(cli.model.loss_fn).__name__} with the truncated ratio on "
                                          "(docs/algorithms.md §1.5: off with the analytic loss)")
 
@@ -553,6 +554,30 @@ def test_typo_in_yaml_fails_naming_key(section, text, arg, key, build_cli, tmp_p
 @pytest.mark.parametrize(("section", "text", "arg", "key"), TYPOS, ids=[t[0] for t in TYPOS])
 def test_typo_on_command_line_fails_naming_key(section, text, arg, key, build_cli, capsys):
     assert_rejected(capsys, key, lambda: build_cli(BASE, extra=[arg]))
+
+
+MONITOR = "lightning_opd.callbacks.staleness_monitor.StalenessMonitor"
+RENAMED = [  # (id, overlay YAML with an old key, the same on the command line, the new key the error names)
+    ("data.max_lag", "data:\n  init_args:\n    max_lag: 2\n", ["--data.init_args.max_lag=2"],
+     "data.init_args.producer_lead"),
+    ("monitor.max_lag", f"trainer:\n  callbacks+:\n    - class_path: {MONITOR}\n      init_args:\n        max_lag: 3\n",
+     [f"--trainer.callbacks+={MONITOR}", "--trainer.callbacks.init_args.max_lag=3"], "init_args.initial_lag_bound"),
+    ("monitor.lag_cap", f"trainer:\n  callbacks+:\n    - class_path: {MONITOR}\n      init_args:\n        lag_cap: 6\n",
+     [f"--trainer.callbacks+={MONITOR}", "--trainer.callbacks.lag_cap=6"], "init_args.freshness.lag_cap"),
+]
+
+
+@pytest.mark.parametrize(("text", "args", "new"), [r[1:] for r in RENAMED], ids=[r[0] for r in RENAMED])
+def test_renamed_keys_fail_naming_the_new_key(text, args, new, build_cli, tmp_path, capsys):
+    """Issue 40: a key renamed for one name per lag quantity (cli.RENAMED_KEYS), in a config file or on the
+    command line, stops the parse with the new key named."""
+    overlay = tmp_path / "old.yaml"
+    overlay.write_text(text)
+    for run in (lambda: build_cli(BASE, overlay), lambda: build_cli(BASE, extra=args)):
+        with pytest.raises(SystemExit) as exc:
+            run()
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "renamed keys" in err and new in err, err[-1500:]
 
 
 def test_typo_fails_through_console_entry(tmp_path, capsys):

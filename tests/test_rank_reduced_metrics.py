@@ -20,6 +20,7 @@ from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.learner import ATODModule, OPDModule
 from lightning_opd.losses import SampledTokenReverseKL
+from lightning_opd.losses.freshness import FreshnessConfig
 from lightning_opd.models.fsdp import FSDP2Strategy
 from lightning_opd.rollout.agent_loop import EpisodeSpec
 from lightning_opd.rollout.sampler import EpisodeSampler
@@ -147,8 +148,8 @@ def _worker(rank, port, model_dirs, out_dir):
                   optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
     # OPD with f-OPD's staleness diagnostics (M1 weights, M3 ratios; nothing dropped); a NaN on rank 1 at step 1
     opd, rec = RecordedOPD(loss=SampledTokenReverseKL(), **common), Record(nan_rank=1, nan_version=1)
-    monitor = StalenessMonitor(weighting=True, filtering=False, truncated_ratio=True, adaptive_lag=False,
-                               tau_rho=50.0, tau_chi=50.0, sample_records=False)
+    monitor = StalenessMonitor(FreshnessConfig(weighting=True, filtering=False, truncated_ratio=True, tau_rho=50.0,
+                                               tau_chi=50.0), adaptive_lag=False, sample_records=False)
     _trainer(2, [monitor, rec]).fit(opd, datamodule=_dm())
     # ATOD: GRPO, T-DUR and PPO statistics (one batch, 2 updates)
     atod, atod_rec = RecordedATOD(ppo_epochs=2, tdur=True, **common), Record()
@@ -183,7 +184,7 @@ def test_f27_rollout_means_are_over_both_ranks_episodes(ranks):
             for key, field in (("tokens", "num_tokens"), ("assistant_tokens", "num_assistant_tokens")):
                 expected = sum(e[field] for e in episodes) / 4
                 assert _logged(ranks, fit, step, f"rollout/{key}") == pytest.approx(expected, rel=1e-6), (fit, key)
-            assert _logged(ranks, fit, step, "rollout/lag") == 0.0
+            assert _logged(ranks, fit, step, "rollout/lag_max") == 0.0
 
 
 def test_f27_staleness_means_are_over_both_ranks_samples(ranks):

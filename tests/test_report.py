@@ -82,17 +82,17 @@ def _drawn_figure(monkeypatch, **kwargs):
 
 
 def test_plain_opd_run_draws_only_logged_panels():
-    """The recorded run is plain synchronous OPD: no controller, no schedule, rollout/lag always 0."""
+    """The recorded run is plain synchronous OPD: no controller, no schedule, rollout/lag_max always 0."""
     chosen = panels(read_scalars(RECORDED))
     assert [(title, tags) for title, tags, _, _ in chosen] == [
         ("Training reverse KL", ["train/kl"]), ("Success rate", ["val/success", "rollout/success"])]
 
 
 def test_async_lag_and_sft_loss_get_their_panels(tmp_path):
-    _write(tmp_path, {"train/loss": [(0, 2.0)], "rollout/lag": [(0, 0.0), (1, 2.0)], "controller/cap": [(0, 3.0)]})
+    _write(tmp_path, {"train/loss": [(0, 2.0)], "rollout/lag_max": [(0, 0.0), (1, 2.0)], "controller/cap": [(0, 3.0)]})
     chosen = [(title, tags) for title, tags, _, _ in panels(read_scalars(tmp_path))]
     assert chosen == [("Training loss", ["train/loss"]), ("Rollout-depth controller", ["controller/cap"]),
-                      ("Staleness", ["rollout/lag"])]
+                      ("Staleness", ["rollout/lag_max"])]
 
 
 def test_success_axis_is_pinned_turn_ticks_are_integers_and_baselines_drawn(tmp_path, monkeypatch):

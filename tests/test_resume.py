@@ -19,6 +19,7 @@ from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.callbacks.turn_loss_blend import TurnLossBlend
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.learner.policy import rng_states, set_rng_states
+from lightning_opd.losses.freshness import FreshnessConfig
 from lightning_opd.rollout.hf import HFGenerator
 from tests.helpers import KeywordEnvFactory
 from tests.learner.test_training import RecordingOPD
@@ -47,7 +48,7 @@ class Recorder(RecordingOPD):
 def _callbacks(mode):
     if mode == "sync":
         return [RolloutDepthController(h_min=1, warmup=1, probe_interval=2), TurnLossBlend(total_steps=STEPS)]
-    return [StalenessMonitor(lag_cap=4)]
+    return [StalenessMonitor(FreshnessConfig(lag_cap=4))]
 
 
 def _fit(model_dirs, path, steps, mode, ckpt_path=None, save=False):

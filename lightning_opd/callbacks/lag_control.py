@@ -1,8 +1,8 @@
 """When asynchronous generation falls back to synchronous generation: f-OPD's producer-side control
 (PROPOSED, docs/algorithms.md §1.5 "Producer-side control"; not from the paper).
 
-The staleness monitor decides the producer's lag limit (its lag bound Δ_max, handed to
-``RolloutDataModule.set_lag_bound``); this rule decides when that limit is 0 instead: after ``patience``
+The staleness monitor hands the producer its lag bound Δ_max (``RolloutDataModule.set_lag_bound``); this rule
+decides when the producer's lag bound is 0 instead (:meth:`SyncFallback.producer_lag_bound`): after ``patience``
 consecutive steps whose mean freshness f̄ (all samples of the step, before filtering; unitless in [0, 1]) is
 below ``floor``, and until ``patience`` consecutive steps reach ``recover`` again. A step without samples
 (f̄ ``None`` or NaN) says nothing and changes nothing.
@@ -55,8 +55,9 @@ class SyncFallback:
             self.active, self.streak = not self.active, 0
         return self.active
 
-    def lag_limit(self, lag_bound: int) -> int:
-        """The producer's lag limit (versions): 0 while synchronous, else ``lag_bound`` (Δ_max)."""
+    def producer_lag_bound(self, lag_bound: int) -> int:
+        """The lag bound handed to the producer (versions, ``RolloutDataModule.set_lag_bound``): 0 while
+        synchronous, else ``lag_bound`` (Δ_max)."""
         return 0 if self.active else int(lag_bound)
 
     def state_dict(self) -> dict[str, Any]:

@@ -27,11 +27,13 @@ rank, lag, delta, rho, chi, score, freshness, kept), which ``lightning-opd calib
 τ_ρ, τ_χ (§1.5).
 
 The computation lives in the loss-side component
-:class:`~lightning_opd.losses.freshness.FreshnessWeighting`, which this callback builds from its arguments and
-installs at setup with ``pl_module.configure_freshness(...)``; the module applies it (first of its weightings,
-so collectives run in the same order on every rank). This callback only decides the lag bound Δ_max (handed
-over with ``FreshnessWeighting.set_lag_bound``) from the diagnostics ``training_step`` returns
-(``outputs["freshness"]``, a :class:`~lightning_opd.losses.freshness.FreshnessReport`), and logs them.
+:class:`~lightning_opd.losses.freshness.FreshnessWeighting`, which this callback builds from its ``freshness``
+argument (:class:`~lightning_opd.losses.freshness.FreshnessConfig`) and installs at setup with
+``pl_module.configure_freshness(...)``; the module applies it (first of its weightings, so collectives run in the
+same order on every rank). This callback only decides the lag bound Δ_max (held by the weighting alone,
+``FreshnessWeighting.lag_bound``, set with ``FreshnessWeighting.set_lag_bound``) from the diagnostics
+``training_step`` returns (``outputs["freshness"]``, a :class:`~lightning_opd.losses.freshness.FreshnessReport`),
+and logs them.
 
 Computing ρ and χ needs the learner's log-probs of every sampled token before the backward pass: the
 module runs one extra no-grad student forward per step while this callback is on.
@@ -40,9 +42,10 @@ Logged (``staleness/``, per step): ``lag_mean``, ``lag_max`` (versions), ``delta
 (nats), ``score``, ``freshness_mean``, ``freshness_kept_mean``, ``freshness_min``, ``kept_tokens``,
 ``dropped_samples``, ``dropped_groups``, ``dropped_by_lag_bound``, ``dropped_by_freshness`` (samples, see
 :class:`~lightning_opd.losses.freshness.FreshnessReport`), ``lag_bound_dropped_tokens``, ``would_drop_samples``,
-``max_lag_bound`` (versions), ``skipped_steps`` and ``skipped_steps_by_lag_bound`` (cumulative), with M3 ``ratio_mean``, ``ratio_clip_frac``, and async with producer-side
-control (§1.5.1: Δ_max caps the producer's lead; synchronous fallback) ``producer_lead`` (versions) and
-``sync_fallback`` (1 while generating synchronously). Every mean over samples or tokens and every count is over
+``lag_bound`` (Δ_max, versions), ``skipped_steps`` and ``skipped_steps_by_lag_bound`` (cumulative), with M3
+``ratio_mean``, ``ratio_clip_frac``, and async with producer-side control (§1.5.1: Δ_max caps the producer's
+lead; synchronous fallback) ``producer_lead`` (versions) and ``sync_fallback`` (1 while generating
+synchronously). Every mean over samples or tokens and every count is over
 all data-parallel ranks' samples and tokens (sums and counts reduced, then divided: :func:`all_rank_stats`, F27).
 """
 
@@ -59,7 +62,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_opd.callbacks.lag_control import SyncFallback
-from lightning_opd.losses.freshness import FreshnessReport, FreshnessWeighting
+from lightning_opd.losses.freshness import FreshnessConfig, FreshnessReport, FreshnessWeighting
 from lightning_opd.metrics.rank_stats import Max, Mean, Min, RankStat, Sum, all_ranks
 
 #: per-sample means of :class:`FreshnessReport` ``stats`` that are this rank's, and the (B,) values they average
@@ -107,79 +110,68 @@ class StalenessMonitor(Callback):
     """f-OPD staleness diagnostics, freshness score and the three mechanisms (PROPOSED, §1.4-§1.5).
 
     Args:
-        lag_cap: Δ_cap, fixed ceiling of the lag scale and of the adaptive bound (versions).
-        tau_rho: τ_ρ, rollout-drift tolerance (nats); tau_chi: τ_χ, supervision-drift tolerance (nats).
-        alpha, beta: steepness and midpoint of the freshness transform (score units).
-        weighting: M1 on/off. filtering: M2 on/off. truncated_ratio: M3 ratio on/off.
-        min_freshness: M2 threshold f_min.
-        initial_lag_bound: Δ_max at the start (versions, in ``[1, lag_cap]``); default
-            ``min(lag_cap, max(4, DataModule.max_allowed_lag))``. Not the DataModule's ``max_lag`` (how far
+        freshness: the freshness score and the mechanisms M1-M3 (``FreshnessConfig``; YAML
+            ``init_args.freshness: {tau_rho: 0.15, ...}``), applied by the ``FreshnessWeighting`` this callback
+            installs (:attr:`freshness`).
+        initial_lag_bound: the lag bound Δ_max at the start (versions, in ``[1, freshness.lag_cap]``); default
+            ``min(lag_cap, max(4, DataModule.max_allowed_lag))``. Not the DataModule's ``producer_lead`` (how far
             the async producer runs ahead) nor its ``max_allowed_lag`` (the largest lag a batch can have).
-        max_lag: the old name of ``initial_lag_bound``; refused, naming the new key.
-        ratio_cap: M3's C.
-        adaptive_lag: move Δ_max with the batch mean freshness (M3), never below the DataModule's ``forced_lag``
-            (nor 1).
-        low_freshness, high_freshness, patience: thresholds of the adaptive bound (patience in steps).
-        lag_weight, rho_weight, chi_weight: w_δ, w_ρ, w_χ, the balance of the score's terms (unitless, >= 0;
-            defaults 2, 1/3, 1/3: a driftless sample at the lag cap scores f ≈ 0.018 < f_min, §1.5).
-        score: ``"full"`` (lag and drifts) or ``"age_only"`` (freshness from the lag alone, the §1.5 ablation).
+        adaptive_lag: move Δ_max with the step's mean freshness f̄ (M3), never below :attr:`lag_bound_floor` (the
+            DataModule's ``forced_lag``, or 1).
+        low_freshness: the adaptive rule lowers Δ_max by one after ``patience`` consecutive steps with f̄ below
+            it (unitless, in [0, 1]); also where the synchronous fallback ends.
+        high_freshness: the adaptive rule raises Δ_max by one (up to ``freshness.lag_cap``) at every step with f̄
+            above it (unitless, in [0, 1]).
+        patience: consecutive steps (>= 1) of the adaptive rule and of the synchronous fallback.
         mode: ``"control"`` (the mechanisms as configured) or ``"measure"`` (every diagnostic logged and
-            per-sample records written, nothing applied: ``weighting``, ``filtering``, ``truncated_ratio`` and
-            ``adaptive_lag`` are ignored).
+            per-sample records written, nothing applied: ``freshness.weighting``, ``freshness.filtering``,
+            ``freshness.truncated_ratio`` and ``adaptive_lag`` are ignored).
         sample_records: write the per-sample JSON lines also in ``control`` mode (``None``: only in ``measure``).
         producer_control: async (``data.init_args.mode=async``): hand Δ_max to the producer's lag gate after
-            every step (``RolloutDataModule.set_lag_bound``: lead ``min(max_lag, max(0, Δ_max -
+            every step (``RolloutDataModule.set_lag_bound``: lead ``min(producer_lead, max(0, Δ_max -
             weight_sync_interval + 1))``, §1.5.1); no effect in sync mode or with ``forced_lag``.
         fallback_freshness: async with ``producer_control``: after ``patience`` consecutive steps with f̄ below
-            it, generate synchronously (lag limit 0, Δ_max held at 1) until ``patience`` consecutive steps reach
-            ``low_freshness`` (:class:`~lightning_opd.callbacks.lag_control.SyncFallback`, §1.5.1); ``None``: never.
+            it, generate synchronously (producer lag bound 0, Δ_max held at 1) until ``patience`` consecutive steps
+            reach ``low_freshness`` (:class:`~lightning_opd.callbacks.lag_control.SyncFallback`, §1.5.1); ``None``:
+            never.
 
     Raises:
-        ValueError: a bound out of range or a bad score knob (named in the message); ``max_lag`` given; an
-            unknown ``mode``. At setup, with filtering applied and ``data.init_args.forced_lag`` k > 0: an explicit
-            ``initial_lag_bound`` below k, or ``lag_cap`` below k (the bound could not reach the forced lag, so M2
-            would drop every sample; naming both keys).
+        ValueError: ``initial_lag_bound`` outside ``[1, freshness.lag_cap]``, ``patience < 1``, an unknown ``mode``
+            (named in the message). At setup, with filtering applied and ``data.init_args.forced_lag`` k > 0: an
+            explicit ``initial_lag_bound`` below k, or ``freshness.lag_cap`` below k (the bound could not reach the
+            forced lag, so M2 would drop every sample; naming both keys).
         TypeError: at setup, a module without ``configure_freshness`` (not an ``OPDModule``).
     """
 
-    def __init__(self, lag_cap: int = 8, tau_rho: float = 0.1, tau_chi: float = 0.1, alpha: float = 4.0,
-                 beta: float = 1.0, weighting: bool = True, filtering: bool = True, min_freshness: float = 0.05,
-                 initial_lag_bound: int | None = None, truncated_ratio: bool = False, ratio_cap: float = 2.0,
-                 adaptive_lag: bool = True, low_freshness: float = 0.5, high_freshness: float = 0.8,
-                 patience: int = 3, max_lag: int | None = None, lag_weight: float = 2.0, rho_weight: float = 1 / 3,
-                 chi_weight: float = 1 / 3, score: str = "full", mode: str = "control",
+    def __init__(self, freshness: FreshnessConfig = FreshnessConfig(),  # frozen: one shared default is safe
+                 initial_lag_bound: int | None = None, adaptive_lag: bool = True, low_freshness: float = 0.5,
+                 high_freshness: float = 0.8, patience: int = 3, mode: str = "control",
                  sample_records: bool | None = None, producer_control: bool = True,
                  fallback_freshness: float | None = 0.2) -> None:
-        if max_lag is not None:
-            raise ValueError(f"StalenessMonitor init_args.max_lag={max_lag}: renamed init_args.initial_lag_bound "
-                             "(the starting lag bound; data.init_args.max_lag is the async producer's lead)")
-        if initial_lag_bound is not None and not 1 <= initial_lag_bound <= lag_cap:
-            raise ValueError(f"initial_lag_bound={initial_lag_bound} must be in [1, lag_cap={lag_cap}]")
+        if initial_lag_bound is not None and not 1 <= initial_lag_bound <= freshness.lag_cap:
+            raise ValueError(f"initial_lag_bound={initial_lag_bound} must be in [1, freshness.lag_cap="
+                             f"{freshness.lag_cap}]")
         if patience < 1:
             raise ValueError(f"patience={patience} must be >= 1")
         if mode not in ("control", "measure"):
             raise ValueError(f"StalenessMonitor init_args.mode={mode!r}: choose control (apply the mechanisms) or "
                              "measure (log the diagnostics, change nothing)")
         measure = mode == "measure"
-        #: the loss-side component this callback installs and steers
-        self.freshness = FreshnessWeighting(
-            lag_cap, tau_rho, tau_chi, alpha, beta, weighting=weighting and not measure,
-            filtering=filtering and not measure, min_freshness=min_freshness, lag_bound=initial_lag_bound,
-            truncated_ratio=truncated_ratio and not measure, ratio_cap=ratio_cap, measure=adaptive_lag or measure,
-            lag_weight=lag_weight, rho_weight=rho_weight, chi_weight=chi_weight, score=score)
-        self.lag_cap, self.tau_rho, self.tau_chi, self.alpha, self.beta = lag_cap, tau_rho, tau_chi, alpha, beta
+        if measure:
+            freshness = replace(freshness, weighting=False, filtering=False, truncated_ratio=False)
+        #: the loss-side component this callback installs and steers; it holds the lag bound Δ_max (``lag_bound``)
+        self.freshness = FreshnessWeighting(freshness, lag_bound=initial_lag_bound, measure=adaptive_lag or measure)
         self.initial_lag_bound, self.mode = initial_lag_bound, mode
         self.adaptive_lag, self.low_freshness, self.high_freshness, self.patience = (
             adaptive_lag and not measure, low_freshness, high_freshness, patience)
         self.sample_records = measure if sample_records is None else sample_records
         self.records_path: Path | None = None
-        # state (plain numbers; persisted)
-        self.max_lag_bound: int | None = initial_lag_bound
+        # state (plain numbers; persisted with the lag bound)
         self.low_streak = 0
         self.skipped_steps = 0
         self.skipped_steps_by_lag_bound = 0
         #: Δ_min, the adaptive bound's floor (versions): the DataModule's forced_lag when set (setup), else 1
-        self.lag_floor = 1
+        self.lag_bound_floor = 1
         #: producer-side control (§1.5.1); acts only when setup finds an async DataModule with set_lag_bound
         self.producer_control = producer_control and not measure
         self.sync_fallback = (SyncFallback(fallback_freshness, low_freshness, patience)
@@ -188,9 +180,16 @@ class StalenessMonitor(Callback):
         self.producer_lead: int | None = None
 
     @property
+    def lag_bound(self) -> int | None:
+        """Δ_max (versions), held by :attr:`freshness` (``FreshnessWeighting.lag_bound``); ``None`` before setup
+        without ``initial_lag_bound``."""
+        return self.freshness.lag_bound
+
+    @property
     def state_key(self) -> str:
-        return self._generate_state_key(lag_cap=self.lag_cap, tau_rho=self.tau_rho, tau_chi=self.tau_chi,
-                                        alpha=self.alpha, beta=self.beta)
+        c = self.freshness.config
+        return self._generate_state_key(lag_cap=c.lag_cap, tau_rho=c.tau_rho, tau_chi=c.tau_chi, alpha=c.alpha,
+                                        beta=c.beta)
 
     # ------------------------------------------------------------------------------------------ hooks
     @override
@@ -198,12 +197,12 @@ class StalenessMonitor(Callback):
         if not hasattr(pl_module, "configure_freshness"):
             raise TypeError(f"StalenessMonitor needs an OPDModule-like module with configure_freshness(), got "
                             f"{type(pl_module).__name__}")
-        if self.max_lag_bound is None:
+        bound = self.lag_bound
+        if bound is None:
             allowed = int(getattr(trainer.datamodule, "max_allowed_lag", 0)) if trainer.datamodule is not None else 0
-            self.max_lag_bound = min(self.lag_cap, max(4, allowed))
-        self.lag_floor = self.forced_lag_floor(int(getattr(trainer.datamodule, "forced_lag", 0) or 0))
-        self.max_lag_bound = max(self.lag_floor, int(self.max_lag_bound))
-        self.freshness.set_lag_bound(self.max_lag_bound)
+            bound = min(self.freshness.config.lag_cap, max(4, allowed))
+        self.lag_bound_floor = self.lag_bound_floor_for(int(getattr(trainer.datamodule, "forced_lag", 0) or 0))
+        self.freshness.set_lag_bound(max(self.lag_bound_floor, int(bound)))
         pl_module.configure_freshness(self.freshness)
         dm = trainer.datamodule
         self.controls_producer = (self.producer_control and getattr(dm, "mode", None) == "async"
@@ -230,7 +229,7 @@ class StalenessMonitor(Callback):
         if fallback is not None and (fallback.update(freshness_mean) or was_synchronous):
             # §1.5.1: entering, during and on leaving the fallback Δ_max is held at 1 (lag-0 batches say nothing
             # about lag >= 1); the adaptive rule moves it again from the next step
-            self.max_lag_bound, self.low_streak = 1, 0
+            self.low_streak = 0
             self.freshness.set_lag_bound(1)
         else:
             self.update_bound(freshness_mean)
@@ -246,7 +245,7 @@ class StalenessMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = {"max_lag_bound": self.max_lag_bound, "low_streak": self.low_streak,
+        state = {"lag_bound": self.lag_bound, "low_streak": self.low_streak,
                  "skipped_steps": self.skipped_steps, "skipped_steps_by_lag_bound": self.skipped_steps_by_lag_bound}
         if self.sync_fallback is not None:
             state["sync_fallback"] = self.sync_fallback.state_dict()
@@ -254,80 +253,84 @@ class StalenessMonitor(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.max_lag_bound = state_dict.get("max_lag_bound", self.max_lag_bound)
-        if self.max_lag_bound is not None:  # restored after setup: a bound saved below the forced lag is raised
-            self.max_lag_bound = max(self.lag_floor, int(self.max_lag_bound))
+        # "max_lag_bound": the key before issue 40 (older checkpoints)
+        bound = state_dict.get("lag_bound", state_dict.get("max_lag_bound", self.lag_bound))
+        if bound is not None:  # restored after setup: a bound saved below the forced lag is raised
+            bound = max(self.lag_bound_floor, int(bound))
         self.low_streak = int(state_dict.get("low_streak", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.skipped_steps_by_lag_bound = int(state_dict.get("skipped_steps_by_lag_bound", 0))
         if self.sync_fallback is not None:
             self.sync_fallback.load_state_dict(state_dict.get("sync_fallback", {}))
-        self.freshness.set_lag_bound(self.max_lag_bound)
+        self.freshness.set_lag_bound(bound)
 
     # ------------------------------------------------------------------------------------- the decision
     def update_bound(self, freshness_mean: float | None) -> None:
         """One step of the adaptive bound from the step's f̄ (the mean over all samples before filtering, §1.5;
         ``None`` or NaN: no sample on any rank, nothing learned about freshness): ``Δ_max ← max(Δ_min, Δ_max − 1)``
-        (Δ_min: :attr:`lag_floor`, the forced lag or 1, §6.2)
+        (Δ_min: :attr:`lag_bound_floor`, the forced lag or 1, §6.2)
         after ``patience`` consecutive steps below ``low_freshness``, ``Δ_max ← min(Δ_cap, Δ_max + 1)`` above
-        ``high_freshness``; handed to the weighting. Nothing moves in ``measure`` mode."""
+        ``high_freshness``; set on the weighting, which holds it. Nothing moves in ``measure`` mode."""
         if not self.adaptive_lag or freshness_mean is None or math.isnan(freshness_mean):
             return
+        bound = self.lag_bound
         if freshness_mean < self.low_freshness:
             self.low_streak += 1
             if self.low_streak >= self.patience:
-                self.max_lag_bound = max(self.lag_floor, int(self.max_lag_bound) - 1)
+                bound = max(self.lag_bound_floor, int(bound) - 1)
                 self.low_streak = 0
         else:
             self.low_streak = 0
             if freshness_mean > self.high_freshness:
-                self.max_lag_bound = min(self.lag_cap, int(self.max_lag_bound) + 1)
-        self.freshness.set_lag_bound(self.max_lag_bound)
+                bound = min(self.freshness.config.lag_cap, int(bound) + 1)
+        self.freshness.set_lag_bound(bound)
 
-    def forced_lag_floor(self, forced_lag: int) -> int:
+    def lag_bound_floor_for(self, forced_lag: int) -> int:
         """Δ_min for a DataModule with ``data.init_args.forced_lag`` = ``forced_lag`` (versions; 0: off): every
         sample then has lag ``min(version, forced_lag)`` by construction, so the bound must not fall below it
         (docs/algorithms.md §6.2: floored, not refused, so that the adaptive rule's default stays usable with a
         forced lag; the bound then never drops a sample for its lag and is only reported).
 
         Raises:
-            ValueError: with filtering applied, ``forced_lag`` above ``lag_cap`` or above an explicit
+            ValueError: with filtering applied, ``forced_lag`` above ``freshness.lag_cap`` or above an explicit
                 ``initial_lag_bound`` (both keys named): M2 would drop every sample from then on.
         """
         if forced_lag <= 0:
             return 1
-        if self.freshness.filtering:
-            if forced_lag > self.lag_cap:
-                raise ValueError(f"data.init_args.forced_lag={forced_lag} exceeds StalenessMonitor init_args.lag_cap="
-                                 f"{self.lag_cap}: the lag bound lives in [1, lag_cap], so every sample of lag "
-                                 f"{forced_lag} would be dropped; set lag_cap >= {forced_lag} or filtering=false")
+        lag_cap = self.freshness.config.lag_cap
+        if self.freshness.config.filtering:
+            if forced_lag > lag_cap:
+                raise ValueError(f"data.init_args.forced_lag={forced_lag} exceeds StalenessMonitor init_args.freshness."
+                                 f"lag_cap={lag_cap}: the lag bound lives in [1, lag_cap], so every sample of lag "
+                                 f"{forced_lag} would be dropped; set freshness.lag_cap >= {forced_lag} or "
+                                 "freshness.filtering=false")
             if self.initial_lag_bound is not None and self.initial_lag_bound < forced_lag:
                 raise ValueError(f"StalenessMonitor init_args.initial_lag_bound={self.initial_lag_bound} is below "
                                  f"data.init_args.forced_lag={forced_lag}: every sample of lag {forced_lag} would "
                                  f"be dropped; set initial_lag_bound >= {forced_lag} or leave it unset")
-        return min(forced_lag, self.lag_cap)
+        return min(forced_lag, lag_cap)
 
     def hand_over_lag_bound(self, trainer: L.Trainer) -> None:
-        """Async with producer control: the producer's lag limit, Δ_max or 0 while generating synchronously,
-        handed to ``trainer.datamodule.set_lag_bound`` (§1.5.1), which returns the lead now in use."""
-        if not self.controls_producer or self.max_lag_bound is None:
+        """Async with producer control: the producer's lag bound, Δ_max or 0 while generating synchronously,
+        handed to ``trainer.datamodule.set_lag_bound`` (§1.5.1), which returns the producer lead now in use."""
+        if not self.controls_producer or self.lag_bound is None:
             return
         fallback = self.sync_fallback
-        limit = fallback.lag_limit(self.max_lag_bound) if fallback is not None else int(self.max_lag_bound)
-        self.producer_lead = int(trainer.datamodule.set_lag_bound(limit))
+        bound = fallback.producer_lag_bound(self.lag_bound) if fallback is not None else int(self.lag_bound)
+        self.producer_lead = int(trainer.datamodule.set_lag_bound(bound))
 
     def _all_rank_report(self, trainer, pl_module, report: FreshnessReport) -> FreshnessReport:
         """``report`` with the statistics over all data-parallel ranks (:func:`all_rank_stats`, F27); one process:
         ``report`` itself."""
         if trainer is None or int(getattr(trainer, "world_size", 1)) <= 1:
             return report
-        ratio = self.freshness.ratio_sums if self.freshness.truncated_ratio else None
+        ratio = self.freshness.ratio_sums if self.freshness.config.truncated_ratio else None
         return replace(report, stats=all_rank_stats(report, ratio, pl_module.reduce_sum, pl_module.reduce_max,
                                                     pl_module.device))
 
     def _log(self, pl_module, report: FreshnessReport) -> None:
         values = {k: v for k, v in report.stats.items() if not k.startswith("ratio_")}
-        values["max_lag_bound"] = float(self.max_lag_bound or 0)
+        values["lag_bound"] = float(self.lag_bound or 0)
         values["skipped_steps"] = float(self.skipped_steps)
         values["skipped_steps_by_lag_bound"] = float(self.skipped_steps_by_lag_bound)
         if self.controls_producer:

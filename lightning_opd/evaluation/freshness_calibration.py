@@ -6,7 +6,7 @@ Reads the per-sample records a ``StalenessMonitor`` in ``mode: measure`` writes
 nats; ``staleness_samples.rank<N>.jsonl`` per rank under data parallelism) and sets each tolerance to the
 median drift of the samples at one lag (default 1), so that a lag-1 sample with the median drifts has each
 drift term at its weight, and scores about the middle of the freshness scale. Prints the YAML lines to paste
-into the monitor's ``init_args``.
+into the monitor's ``init_args.freshness``.
 """
 
 from __future__ import annotations
@@ -95,12 +95,14 @@ def calibrate(run_dir: str | Path, lag: int = 1) -> Calibration:
 
 
 def yaml_lines(cal: Calibration, lag_cap: int = 8) -> str:
-    """The ``init_args`` lines to paste, with a comment saying where they come from."""
+    """The lines to paste under the ``StalenessMonitor``'s ``init_args.freshness:``, with a comment saying where
+    they come from."""
     s, f = cal.freshness(lag_cap)
     lines = [f"# lightning-opd calibrate-freshness: {cal.samples} samples at lag {cal.lag} (steps {cal.steps[0]}-"
              f"{cal.steps[1]}) in {cal.files[0].parent}",
              f"# median rho {cal.rho:.4g} nats, median chi {cal.chi:.4g} nats; a lag-{cal.lag} sample at the medians "
              f"scores s = {s:.3f}, f = {f:.3f} (default balance)",
+             "# paste under the StalenessMonitor's init_args.freshness:",
              f"tau_rho: {cal.rho:.4g}"]
     if cal.chi > 0:
         lines.append(f"tau_chi: {cal.chi:.4g}")
@@ -116,7 +118,7 @@ def main(argv: list[str]) -> None:
                                             "lag 1 of a measure-only run (docs/algorithms.md §1.5); prints YAML.")
     p.add_argument("run_dir", help="the run's log directory (holds staleness_samples.jsonl)")
     p.add_argument("--lag", type=int, default=1, help="select the samples at this lag (versions, default 1)")
-    p.add_argument("--lag-cap", type=int, default=8, help="the monitor's lag_cap (for the printed check)")
+    p.add_argument("--lag-cap", type=int, default=8, help="the monitor's freshness.lag_cap (for the printed check)")
     a = p.parse_args(argv)
     if a.lag < 1:
         p.error(f"--lag {a.lag}: must be >= 1 (lag 0 has no drift)")

@@ -15,7 +15,7 @@ Metric glossary (logged every step):
 | ``train/supervised_tokens`` | tokens | per step, all ranks |
 | ``train/nonfinite_steps_skipped`` | optimizer updates | updates skipped so far in this fit (resumed runs included) because the loss or a gradient was not finite (F28) |
 | ``rollout/*`` | see ``lightning_opd.rollout.batch.rollout_stats`` | per batch: means over all ranks' episodes (sums and counts reduced, F27); ``env_errors`` summed |
-| ``rollout/lag`` | policy versions | max over all ranks' batches of learner version - behaviour version |
+| ``rollout/lag_max`` | policy versions | max over all ranks' batches of learner version - behaviour version |
 | ``timing/rollout_s``, ``timing/update_s`` | seconds | per step |
 | ``turn/survivors_NN`` | episodes | episodes of the step (all ranks) still running at turn NN (TurnOPD §4); 0 once none reach it |
 | ``turn/token_share_NN``, ``turn/loss_share_NN`` | fraction | turn NN's share of supervised tokens / of ``sum m w l`` |
@@ -60,7 +60,7 @@ class StepRecord:
         sums: detached sums on this rank: ``loss`` (nats), ``kl`` and ``entropy`` (summed over supervised tokens).
         step_tokens: supervised tokens of the step on all ranks (tokens).
         grad_norm: global gradient L2 norm before clipping (mean over the step's updates).
-        max_lag: largest lag of the batch on this rank (policy versions).
+        lag_max: largest lag of the batch on this rank (policy versions).
         rollout_s, update_s: seconds spent waiting for the batch and training on it.
         turn_stats: the step's per-sample, per-turn sums on this rank (first epoch's updates).
         extra: further scalars of the step (e.g. ATOD's ``grpo/*``, ``ppo/*``), logged as they are (already
@@ -72,7 +72,7 @@ class StepRecord:
     sums: dict[str, torch.Tensor]
     step_tokens: torch.Tensor
     grad_norm: torch.Tensor
-    max_lag: int
+    lag_max: int
     rollout_s: float
     update_s: float
     turn_stats: TurnStats
@@ -144,11 +144,11 @@ class StepMetrics(torch.nn.Module):
     def _rollout_values(module: L.LightningModule, record: StepRecord) -> dict[str, float]:
         """``rollout/*`` over all ranks' episodes (F27): this rank's sums and episode count reduced, then
         divided (0 when no rank has an episode, as :func:`~lightning_opd.rollout.batch.rollout_stats`);
-        ``rollout/env_errors`` summed, ``rollout/lag`` the maximum. Collectives every rank reaches."""
+        ``rollout/env_errors`` summed, ``rollout/lag_max`` the maximum. Collectives every rank reaches."""
         trajs = record.batch.trajectories
         stats: dict[str, RankStat] = {f"rollout/{k}": Sum(v) if k in ROLLOUT_COUNTS else Mean(v, len(trajs), empty=0.0)
                                       for k, v in rollout_sums(trajs).items()}
-        stats["rollout/lag"] = Max(float(record.max_lag))
+        stats["rollout/lag_max"] = Max(float(record.lag_max))
         return all_ranks(stats, module.reduce_sum, module.reduce_max, module.device)
 
     def _log_turn_shares(self, module: L.LightningModule, stats: TurnStats, n: int) -> None:

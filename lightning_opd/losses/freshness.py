@@ -4,8 +4,9 @@ available); the decomposition into rollout drift and supervision drift follows t
 
 The functions are pure and batched: ``B`` samples (episodes), ``T`` token positions. Log-probs are in
 nats, lags in policy versions (rollout iterations, §3.1 note). :class:`FreshnessWeighting` is the loss-side
-component ``OPDModule`` applies (first of its weightings, :mod:`lightning_opd.losses.weighting`); the
-``StalenessMonitor`` callback builds and installs it and decides its lag bound.
+component ``OPDModule`` applies (first of its weightings, :mod:`lightning_opd.losses.weighting`), configured by
+:class:`FreshnessConfig`; the ``StalenessMonitor`` callback builds and installs it and decides its lag bound
+``lag_bound`` (Δ_max).
 """
 
 from __future__ import annotations
@@ -116,19 +117,76 @@ def freshness_score(diag: FreshnessDiagnostics, tau_rho: float = 0.1, tau_chi: f
 
 def check_score_knobs(tau_rho: float, tau_chi: float, lag_weight: float, rho_weight: float, chi_weight: float,
                       score: str) -> None:
-    """Refuse a freshness-score setting that cannot be a score (messages name the ``init_args`` keys).
+    """Refuse a freshness-score setting that cannot be a score (messages name the :class:`FreshnessConfig` keys,
+    ``StalenessMonitor``'s ``init_args.freshness.<key>``).
 
     Raises:
         ValueError: ``tau_rho`` or ``tau_chi`` <= 0, a negative weight, ``score`` not in :data:`SCORES`.
     """
     if tau_rho <= 0 or tau_chi <= 0:
-        raise ValueError(f"init_args.tau_rho={tau_rho} and init_args.tau_chi={tau_chi} must be > 0 (nats): "
+        raise ValueError(f"freshness.tau_rho={tau_rho} and freshness.tau_chi={tau_chi} must be > 0 (nats): "
                          "the drift at which a drift term contributes its weight")
     for name, w in (("lag_weight", lag_weight), ("rho_weight", rho_weight), ("chi_weight", chi_weight)):
         if w < 0:
-            raise ValueError(f"init_args.{name}={w} must be >= 0 (0 switches that term off)")
+            raise ValueError(f"freshness.{name}={w} must be >= 0 (0 switches that term off)")
     if score not in SCORES:
-        raise ValueError(f"init_args.score={score!r}: choose one of {', '.join(SCORES)}")
+        raise ValueError(f"freshness.score={score!r}: choose one of {', '.join(SCORES)}")
+
+
+@dataclass(frozen=True)
+class FreshnessConfig:
+    """f-OPD's freshness score and mechanisms (PROPOSED, docs/algorithms.md §1.4-§1.5): the staleness score
+    ``s = w_δ δ + w_ρ ρ/τ_ρ + w_χ χ/τ_χ``, the freshness ``f = 1 / (1 + exp(α (s − β)))`` and the switches of
+    M1-M3. What :class:`FreshnessWeighting` applies; ``StalenessMonitor``'s ``init_args.freshness``.
+
+    Args:
+        lag_cap: Δ_cap, fixed ceiling of the lag scale δ = min(lag / Δ_cap, 1) and of the lag bound Δ_max
+            (versions, >= 1).
+        tau_rho: τ_ρ, rollout-drift tolerance (nats/token, > 0; lower = stricter).
+        tau_chi: τ_χ, supervision-drift tolerance (nats/token, > 0; lower = stricter).
+        alpha: steepness of the freshness transform (per score unit).
+        beta: staleness score at which the freshness is 0.5 (score units).
+        lag_weight: w_δ, weight of the lag term (unitless, >= 0; default 2: a driftless sample at the lag cap
+            scores f ≈ 0.018 < min_freshness, §1.5).
+        rho_weight: w_ρ, weight of the rollout-drift term (unitless, >= 0).
+        chi_weight: w_χ, weight of the supervision-drift term (unitless, >= 0).
+        score: ``"full"`` (lag and drifts) or ``"age_only"`` (freshness from the lag alone, the §1.5 ablation;
+            the drifts are still measured and reported).
+        weighting: M1: weight every token of sample i by ``f_i / f̄`` (f̄ over the step's kept samples).
+        filtering: M2: drop samples with ``f_i < min_freshness`` or lag above the lag bound Δ_max, GRPO groups
+            whole.
+        min_freshness: M2's threshold f_min (in [0, 1)).
+        truncated_ratio: M3: multiply the per-token loss by ``sg(min(π_old/π_b, ratio_cap))`` (off with the
+            analytic full-vocabulary loss unless measured to help, §1.5).
+        ratio_cap: M3's cap C (> 0).
+
+    Raises:
+        ValueError: a bad value, naming its ``freshness.<key>``.
+    """
+
+    lag_cap: int = 8
+    tau_rho: float = 0.1
+    tau_chi: float = 0.1
+    alpha: float = 4.0
+    beta: float = 1.0
+    lag_weight: float = 2.0
+    rho_weight: float = 1 / 3
+    chi_weight: float = 1 / 3
+    score: str = "full"
+    weighting: bool = True
+    filtering: bool = True
+    min_freshness: float = 0.05
+    truncated_ratio: bool = False
+    ratio_cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.lag_cap < 1:
+            raise ValueError(f"freshness.lag_cap={self.lag_cap} must be >= 1 (versions)")
+        check_score_knobs(self.tau_rho, self.tau_chi, self.lag_weight, self.rho_weight, self.chi_weight, self.score)
+        if not 0 <= self.min_freshness < 1:
+            raise ValueError(f"freshness.min_freshness={self.min_freshness} must be in [0, 1)")
+        if self.ratio_cap <= 0:
+            raise ValueError(f"freshness.ratio_cap={self.ratio_cap} must be > 0")
 
 
 def truncated_importance_ratio(student_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
@@ -183,55 +241,34 @@ class FreshnessWeighting:
     filter, M3 truncated importance ratio.
 
     Args:
-        lag_cap: Δ_cap, fixed ceiling of the lag scale (versions).
-        tau_rho, tau_chi: rollout- and supervision-drift tolerances (nats).
-        alpha, beta: steepness and midpoint of the freshness transform (score units).
-        lag_weight, rho_weight, chi_weight: w_δ, w_ρ, w_χ, the balance of the score's terms (§1.5).
-        score: ``"full"`` (lag and drifts) or ``"age_only"`` (the lag alone; the drifts are still measured
-            and reported).
-        weighting: M1 on/off. filtering: M2 on/off. truncated_ratio: M3 ratio ``sg(min(π_old/π_b, C))`` on/off
-            (off with the analytic full-vocabulary loss unless measured to help, docs/algorithms.md §1.5).
-        min_freshness: M2 threshold f_min.
-        lag_bound: Δ_max, the largest lag M2 keeps (versions, in ``[1, lag_cap]``; ``None``: ``lag_cap``);
-            a controller moves it with :meth:`set_lag_bound`.
-        ratio_cap: M3's C.
+        config: the score and the mechanisms (:class:`FreshnessConfig`; default: its defaults).
+        lag_bound: Δ_max, the largest lag M2 keeps (versions, in ``[1, config.lag_cap]``; ``None``: ``lag_cap``);
+            a controller moves it with :meth:`set_lag_bound`. Stored here only (``StalenessMonitor`` reads and sets
+            it here).
         measure: compute the diagnostics even when neither M1 nor M2 uses them (a controller reads them).
 
     Raises:
-        ValueError: a bound out of range or a bad score knob (named in the message).
+        ValueError: a lag bound out of range.
     """
 
-    def __init__(self, lag_cap: int = 8, tau_rho: float = 0.1, tau_chi: float = 0.1, alpha: float = 4.0,
-                 beta: float = 1.0, weighting: bool = True, filtering: bool = True, min_freshness: float = 0.05,
-                 lag_bound: int | None = None, truncated_ratio: bool = False, ratio_cap: float = 2.0,
-                 measure: bool = False, lag_weight: float = 2.0, rho_weight: float = 1 / 3,
-                 chi_weight: float = 1 / 3, score: str = "full") -> None:
-        if lag_cap < 1:
-            raise ValueError(f"lag_cap={lag_cap} must be >= 1")
-        check_score_knobs(tau_rho, tau_chi, lag_weight, rho_weight, chi_weight, score)
-        if not 0 <= min_freshness < 1:
-            raise ValueError(f"min_freshness={min_freshness} must be in [0, 1)")
-        if ratio_cap <= 0:
-            raise ValueError(f"ratio_cap={ratio_cap} must be > 0")
-        self.lag_cap, self.tau_rho, self.tau_chi, self.alpha, self.beta = lag_cap, tau_rho, tau_chi, alpha, beta
-        self.lag_weight, self.rho_weight, self.chi_weight, self.score = lag_weight, rho_weight, chi_weight, score
-        self.weighting, self.filtering, self.truncated_ratio = weighting, filtering, truncated_ratio
-        self.min_freshness, self.ratio_cap = min_freshness, ratio_cap
-        self.needs_learner_logprobs = weighting or filtering or measure
+    def __init__(self, config: FreshnessConfig | None = None, lag_bound: int | None = None,
+                 measure: bool = False) -> None:
+        self.config = config if config is not None else FreshnessConfig()
+        self.needs_learner_logprobs = self.config.weighting or self.config.filtering or measure
         self.lag_bound: int | None = None
         self.set_lag_bound(lag_bound)
         self._report = FreshnessReport()
         self._ratio = [0.0, 0.0, 0.0]  # this step: sum of ratios, clipped tokens, tokens
 
-    def set_lag_bound(self, bound: int | None) -> None:
+    def set_lag_bound(self, lag_bound: int | None) -> None:
         """Δ_max for the next rollout batches (versions; ``None``: ``lag_cap``).
 
         Raises:
-            ValueError: ``bound`` outside ``[1, lag_cap]``.
+            ValueError: ``lag_bound`` outside ``[1, lag_cap]``.
         """
-        if bound is not None and not 1 <= int(bound) <= self.lag_cap:
-            raise ValueError(f"lag bound {bound} must be in [1, lag_cap={self.lag_cap}]")
-        self.lag_bound = None if bound is None else int(bound)
+        if lag_bound is not None and not 1 <= int(lag_bound) <= self.config.lag_cap:
+            raise ValueError(f"lag bound {lag_bound} must be in [1, freshness.lag_cap={self.config.lag_cap}]")
+        self.lag_bound = None if lag_bound is None else int(lag_bound)
 
     def plan(self, lag: torch.Tensor, learner_logprobs: torch.Tensor | None, behaviour_logprobs: torch.Tensor,
              mask: torch.Tensor, turns: torch.Tensor, group_id: torch.Tensor, reduce_sum: Reducer) -> BatchPlan:
@@ -254,14 +291,15 @@ class FreshnessWeighting:
         self._report = FreshnessReport()
         if learner_logprobs is None:  # on every rank alike: configuration
             return BatchPlan()
-        diag = staleness_diagnostics(lag, learner_logprobs, behaviour_logprobs, mask, turns, self.lag_cap)
-        score, fresh = freshness_score(diag, self.tau_rho, self.tau_chi, self.alpha, self.beta, self.lag_weight,
-                                       self.rho_weight, self.chi_weight, self.score)
+        c = self.config
+        diag = staleness_diagnostics(lag, learner_logprobs, behaviour_logprobs, mask, turns, c.lag_cap)
+        score, fresh = freshness_score(diag, c.tau_rho, c.tau_chi, c.alpha, c.beta, c.lag_weight, c.rho_weight,
+                                       c.chi_weight, c.score)
         has_lag = lag != NO_LAG  # a sample without a reply has no lag: it passes both tests, whatever its group
-        within_bound = (lag <= int(self.lag_bound or self.lag_cap)) | ~has_lag
-        fresh_enough = (fresh >= self.min_freshness) | ~has_lag
+        within_bound = (lag <= int(self.lag_bound or c.lag_cap)) | ~has_lag
+        fresh_enough = (fresh >= c.min_freshness) | ~has_lag
         m2 = whole_groups(group_id, within_bound & fresh_enough)  # the M2 decision, groups whole
-        keep = m2 if self.filtering else torch.ones_like(m2)
+        keep = m2 if c.filtering else torch.ones_like(m2)
         all_tokens = mask.sum(dim=1).double()
         tokens = all_tokens * keep
         # supervised tokens the bound alone dropped: kept by the freshness test, not by M2 (0 without filtering)
@@ -272,7 +310,7 @@ class FreshnessWeighting:
             tokens.sum(), (fresh * tokens).sum(), all_tokens.sum(), (fresh * all_tokens).sum(),
             has_lag.sum().to(fresh), (fresh * has_lag).sum(), by_bound.sum()]))
         f_bar = mass / total.clamp(min=1.0)
-        weight = (fresh / f_bar.clamp(min=1e-12)).float() if self.weighting else None
+        weight = (fresh / f_bar.clamp(min=1e-12)).float() if c.weighting else None
         n_groups = len(torch.unique(group_id))
         if all_total > 0:  # before filtering: what the adaptive bound reads (§1.5)
             f_mean = float(all_mass / all_total)
@@ -297,7 +335,7 @@ class FreshnessWeighting:
         }
         self._report = FreshnessReport(stats=stats, freshness=fresh.detach().clone(), keep=keep.detach().clone(),
                                        diagnostics=diag, score=score.detach().clone())
-        return BatchPlan(keep=keep if self.filtering else None, sample_weight=weight, stats=stats)
+        return BatchPlan(keep=keep if c.filtering else None, sample_weight=weight, stats=stats)
 
     def token_weights(self, old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
                       mask: torch.Tensor) -> torch.Tensor | None:
@@ -314,12 +352,12 @@ class FreshnessWeighting:
             behaviour_logprobs: ``(b, T-1)`` log π_b recorded at rollout time (nats).
             mask: ``(b, T-1)`` loss mask of the target positions.
         """
-        if not self.truncated_ratio:
+        if not self.config.truncated_ratio:
             return None
-        ratio = truncated_importance_ratio(old_logprobs, behaviour_logprobs, self.ratio_cap)
+        ratio = truncated_importance_ratio(old_logprobs, behaviour_logprobs, self.config.ratio_cap)
         m = mask > 0
         self._ratio[0] += float(ratio[m].sum())
-        self._ratio[1] += float((ratio[m] >= self.ratio_cap).sum())
+        self._ratio[1] += float((ratio[m] >= self.config.ratio_cap).sum())
         self._ratio[2] += float(m.sum())
         return ratio
 
@@ -328,7 +366,7 @@ class FreshnessWeighting:
         statistics of every :meth:`token_weights` call since."""
         stats = dict(self._report.stats)
         total, clipped, n = self._ratio
-        if self.truncated_ratio and n:
+        if self.config.truncated_ratio and n:
             stats["ratio_mean"], stats["ratio_clip_frac"] = total / n, clipped / n
         return replace(self._report, stats=stats)
 

@@ -19,13 +19,13 @@ def test_enters_after_patience_steps_below_the_floor_and_leaves_after_patience_s
     assert rule.streak == 1
 
 
-def test_lag_limit_is_zero_while_synchronous():
+def test_producer_lag_bound_is_zero_while_synchronous():
     rule = SyncFallback(0.2, 0.5, 1)
-    assert rule.lag_limit(4) == 4
+    assert rule.producer_lag_bound(4) == 4
     rule.update(0.05)
-    assert rule.active and rule.lag_limit(4) == 0
+    assert rule.active and rule.producer_lag_bound(4) == 0
     rule.update(None)  # a step without samples: no information
-    assert rule.active and rule.lag_limit(4) == 0
+    assert rule.active and rule.producer_lag_bound(4) == 0
 
 
 def test_state_round_trip():

@@ -46,7 +46,7 @@ def _run(dm_mode: str, means: list[float], **kw):
     bounds, leads, fallback = [], [], []
     for f in means:
         monitor.on_train_batch_end(trainer, module, {"freshness": FreshnessReport(stats={"freshness_mean": f})}, None, 0)
-        bounds.append(monitor.max_lag_bound)
+        bounds.append(monitor.lag_bound)
         leads.append(module.logged.get("staleness/producer_lead"))
         fallback.append(module.logged.get("staleness/sync_fallback"))
     return monitor, dm, bounds, leads, fallback
@@ -88,7 +88,7 @@ def test_fallback_off_still_caps_the_lead():
 def test_fallback_state_survives_a_checkpoint():
     monitor, _, _, _, _ = _run("async", MEANS[:4])  # in the fallback, one recovered step counted
     state = monitor.state_dict()
-    assert state["sync_fallback"] == {"active": True, "streak": 1} and state["max_lag_bound"] == 1
+    assert state["sync_fallback"] == {"active": True, "streak": 1} and state["lag_bound"] == 1
     other = StalenessMonitor(initial_lag_bound=4, patience=2, fallback_freshness=0.2)
     other.load_state_dict(state)
-    assert other.sync_fallback.state_dict() == {"active": True, "streak": 1} and other.max_lag_bound == 1
+    assert other.sync_fallback.state_dict() == {"active": True, "streak": 1} and other.lag_bound == 1

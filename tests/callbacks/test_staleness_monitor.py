@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 
 import lightning as L
 import pytest
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.learner import OPDModule
-from lightning_opd.losses.freshness import FreshnessReport
+from lightning_opd.losses.freshness import FreshnessConfig, FreshnessReport
 from tests.helpers import KeywordEnvFactory
 from tests.losses.test_freshness import _batch
 
@@ -28,19 +29,19 @@ from tests.losses.test_freshness import _batch
     ([0.4] * 12, [4, 4, 3, 3, 3, 2, 2, 2, 1, 1, 1, 1]),  # down to 1
 ])
 def test_adaptive_lag_bound_table(freshness, bounds):
-    mon = StalenessMonitor(initial_lag_bound=4, lag_cap=8)
+    mon = StalenessMonitor(FreshnessConfig(lag_cap=8), initial_lag_bound=4)
     seen = []
     for f in freshness:
         mon.on_train_batch_end(None, Logs(), {"freshness": FreshnessReport(stats={"freshness_mean": f})}, None, 0)
-        seen.append((mon.max_lag_bound, mon.freshness.lag_bound))
-    assert seen == [(b, b) for b in bounds]  # decided, then handed to the weighting
+        seen.append(mon.freshness.lag_bound)
+    assert seen == bounds and mon.lag_bound == bounds[-1]  # decided, held by the weighting alone
 
 
 def test_no_freshness_measured_leaves_the_bound():
     mon = StalenessMonitor(initial_lag_bound=4)
     for outputs in ({"freshness": FreshnessReport(stats={"freshness_mean": float("nan")})}, {"freshness": None}, None):
         mon.on_train_batch_end(None, Logs(), outputs, None, 0)
-    assert mon.max_lag_bound == 4 and mon.low_streak == 0
+    assert mon.lag_bound == 4 and mon.low_streak == 0
 
 
 class Logs:
@@ -56,7 +57,7 @@ def test_logs_the_reported_diagnostics():
     stats = {"lag_mean": 1.0, "freshness_mean": 0.7, "ratio_mean": 1.1}
     mon.on_train_batch_end(None, module, {"freshness": FreshnessReport(stats=stats)}, None, 0)
     assert module.logged == {"staleness/lag_mean": 1.0, "staleness/freshness_mean": 0.7,
-                             "staleness/max_lag_bound": 4.0, "staleness/skipped_steps": 0.0,
+                             "staleness/lag_bound": 4.0, "staleness/skipped_steps": 0.0,
                              "staleness/skipped_steps_by_lag_bound": 0.0, "staleness/ratio_mean": 1.1}
 
 
@@ -78,37 +79,40 @@ class DM:
 
 
 def test_setup_installs_the_weighting_with_the_default_bound():
-    mon, module = StalenessMonitor(truncated_ratio=True, adaptive_lag=False, weighting=False, filtering=False), Installs()
+    config = FreshnessConfig(truncated_ratio=True, weighting=False, filtering=False)
+    mon, module = StalenessMonitor(config, adaptive_lag=False), Installs()
     mon.setup(Trainer(DM()), module, "fit")
     w = module.freshness
-    assert w is mon.freshness and w.truncated_ratio and not w.needs_learner_logprobs
-    assert mon.max_lag_bound == w.lag_bound == 4  # min(lag_cap 8, max(4, max_allowed_lag 2))
+    assert w is mon.freshness and w.config is config and not w.needs_learner_logprobs
+    assert mon.lag_bound == w.lag_bound == 4  # min(lag_cap 8, max(4, max_allowed_lag 2))
     with pytest.raises(TypeError, match="configure_freshness"):
         StalenessMonitor().setup(Trainer(DM()), object(), "fit")
 
 
 def test_state_roundtrip_and_key():
     mon = StalenessMonitor(initial_lag_bound=4)
-    mon.max_lag_bound, mon.low_streak, mon.skipped_steps = 2, 1, 3
+    mon.freshness.set_lag_bound(2)
+    mon.low_streak, mon.skipped_steps = 1, 3
     other = StalenessMonitor(initial_lag_bound=4)
     other.load_state_dict(mon.state_dict())
-    assert (other.max_lag_bound, other.low_streak, other.freshness.lag_bound, other.skipped_steps) == (2, 1, 2, 3)
+    assert (other.lag_bound, other.low_streak, other.freshness.lag_bound, other.skipped_steps) == (2, 1, 2, 3)
+    old = StalenessMonitor(initial_lag_bound=4)  # a checkpoint from before issue 40 named the bound max_lag_bound
+    old.load_state_dict({"max_lag_bound": 3, "low_streak": 0, "skipped_steps": 0})
+    assert old.lag_bound == 3
     assert mon.state_key == "StalenessMonitor{'lag_cap': 8, 'tau_rho': 0.1, 'tau_chi': 0.1, 'alpha': 4.0, 'beta': 1.0}"
 
 
 def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match="initial_lag_bound=9"):
-        StalenessMonitor(initial_lag_bound=9, lag_cap=8)
-    with pytest.raises(ValueError, match="init_args.max_lag=3: renamed init_args.initial_lag_bound"):
-        StalenessMonitor(max_lag=3)
+        StalenessMonitor(FreshnessConfig(lag_cap=8), initial_lag_bound=9)
     with pytest.raises(ValueError, match="patience=0"):
         StalenessMonitor(patience=0)
-    with pytest.raises(ValueError, match="tau_rho=0"):
-        StalenessMonitor(tau_rho=0)
+    with pytest.raises(ValueError, match="freshness.tau_rho=0"):
+        StalenessMonitor(FreshnessConfig(tau_rho=0))
     with pytest.raises(ValueError, match="init_args.mode='dry': choose control"):
         StalenessMonitor(mode="dry")
-    with pytest.raises(ValueError, match="init_args.score='age'"):
-        StalenessMonitor(score="age")
+    with pytest.raises(ValueError, match="freshness.score='age'"):
+        StalenessMonitor(FreshnessConfig(score="age"))
 
 
 def _plan(weighting, lags, groups, drift):
@@ -126,13 +130,14 @@ def test_heavy_dropping_does_not_loosen_the_bound():
     report = mon.freshness.report()
     assert report.keep.tolist() == [True, False, False, False]
     mon.on_train_batch_end(None, Logs(), {"freshness": report}, None, 0)
-    assert (mon.max_lag_bound, mon.low_streak, mon.freshness.lag_bound) == (4, 1, 4)
+    assert (mon.lag_bound, mon.low_streak) == (4, 1)
 
 
 def test_measure_mode_applies_nothing_and_moves_no_bound(tmp_path):
-    mon = StalenessMonitor(mode="measure", initial_lag_bound=4, truncated_ratio=True)
+    mon = StalenessMonitor(FreshnessConfig(truncated_ratio=True), mode="measure", initial_lag_bound=4)
     w = mon.freshness
-    assert (w.weighting, w.filtering, w.truncated_ratio, w.needs_learner_logprobs) == (False, False, False, True)
+    c = w.config
+    assert (c.weighting, c.filtering, c.truncated_ratio, w.needs_learner_logprobs) == (False, False, False, True)
     mon.setup(Trainer(DM(), log_dir=str(tmp_path)), Installs(), "fit")
     plan = _plan(w, [0, 1, 5, 0], [0, 1, 2, 3], [0.0, 0.1, 0.0, 0.8])
     assert plan.keep is None and plan.sample_weight is None
@@ -140,7 +145,7 @@ def test_measure_mode_applies_nothing_and_moves_no_bound(tmp_path):
     for _ in range(3):  # f̄ = 0.7 would move nothing anyway; 0.9 thrice would raise a controlling monitor's bound
         mon.on_train_batch_end(Trainer(DM()), logs, {"freshness": FreshnessReport(stats={"freshness_mean": 0.9})},
                                None, 0)
-    assert mon.max_lag_bound == w.lag_bound == 4 and mon.low_streak == 0
+    assert mon.lag_bound == w.lag_bound == 4 and mon.low_streak == 0
     trainer = Trainer(DM())
     trainer.global_step = 7
     mon.on_train_batch_end(trainer, logs, {"freshness": w.report()}, None, 0)
@@ -182,7 +187,7 @@ def test_lag_zero_invariant_on_a_synchronous_fit(model_dirs):
     assert len(spy.history) == 3
     for fresh, keep in spy.history:
         assert fresh.min().item() >= 0.95 and keep.all()
-    assert spy.max_lag_bound == 7  # f̄ > 0.8 three times: 4 -> 7
+    assert spy.lag_bound == 7  # f̄ > 0.8 three times: 4 -> 7
 
 
 class DropAt(L.Callback):
@@ -201,7 +206,8 @@ class DropAt(L.Callback):
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         self.before = self._state(trainer, module)
-        self.monitor.freshness.min_freshness = 0.999 if trainer.global_step == self.at else 0.05
+        w = self.monitor.freshness
+        w.config = replace(w.config, min_freshness=0.999 if trainer.global_step == self.at else 0.05)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         weights, moments = self._state(trainer, module)
@@ -248,13 +254,13 @@ def test_measure_mode_update_equals_a_run_without_the_monitor(model_dirs, tmp_pa
         return {n: p.detach().clone() for n, p in model.student.named_parameters()}, trainer.callback_metrics
 
     plain, plain_logs = fit([])
-    measured, logs = fit([StalenessMonitor(mode="measure", min_freshness=0.9, initial_lag_bound=1,
-                                           truncated_ratio=True)])
+    measured, logs = fit([StalenessMonitor(FreshnessConfig(min_freshness=0.9, truncated_ratio=True), mode="measure",
+                                           initial_lag_bound=1)])
     assert plain.keys() == measured.keys() and all(torch.equal(plain[n], measured[n]) for n in plain)
     assert not any(k.startswith("staleness/") for k in plain_logs)
     assert len((tmp_path / "staleness_samples.jsonl").read_text().splitlines()) == 3 * 4  # 3 steps x 4 samples
     assert logs["staleness/lag_max"].item() == 1.0 and 0.0 < logs["staleness/freshness_mean"].item() <= 1.0
-    assert logs["staleness/dropped_samples"].item() == 0.0 and logs["staleness/max_lag_bound"].item() == 1.0
+    assert logs["staleness/dropped_samples"].item() == 0.0 and logs["staleness/lag_bound"].item() == 1.0
     start = AutoModelForCausalLM.from_pretrained(model_dirs["student"]).model.embed_tokens.weight
     assert not torch.equal(plain["model.embed_tokens.weight"], start)  # the runs did train
 
@@ -268,28 +274,29 @@ def _forced(lag: int) -> Trainer:
 def _step(mon, logs, f_mean, **outputs):
     mon.on_train_batch_end(None, logs, {"freshness": FreshnessReport(stats={"freshness_mean": f_mean}), **outputs},
                            None, 0)
-    return mon.max_lag_bound, mon.freshness.lag_bound
+    return mon.lag_bound
 
 
 def test_forced_lag_floors_the_adaptive_bound():
     """forced_lag 2, lag_cap 8: Δ_max starts at min(8, max(4, 2)) = 4; nine low steps (patience 3) lower it to 3,
     2 and then hold it at 2 (before: 1, where every lag-2 sample failed lag <= Δ_max); one high step raises it to 3.
     A checkpoint saved with a bound of 1 is raised to the floor when restored after setup."""
-    mon = StalenessMonitor(lag_cap=8)
+    mon = StalenessMonitor(FreshnessConfig(lag_cap=8))
     mon.setup(_forced(2), Installs(), "fit")
-    assert mon.max_lag_bound == 4
+    assert mon.lag_bound == 4
     seen = [_step(mon, Logs(), f) for f in [0.4] * 9 + [0.9]]
-    assert seen == [(b, b) for b in [4, 4, 3, 3, 3, 2, 2, 2, 2, 3]]
-    assert mon.lag_floor == 2
-    mon.load_state_dict({"max_lag_bound": 1, "low_streak": 0, "skipped_steps": 0})
-    assert (mon.max_lag_bound, mon.freshness.lag_bound) == (2, 2)
-    plain = StalenessMonitor(lag_cap=8)  # without a forced lag the floor stays 1
+    assert seen == [4, 4, 3, 3, 3, 2, 2, 2, 2, 3]
+    assert mon.lag_bound_floor == 2
+    mon.load_state_dict({"lag_bound": 1, "low_streak": 0, "skipped_steps": 0})
+    assert mon.lag_bound == mon.freshness.lag_bound == 2
+    plain = StalenessMonitor(FreshnessConfig(lag_cap=8))  # without a forced lag the floor stays 1
     plain.setup(_forced(0), Installs(), "fit")
-    assert plain.lag_floor == 1 and [_step(plain, Logs(), 0.4)[0] for _ in range(12)][-1] == 1
+    assert plain.lag_bound_floor == 1 and [_step(plain, Logs(), 0.4) for _ in range(12)][-1] == 1
 
 
 @pytest.mark.parametrize(("kw", "message"), [
-    (dict(lag_cap=1), "data.init_args.forced_lag=2 exceeds StalenessMonitor init_args.lag_cap=1"),
+    (dict(freshness=FreshnessConfig(lag_cap=1)),
+     "data.init_args.forced_lag=2 exceeds StalenessMonitor init_args.freshness.lag_cap=1"),
     (dict(initial_lag_bound=1), "StalenessMonitor init_args.initial_lag_bound=1 is below data.init_args.forced_lag=2"),
 ])
 def test_a_bound_that_cannot_reach_the_forced_lag_is_refused_naming_both_keys(kw, message):
@@ -298,7 +305,7 @@ def test_a_bound_that_cannot_reach_the_forced_lag_is_refused_naming_both_keys(kw
     # measure mode applies no filter: nothing to refuse, the reported bound is floored
     mon = StalenessMonitor(mode="measure", **kw)
     mon.setup(_forced(2), Installs(), "fit")
-    assert mon.max_lag_bound == mon.lag_floor == min(2, mon.lag_cap)
+    assert mon.lag_bound == mon.lag_bound_floor == min(2, mon.freshness.config.lag_cap)
 
 
 def test_a_step_the_lag_bound_emptied_is_counted_apart_from_freshness():
@@ -306,7 +313,7 @@ def test_a_step_the_lag_bound_emptied_is_counted_apart_from_freshness():
     (f = 0.881): the bound alone emptied the step; (b) lags 0, 0 with drift 1.0 nats (f = 9e-5 < 0.05): freshness
     emptied it; (c) one lag-2 sample, one stale, one fresh: a step with an update. Logged per step:
     dropped_by_lag_bound, dropped_by_freshness; cumulative: skipped_steps (2) and skipped_steps_by_lag_bound (1)."""
-    mon, logs = StalenessMonitor(initial_lag_bound=1, adaptive_lag=False, weighting=False), Logs()
+    mon, logs = StalenessMonitor(FreshnessConfig(weighting=False), initial_lag_bound=1, adaptive_lag=False), Logs()
     steps = [(dict(lags=[2, 2], groups=[0, 1], drift=[0.0, 0.0]), True),
              (dict(lags=[0, 0], groups=[0, 1], drift=[1.0, 1.0]), True),
              (dict(lags=[2, 0, 0], groups=[0, 1, 2], drift=[0.0, 1.0, 0.0]), False)]
@@ -345,7 +352,7 @@ def test_forced_lag_fit_with_a_falling_bound_never_drops_a_sample(model_dirs):
     above any score's 0.982), patience 1, so the bound falls one step per step from 4; no freshness threshold
     (min_freshness 0). Step v has lag min(v, 2). Before: the bound reached 1 for step 3 and its lag-2 samples were
     all dropped (no update). Now it stops at the forced lag, and nothing is dropped."""
-    mon = StalenessMonitor(low_freshness=0.99, patience=1, min_freshness=0.0, weighting=False)
+    mon = StalenessMonitor(FreshnessConfig(min_freshness=0.0, weighting=False), low_freshness=0.99, patience=1)
     spy = TrainedWith(mon)
     model = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"])
     dm = RolloutDataModule(env=KeywordEnvFactory(need=2), episodes_per_step=4, max_turns=3, max_new_tokens=4,
@@ -355,5 +362,5 @@ def test_forced_lag_fit_with_a_falling_bound_never_drops_a_sample(model_dirs):
                         callbacks=[mon, spy])
     trainer.fit(model, datamodule=dm)
     assert spy.seen == [(4, 0.0, 0.0, False), (3, 1.0, 0.0, False), (2, 2.0, 0.0, False), (2, 2.0, 0.0, False)]
-    assert (mon.max_lag_bound, mon.skipped_steps, mon.skipped_steps_by_lag_bound) == (2, 0, 0)
+    assert (mon.lag_bound, mon.skipped_steps, mon.skipped_steps_by_lag_bound) == (2, 0, 0)
     assert trainer.callback_metrics["staleness/dropped_by_lag_bound"].item() == 0.0

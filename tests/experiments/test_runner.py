@@ -470,7 +470,8 @@ def test_shipped_experiment_arms_build(path, tmp_path):
             assert init["loss"]["class_path"] == "lightning_opd.losses.SampledTokenReverseKL", name
             assert init["optimizer"]["init_args"]["lr"] == 1e-4, name
             assert c["data"]["init_args"]["forced_lag"] == (0 if name == "sync" else 2), name
-            monitors = [m["init_args"] for m in c["trainer"]["callbacks"] if m["class_path"].endswith("StalenessMonitor")]
+            monitors = [m["init_args"]["freshness"] for m in c["trainer"]["callbacks"]
+                        if m["class_path"].endswith("StalenessMonitor")]
             assert len(monitors) == (1 if name in ("lag2_fopd", "lag2_age_only") else 0), name
             for m in monitors:
                 assert (m["tau_rho"], m["tau_chi"], m["score"]) == (0.2036, 0.176, "age_only" if "age" in name else "full")

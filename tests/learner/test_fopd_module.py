@@ -16,7 +16,7 @@ import torch
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.learner import ATODModule, OPDModule
-from lightning_opd.losses.freshness import NO_LAG, FreshnessWeighting
+from lightning_opd.losses.freshness import NO_LAG, FreshnessConfig, FreshnessWeighting
 from tests.helpers import KeywordEnvFactory
 from tests.losses.test_freshness import no_reply_batch
 
@@ -52,7 +52,7 @@ def test_truncated_ratio_is_one_at_lag_zero_on_every_ppo_update(model_dirs):
     L.seed_everything(0)
     model = ExactBehaviour(student=model_dirs["student"], teacher=model_dirs["teacher"], ppo_epochs=2,
                            ppo_mini_batches=2, micro_batch_size=1)
-    mon = StalenessMonitor(truncated_ratio=True, weighting=False, filtering=False, adaptive_lag=False)
+    mon = StalenessMonitor(FreshnessConfig(truncated_ratio=True, weighting=False, filtering=False), adaptive_lag=False)
     dm = RolloutDataModule(env=KeywordEnvFactory(need=2), episodes_per_step=4, max_turns=3, max_new_tokens=4)
     trainer = L.Trainer(accelerator="cpu", max_steps=8, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[mon])
@@ -72,7 +72,7 @@ def test_plan_batch_gives_a_row_without_a_reply_no_lag(model_dirs):
     and entered the statistics (lag_max 6, lag_mean (1 + 6 + 1 + 1) / 4 = 2.25). Now nothing is dropped and the
     statistics are those of rows 0, 2, 3: lag 1, f = sigmoid(4 - 2/8 * 4) = sigmoid(3) = 0.9526."""
     module = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"])
-    module.configure_freshness(FreshnessWeighting(lag_bound=4, min_freshness=0.05))
+    module.configure_freshness(FreshnessWeighting(FreshnessConfig(min_freshness=0.05), lag_bound=4))
     module.policy_version = 5
     batch, student = no_reply_batch()
     planned = module.plan_batch(batch, student)

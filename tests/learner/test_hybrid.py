@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_opd.callbacks.annealing import AnnealingSchedule
-from lightning_opd.losses.freshness import FreshnessWeighting
+from lightning_opd.losses.freshness import FreshnessConfig, FreshnessWeighting
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.losses import ClippedSurrogate, EpisodeReward, FullVocabReverseKL, SampledTokenReverseKL, log_probs
 from lightning_opd.learner import ATODModule, OPDModule
@@ -130,7 +130,7 @@ def test_prepare_hybrid_stats_and_tdur_weights(model_dirs, batch):
 
 def test_staleness_filter_drops_whole_groups_and_kept_advantages_are_unchanged(model_dirs, batch):
     module = module_for(model_dirs, kappa=0.5, rho=1.0)
-    module.configure_freshness(FreshnessWeighting(filtering=True, weighting=False, lag_bound=2))
+    module.configure_freshness(FreshnessWeighting(FreshnessConfig(filtering=True, weighting=False), lag_bound=2))
     module.policy_version = 3
     stale = replace(batch, behaviour_version=torch.tensor([3, 3, 3, 0]))  # row 3 lag 3 > 2: group 1 goes
     blp = stale.behaviour_logprobs.clone()

@@ -69,9 +69,10 @@ SCHEMES = ["none", "freshness", "turn_blend"]
 def with_freshness(module, batch):
     """Install f-OPD's freshness weighting (M1 weights + M3 ratios) and make the batch stale enough for
     non-trivial weights: lags 0..3 and behaviour log-probs off the learner's by per-sample drifts."""
-    from lightning_opd.losses.freshness import FreshnessWeighting
+    from lightning_opd.losses.freshness import FreshnessConfig, FreshnessWeighting
 
-    module.configure_freshness(FreshnessWeighting(filtering=False, truncated_ratio=True, lag_bound=4, measure=True))
+    module.configure_freshness(FreshnessWeighting(FreshnessConfig(filtering=False, truncated_ratio=True), lag_bound=4,
+                                                  measure=True))
     module.policy_version = 3
     lp = module.student_logprobs(batch)
     drift = torch.tensor([0.0, 0.02, 0.05, 0.1])[: batch.size, None]

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lightning_opd.losses.freshness import (NO_LAG, FreshnessWeighting, freshness_score, staleness_diagnostics,
-                                            truncated_importance_ratio)
+from lightning_opd.losses.freshness import (NO_LAG, FreshnessConfig, FreshnessWeighting, freshness_score,
+                                            staleness_diagnostics, truncated_importance_ratio)
 from lightning_opd.losses.weighting import BatchPlan
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.generator import SamplingParams
@@ -78,13 +78,16 @@ def test_age_only_ignores_the_drifts():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"score": "drift_only"}, "init_args.score='drift_only': choose one of full, age_only"),
-    ({"rho_weight": -0.5}, "init_args.rho_weight=-0.5 must be >= 0"),
-    ({"tau_chi": 0.0}, "init_args.tau_chi=0.0 must be > 0"),
+    ({"score": "drift_only"}, "freshness.score='drift_only': choose one of full, age_only"),
+    ({"rho_weight": -0.5}, "freshness.rho_weight=-0.5 must be >= 0"),
+    ({"tau_chi": 0.0}, "freshness.tau_chi=0.0 must be > 0"),
+    ({"lag_cap": 0}, "freshness.lag_cap=0 must be >= 1"),
+    ({"min_freshness": 1.0}, "freshness.min_freshness=1.0 must be in [0, 1)"),
+    ({"ratio_cap": 0.0}, "freshness.ratio_cap=0.0 must be > 0"),
 ])
 def test_bad_score_knobs_are_named(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        FreshnessWeighting(**kwargs)
+        FreshnessConfig(**kwargs)
 
 
 def test_synchronous_sample_is_fresh():
@@ -164,7 +167,7 @@ def _plan(weighting, batch, student, version=10):
 
 
 def test_m1_weights_are_freshness_over_step_mean():
-    mon = FreshnessWeighting(filtering=False, lag_bound=4)
+    mon = FreshnessWeighting(FreshnessConfig(filtering=False), lag_bound=4)
     batch, student = _batch(lags=[0, 2, 8], groups=[0, 1, 2], drift=[0.0, 0.05, 0.2])
     plan = _plan(mon, batch, student)
     f = torch.tensor([_fresh(0, 0.0), _fresh(2, 0.05), _fresh(8, 0.2)], dtype=torch.float64)
@@ -176,7 +179,7 @@ def test_m1_weights_are_freshness_over_step_mean():
 
 
 def test_m2_drops_whole_groups_on_lag_or_freshness():
-    mon = FreshnessWeighting(weighting=False, lag_bound=4, min_freshness=0.05)
+    mon = FreshnessWeighting(FreshnessConfig(weighting=False, min_freshness=0.05), lag_bound=4)
     # group 0: fine; group 1: one member lag 5 > 4; group 2: one member with drift 1.0 (s = 10/3, f ~ 9e-5)
     batch, student = _batch(lags=[0, 1, 1, 5, 0, 0], groups=[0, 0, 1, 1, 2, 2], drift=[0, 0, 0, 0, 0, 1.0])
     plan = _plan(mon, batch, student)
@@ -185,12 +188,12 @@ def test_m2_drops_whole_groups_on_lag_or_freshness():
     assert plan.sample_weight is None
     mon.set_lag_bound(5)  # a controller raised the bound: group 1 stays
     assert _plan(mon, batch, student).keep.tolist() == [True, True, True, True, False, False]
-    with pytest.raises(ValueError, match=r"lag bound 9 must be in \[1, lag_cap=8\]"):
+    with pytest.raises(ValueError, match=r"lag bound 9 must be in \[1, freshness.lag_cap=8\]"):
         mon.set_lag_bound(9)
 
 
 def test_m3_truncated_ratio_per_token():
-    mon = FreshnessWeighting(weighting=False, filtering=False, truncated_ratio=True)
+    mon = FreshnessWeighting(FreshnessConfig(weighting=False, filtering=False, truncated_ratio=True))
     batch, _ = _batch(lags=[0, 0], groups=[0, 1], drift=[0, 0])
     assert _plan(mon, batch, None) == BatchPlan() and not mon.needs_learner_logprobs  # nothing to decide
     lp = torch.full((2, 5), -1.0)
@@ -219,7 +222,7 @@ def test_bound_input_is_the_mean_over_all_samples_before_filtering():
 
 
 def test_measure_only_weighting_decides_nothing_but_reports_what_m2_would_drop():
-    mon = FreshnessWeighting(weighting=False, filtering=False, measure=True, lag_bound=4)
+    mon = FreshnessWeighting(FreshnessConfig(weighting=False, filtering=False), measure=True, lag_bound=4)
     batch, student = _batch(lags=[0, 5, 0, 0], groups=[0, 1, 2, 3], drift=[0.0, 0.0, 0.8, 0.0])
     plan = _plan(mon, batch, student)
     assert plan.keep is None and plan.sample_weight is None
@@ -245,7 +248,7 @@ def test_m2_counts_drops_by_the_lag_bound_apart_from_drops_by_freshness():
     group 1 kept, group 2 = drift 1.0 nats (s = 1.0 / 0.1 / 3, f = 9e-5 < 0.05). By the bound: 1 sample; by
     freshness: 1; the mate: the rest of the 3 dropped. The freshness test alone would have kept group 0's 2 x 4
     tokens."""
-    mon = FreshnessWeighting(weighting=False, lag_bound=1, min_freshness=0.05)
+    mon = FreshnessWeighting(FreshnessConfig(weighting=False, min_freshness=0.05), lag_bound=1)
     batch, student = _batch(lags=[2, 0, 0, 0], groups=[0, 0, 1, 2], drift=[0.0, 0.0, 0.0, 1.0])
     plan = _plan(mon, batch, student)
     assert plan.keep.tolist() == [False, False, True, False]
@@ -261,7 +264,7 @@ def test_m2_counts_drops_by_the_lag_bound_apart_from_drops_by_freshness():
     st = _plan(mon, batch, student).stats
     assert (st["kept_tokens"], st["lag_bound_dropped_tokens"], st["dropped_by_freshness"]) == (0.0, 0.0, 2.0)
     # filtering off: nothing dropped, nothing counted (would_drop_samples still says what M2 would do)
-    off = FreshnessWeighting(weighting=False, filtering=False, measure=True, lag_bound=1)
+    off = FreshnessWeighting(FreshnessConfig(weighting=False, filtering=False), measure=True, lag_bound=1)
     batch, student = _batch(lags=[2, 0], groups=[0, 1], drift=[0.0, 0.0])
     st = _plan(off, batch, student).stats
     assert (st["dropped_by_lag_bound"], st["lag_bound_dropped_tokens"], st["would_drop_samples"]) == (0.0, 0.0, 1.0)
@@ -272,7 +275,7 @@ def test_a_sample_without_a_reply_has_no_lag_and_never_decides_its_group():
     and shares GRPO group 0 with row 0. Before: lag 5 - (-1) = 6 > 4 dropped group 0 and counted lag 6 in the
     statistics. Now: every row kept; lag statistics over rows 0, 2, 3 only (lag 1 each: δ = 1/8, s = 2/8,
     f = sigmoid(4 - 1) = 0.9526)."""
-    mon = FreshnessWeighting(lag_bound=4, min_freshness=0.05)
+    mon = FreshnessWeighting(FreshnessConfig(min_freshness=0.05), lag_bound=4)
     batch, student = no_reply_batch()
     plan = _plan(mon, batch, student, version=5)
     f1 = 1 / (1 + math.exp(-3))
@@ -284,6 +287,6 @@ def test_a_sample_without_a_reply_has_no_lag_and_never_decides_its_group():
     assert mon.report().diagnostics.lag.tolist() == [1.0, NO_LAG, 1.0, 1.0]  # the per-sample records say "no lag"
     # a threshold above any score's freshness (0.99 > 0.982): rows 0, 2, 3 fail it, row 1 (no score) never does; it
     # goes only with its group
-    strict = FreshnessWeighting(lag_bound=4, min_freshness=0.99)
+    strict = FreshnessWeighting(FreshnessConfig(min_freshness=0.99), lag_bound=4)
     st = _plan(strict, batch, student, version=5).stats
     assert (st["dropped_by_freshness"], st["dropped_samples"]) == (3.0, 4.0)
