@@ -92,7 +92,7 @@ class SyncConfig:
         ``min(producer_lead, max(0, lag_bound - (weight_sync_interval - 1)))`` async, 0 sync.
 
         A batch's lag is at most ``lead + weight_sync_interval - 1`` and reaches it when the producer keeps up,
-        so this is the largest lead within the limit. The configured ``producer_lead`` is never exceeded (the
+        so this is the largest lead within the bound. The configured ``producer_lead`` is never exceeded (the
         buffer and :attr:`max_allowed_lag` are sized for it). ``lag_bound = 0`` is synchronous generation: each
         batch waits for the push of its own version (lag 0 with ``weight_sync_interval = 1``; with pushes every N
         versions the lag stays below N, and the f-OPD filter drops what exceeds its bound).

@@ -14,15 +14,15 @@ from lightning_opd.rollout.weight_sync import SyncConfig
 
 
 class FakeDataModule:
-    """Records the lag limits handed over; the lead is SyncConfig's (producer_lead 3, pushes every version)."""
+    """Records the lag bounds handed over; the lead is SyncConfig's (producer_lead 3, pushes every version)."""
 
     def __init__(self, mode: str):
-        self.mode, self.max_allowed_lag, self.limits = mode, 3, []
+        self.mode, self.max_allowed_lag, self.bounds = mode, 3, []
         self.sync = SyncConfig(mode, 3) if mode == "async" else SyncConfig()
 
-    def set_lag_bound(self, limit: int) -> int:
-        self.limits.append(limit)
-        return self.sync.lead_for(limit)
+    def set_lag_bound(self, bound: int) -> int:
+        self.bounds.append(bound)
+        return self.sync.lead_for(bound)
 
 
 class FakeModule:
@@ -59,7 +59,7 @@ def test_async_bound_caps_the_producer_and_collapse_falls_back_to_synchronous_ge
     # 0.9: bound 4 -> 5; 0.1 twice (< floor 0.2, patience 2): fallback, bound held at 1, limit 0;
     # 0.95 twice (>= low_freshness 0.5): back, still held at 1 on the step it leaves; then the adaptive rule: 2, 3
     monitor, dm, bounds, leads, fallback = _run("async", MEANS)
-    assert dm.limits == [4, 5, 5, 0, 0, 1, 2, 3]  # the first at train start
+    assert dm.bounds == [4, 5, 5, 0, 0, 1, 2, 3]  # the first at train start
     assert bounds == [5, 5, 1, 1, 1, 2, 3]
     assert leads == [3, 3, 0, 0, 1, 2, 3]  # min(producer_lead 3, limit - (1 - 1))
     assert fallback == [0, 0, 1, 1, 0, 0, 0]
@@ -70,19 +70,19 @@ def test_sync_and_forced_lag_runs_keep_the_plain_adaptive_rule():
     """No producer to control: nothing handed over, no fallback; the bound moves as before (two low steps
     lower it by one)."""
     _, dm, bounds, leads, fallback = _run("sync", MEANS)
-    assert dm.limits == [] and set(leads) == {None} and set(fallback) == {None}
+    assert dm.bounds == [] and set(leads) == {None} and set(fallback) == {None}
     assert bounds == [5, 5, 4, 5, 6, 7, 8]
 
 
 @pytest.mark.parametrize("kw", [dict(producer_control=False), dict(mode="measure")])
 def test_switched_off_or_measure_only_changes_nothing(kw):
     _, dm, _, _, _ = _run("async", MEANS, **kw)
-    assert dm.limits == []
+    assert dm.bounds == []
 
 
 def test_fallback_off_still_caps_the_lead():
     _, dm, _, _, fallback = _run("async", MEANS, fallback_freshness=None)
-    assert dm.limits == [4, 5, 5, 4, 5, 6, 7, 8] and set(fallback) == {0.0}
+    assert dm.bounds == [4, 5, 5, 4, 5, 6, 7, 8] and set(fallback) == {0.0}
 
 
 def test_fallback_state_survives_a_checkpoint():

@@ -154,7 +154,7 @@ def test_forced_lag_resume_pushes_the_restored_copy_before_the_first_rollout(tok
     assert int(gen.weights["w"]) == 3
 
 
-def test_lag_limit_zero_is_synchronous_generation(tokenizer):
+def test_lag_bound_zero_is_synchronous_generation(tokenizer):
     """Producer-side control: ``set_lag_bound(0)`` (the fallback) with pushes every version makes every batch
     with the weights of the version that trains on it, although ``producer_lead`` is 3."""
     dm, policy, gen = _dm(tokenizer, mode="async", producer_lead=3, weight_sync_interval=1)
@@ -164,9 +164,9 @@ def test_lag_limit_zero_is_synchronous_generation(tokenizer):
     assert dm.max_allowed_lag == 3  # the on-policy check keeps the configured ceiling
 
 
-def test_lag_limit_caps_the_lead_with_rare_pushes(tokenizer):
-    """producer_lead 2, pushes every 2 versions (max_allowed_lag 3): limit 1 gives lead 1 - (2 - 1) = 0, so batch i
-    waits for the push at i // 2 * 2 and its lag is at most 1 (2 or 3 without the limit)."""
+def test_lag_bound_caps_the_lead_with_rare_pushes(tokenizer):
+    """producer_lead 2, pushes every 2 versions (max_allowed_lag 3): lag bound 1 gives lead 1 - (2 - 1) = 0, so batch i
+    waits for the push at i // 2 * 2 and its lag is at most 1 (2 or 3 without the bound)."""
     dm, policy, gen = _dm(tokenizer, mode="async", producer_lead=2, weight_sync_interval=2)
     assert dm.set_lag_bound(1) == 0
     seen = _learn(dm, policy, 8)
@@ -175,8 +175,8 @@ def test_lag_limit_caps_the_lead_with_rare_pushes(tokenizer):
     assert dm.set_lag_bound(3) == 2 and dm.set_lag_bound(9) == 2  # never above producer_lead
 
 
-def test_lowering_the_limit_mid_run_applies_to_batches_not_yet_started(tokenizer):
-    """producer_lead 3: at learner version 4 the limit drops to 0. Batches up to 7 may already be made (they needed
+def test_lowering_the_lag_bound_mid_run_applies_to_batches_not_yet_started(tokenizer):
+    """producer_lead 3: at learner version 4 the lag bound drops to 0. Batches up to 7 may already be made (they needed
     version >= i - 3 <= 4) and keep their lag (<= 3); batch 8 onwards waits for its own version."""
     dm, policy, gen = _dm(tokenizer, mode="async", producer_lead=3, weight_sync_interval=1)
     seen = _learn(dm, policy, 11, before_step=lambda v: v == 4 and dm.set_lag_bound(0))
@@ -186,7 +186,7 @@ def test_lowering_the_limit_mid_run_applies_to_batches_not_yet_started(tokenizer
             assert behaviour == [i, i]
 
 
-def test_lag_limit_leaves_sync_and_forced_lag_alone(tokenizer):
+def test_lag_bound_leaves_sync_and_forced_lag_alone(tokenizer):
     dm, policy, gen = _dm(tokenizer, forced_lag=2)
     assert dm.set_lag_bound(0) == 0
     assert _learn(dm, policy, 4) == [(0, [0, 0]), (1, [0, 0]), (2, [0, 0]), (3, [1, 1])]

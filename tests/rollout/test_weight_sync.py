@@ -36,23 +36,23 @@ def test_the_three_quantities(kwargs, lead, allowed, manages):
 
 
 @pytest.mark.parametrize(("kwargs", "leads"), [
-    # lead = min(producer_lead, max(0, limit - (interval - 1))) for limits 0..5
+    # lead = min(producer_lead, max(0, bound - (interval - 1))) for bounds 0..5
     (dict(mode="async", producer_lead=3), [0, 1, 2, 3, 3, 3]),
     (dict(mode="async", producer_lead=3, weight_sync_interval=2), [0, 0, 1, 2, 3, 3]),
     (dict(mode="async", producer_lead=2, weight_sync_interval=3), [0, 0, 0, 1, 2, 2]),
     (dict(mode="sync", forced_lag=2), [0, 0, 0, 0, 0, 0]),  # the forced lag is the treatment: untouched
 ])
-def test_lead_for_a_lag_limit(kwargs, leads):
-    """Producer-side control: the largest lead whose batches stay within the limit, never above producer_lead."""
+def test_lead_for_a_lag_bound(kwargs, leads):
+    """Producer-side control: the largest lead whose batches stay within the bound, never above producer_lead."""
     cfg = SyncConfig(**kwargs)
-    assert [cfg.lead_for(limit) for limit in range(6)] == leads
-    for limit, lead in enumerate(leads):  # the lag a batch can reach under that lead is within the limit...
-        if cfg.mode == "async" and limit >= cfg.weight_sync_interval - 1:
-            assert lead + cfg.weight_sync_interval - 1 <= limit
-            assert lead == cfg.producer_lead or lead + cfg.weight_sync_interval - 1 == limit  # ...and the largest
+    assert [cfg.lead_for(bound) for bound in range(6)] == leads
+    for bound, lead in enumerate(leads):  # the lag a batch can reach under that lead is within the bound...
+        if cfg.mode == "async" and bound >= cfg.weight_sync_interval - 1:
+            assert lead + cfg.weight_sync_interval - 1 <= bound
+            assert lead == cfg.producer_lead or lead + cfg.weight_sync_interval - 1 == bound  # ...and the largest
 
 
-def test_lead_for_refuses_a_negative_limit():
+def test_lead_for_refuses_a_negative_bound():
     with pytest.raises(ValueError, match="lag_bound=-1 must be >= 0"):
         SyncConfig("async", 2).lead_for(-1)
 
