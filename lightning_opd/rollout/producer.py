@@ -16,7 +16,7 @@ Modes:
   waiting for batch ``v`` holds weights of version ``max(start, v // interval * interval)``, which is never below
   what batch ``v`` waits for, for any lead >= 0. The bounded buffer gives back-pressure. A controller may lower
   the lead (down to 0, synchronous generation) and raise it again up to the configured one while running
-  (:meth:`RolloutProducer.set_lead`; ``RolloutDataModule.set_lag_bound``).
+  (:meth:`RolloutProducer.set_producer_lead`; ``RolloutDataModule.set_lag_bound``).
 
 Checkpoints: :meth:`RolloutProducer.quiesce` parks the thread between batches and returns every finished
 batch not yet taken by the learner (the buffer, plus a batch waiting for room), so a checkpoint holds
@@ -65,8 +65,8 @@ class RolloutProducer:
         self.make_batch = make_batch
         self.weights_version = weights_version
         self.mode = config.mode
-        self._configured_lead = config.lead  # the buffer and max_allowed_lag are sized for it
-        self.producer_lead = config.lead  # the lead in use (versions; lowered by set_lead: producer-side control)
+        self._configured_lead = config.active_producer_lead  # the buffer and max_allowed_lag are sized for it
+        self.producer_lead = config.active_producer_lead  # the lead in use (versions; lowered by set_producer_lead: producer-side control)
         self.weight_sync_interval = config.weight_sync_interval
         self.start_version = 0  # the learner's version when the thread started (pushed then)
         self.buffer = RolloutBuffer(capacity or max(1, self.producer_lead))
@@ -152,7 +152,7 @@ class RolloutProducer:
         interval = self.weight_sync_interval
         return max(self.start_version, (index - self.producer_lead) // interval * interval)
 
-    def set_lead(self, producer_lead: int) -> None:
+    def set_producer_lead(self, producer_lead: int) -> None:
         """Run at most ``producer_lead`` versions ahead of the pushed weights from now on (``0 <= producer_lead <=``
         the configured one; 0 = synchronous generation). The gate of the batch not yet started is re-read at once:
         a lower lead holds it back, a higher one lets it go (waking the thread); batches already made keep their lag.

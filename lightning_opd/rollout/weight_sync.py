@@ -11,7 +11,7 @@ Three lag quantities, three names (versions = rollout iterations, docs/algorithm
   ``initial_lag_bound``, moved by its adaptive rule): the
   largest lag the freshness filter keeps; a loss-side decision, not a property of the data. Async, it also caps
   the producer (producer-side control, PROPOSED, docs/algorithms.md §1.5): the lead in use becomes
-  :meth:`SyncConfig.lead_for` ``(Δ_max)`` ``= min(producer_lead, max(0, Δ_max - weight_sync_interval + 1))``
+  :meth:`SyncConfig.producer_lead_for` ``(Δ_max)`` ``= min(producer_lead, max(0, Δ_max - weight_sync_interval + 1))``
   (``RolloutDataModule.set_lag_bound``), so batches started after the change are at most Δ_max behind;
   ``max_allowed_lag`` stays the configured ceiling (batches already buffered were made under the old lead).
 
@@ -75,7 +75,7 @@ class SyncConfig:
                              "be >= 0")
 
     @property
-    def lead(self) -> int:
+    def active_producer_lead(self) -> int:
         """The producer lead in use: ``producer_lead`` async, 0 sync (versions)."""
         return self.producer_lead if self.mode == "async" else 0
 
@@ -86,7 +86,7 @@ class SyncConfig:
             return self.producer_lead + self.weight_sync_interval - 1
         return self.forced_lag
 
-    def lead_for(self, lag_bound: int) -> int:
+    def producer_lead_for(self, lag_bound: int) -> int:
         """The producer lead that keeps every batch started from now on at most ``lag_bound`` versions behind
         the learner that trains on it (producer-side control, PROPOSED, docs/algorithms.md §1.5):
         ``min(producer_lead, max(0, lag_bound - (weight_sync_interval - 1)))`` async, 0 sync.

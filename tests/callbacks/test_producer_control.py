@@ -22,7 +22,7 @@ class FakeDataModule:
 
     def set_lag_bound(self, bound: int) -> int:
         self.bounds.append(bound)
-        return self.sync.lead_for(bound)
+        return self.sync.producer_lead_for(bound)
 
 
 class FakeModule:

@@ -32,7 +32,7 @@ def test_config_refuses_bad_keys_by_name(kwargs, message):
 ])
 def test_the_three_quantities(kwargs, lead, allowed, manages):
     cfg = SyncConfig(**kwargs)
-    assert (cfg.lead, cfg.max_allowed_lag, cfg.manages_weights) == (lead, allowed, manages)
+    assert (cfg.active_producer_lead, cfg.max_allowed_lag, cfg.manages_weights) == (lead, allowed, manages)
 
 
 @pytest.mark.parametrize(("kwargs", "leads"), [
@@ -45,7 +45,7 @@ def test_the_three_quantities(kwargs, lead, allowed, manages):
 def test_lead_for_a_lag_bound(kwargs, leads):
     """Producer-side control: the largest lead whose batches stay within the bound, never above producer_lead."""
     cfg = SyncConfig(**kwargs)
-    assert [cfg.lead_for(bound) for bound in range(6)] == leads
+    assert [cfg.producer_lead_for(bound) for bound in range(6)] == leads
     for bound, lead in enumerate(leads):  # the lag a batch can reach under that lead is within the bound...
         if cfg.mode == "async" and bound >= cfg.weight_sync_interval - 1:
             assert lead + cfg.weight_sync_interval - 1 <= bound
@@ -54,7 +54,7 @@ def test_lead_for_a_lag_bound(kwargs, leads):
 
 def test_lead_for_refuses_a_negative_bound():
     with pytest.raises(ValueError, match="lag_bound=-1 must be >= 0"):
-        SyncConfig("async", 2).lead_for(-1)
+        SyncConfig("async", 2).producer_lead_for(-1)
 
 
 class Recorder:
