@@ -65,8 +65,12 @@ class TokenLoss:
 
     Attributes:
         loss: ``S`` differentiable per-token loss, to be aggregated with the loss mask.
-        kl: ``S`` detached exact full-vocabulary reverse KL(p_S || p_T) per token, for logging and the
-            per-turn diagnostics (nats), whatever the loss (TurnOPD §2.1 needs the full value).
+        kl: ``S`` detached reverse KL(p_S || p_T) per token, for logging and the per-turn diagnostics (nats),
+            whatever the loss (TurnOPD §2.1 needs the full value): the exact full-vocabulary value when the teacher
+            gives ``FULL_VOCAB`` (``TokenDivergence.forward``); from a teacher without it
+            (``TokenDivergence.forward_signals``) the sampled-token (k1) estimate ``log p_S(a_t) - log p_T(a_t)``,
+            unbiased for the full reverse KL over tokens sampled from p_S, one token can be < 0 (PROPOSED,
+            docs/algorithms.md §6.5; the learner logs it as ``train/kl_sampled``, never as ``train/kl``).
         student_logprobs: ``S`` detached log p_S(a_t) of the target tokens (nats).
         teacher_logprobs: ``S`` log p_T(a_t) of the target tokens (nats).
         entropy: ``S`` detached entropy of the student distribution (nats).

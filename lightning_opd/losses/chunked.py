@@ -1,5 +1,8 @@
 """Chunked, recomputing evaluation of a divergence from hidden states (memory: no ``(B, T, V)`` tensor).
 
+:func:`chunked_token_terms` applies both heads (a teacher that gives ``FULL_VOCAB``); :func:`chunked_signal_terms`
+the student's only, beside the per-position signals a teacher reported (``SAMPLED_TOKEN``, ``TOP_K``).
+
 For each chunk of ``c`` supervised positions the LM heads turn hidden states into ``(c, V)`` logits and
 the divergence kernel reduces them to per-token values. The chunk runs under
 ``torch.utils.checkpoint`` (non-reentrant): autograd keeps only the chunk's ``(c, D)`` hidden states
@@ -101,3 +104,61 @@ def chunked_sampled_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: 
     """
     return torch.cat([log_probs(head(hidden[i:i + chunk_size]), temperature).gather(-1, targets[i:i + chunk_size, None])[:, 0]
                       for i in range(0, targets.shape[0], chunk_size)])
+
+
+class SignalKernel(Protocol):
+    """What :func:`chunked_signal_terms` needs of a loss: its per-token kernel on the student's logits and the
+    teacher's reported signals (:meth:`lightning_opd.losses.divergences.TokenDivergence.signal_terms`)."""
+
+    def signal_terms(self, student_logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                     **inputs: torch.Tensor) -> TokenLoss:
+        """``(c, V)`` student logits, ``(c,)`` targets and ``(c, ...)`` teacher signals -> ``(c,)`` fields."""
+
+
+def chunked_signal_terms(kernel: SignalKernel, student_hidden: torch.Tensor, targets: torch.Tensor,
+                         student_head: Callable[[torch.Tensor], torch.Tensor], temperature: float, chunk_size: int,
+                         inputs: dict[str, torch.Tensor | None]) -> TokenLoss:
+    """Evaluate ``kernel.signal_terms`` on ``chunk_size`` tokens at a time, recomputing the student's logits in
+    backward: the student side of :func:`chunked_token_terms` for a teacher that reports per-position signals (the
+    sampled token's log-prob, its top-k ids and log-probs) instead of hidden states and a head. No ``(N, V)``
+    tensor beyond one chunk's student logits.
+
+    Args:
+        kernel: the per-token kernel.
+        student_hidden: ``(N, D)`` student hidden states (differentiable).
+        targets: ``(N,)`` target ids.
+        student_head: ``(c, D) -> (c, V)`` head, cut to the shared vocabulary.
+        temperature: scoring temperature (> 0).
+        chunk_size: tokens per chunk (>= 1).
+        inputs: per-position inputs of the kernel, each ``(N, ...)`` (teacher signals: ``(N,)`` log-probs,
+            ``(N, K)`` ids and log-probs; loss extras: ``(N,)``), sliced on dim 0 and passed detached as keyword
+            arguments; ``None`` values are left out.
+
+    Returns:
+        :class:`~lightning_opd.losses.base.TokenLoss` with ``(N,)`` fields.
+
+    Raises:
+        ValueError: the inputs disagree on ``N``.
+    """
+    n = targets.shape[0]
+    inputs = {k: v for k, v in inputs.items() if v is not None}
+    bad = {k: tuple(v.shape) for k, v in inputs.items() if v.dim() < 1 or v.shape[0] != n}
+    if student_hidden.shape[0] != n or targets.dim() != 1 or bad:
+        raise ValueError(f"expected (N, D), (N,) and (N, ...) inputs: got student {tuple(student_hidden.shape)}, "
+                         f"targets {tuple(targets.shape)}, inputs with another N: {bad}")
+    keys = list(inputs)
+
+    def chunk(h_s: torch.Tensor, tgt: torch.Tensor, *more: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = kernel.signal_terms(student_head(h_s), tgt, temperature, **dict(zip(keys, more)))
+        return tuple(getattr(out, f) for f in TokenLoss.FIELDS)
+
+    needs_grad = torch.is_grad_enabled()
+    parts = []
+    for start in range(0, n, chunk_size):
+        sl = slice(start, start + chunk_size)
+        args = (student_hidden[sl], targets[sl], *(inputs[k][sl].detach() for k in keys))
+        parts.append(checkpoint(chunk, *args, use_reentrant=False) if needs_grad else chunk(*args))
+    if not parts:  # N = 0
+        empty = student_hidden.new_zeros(0, dtype=torch.float32)
+        return TokenLoss(*(empty for _ in TokenLoss.FIELDS))
+    return TokenLoss(*(torch.cat([p[i] for p in parts]) for i in range(len(TokenLoss.FIELDS))))

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lightning_opd.losses.base import TeacherSignal, TokenLoss, entropy_of, gather_token, log_probs
-from lightning_opd.losses.chunked import chunked_token_terms
+from lightning_opd.losses.chunked import chunked_signal_terms, chunked_token_terms
 
 __all__ = ["TeacherSignal", "TokenLoss", "TokenDivergence", "SampledTokenReverseKL", "FullVocabReverseKL", "ForwardKL",
            "GeneralizedJSD", "log_probs", "entropy_of", "gather_token"]
@@ -47,9 +47,17 @@ class TokenDivergence(nn.Module):
     Attributes:
         teacher_signal: what the loss's objective needs of the teacher (:class:`~lightning_opd.losses.base.
             TeacherSignal`); ``OPDModule`` refuses a teacher that does not provide it, naming both. A subclass
-            that does not set it needs ``FULL_VOCAB`` (the most a teacher gives). In this version every kernel
-            reads the teacher's logits chunk by chunk (also for the exact ``kl`` it logs), i.e. runs on a teacher
-            that provides ``FULL_VOCAB``; the declaration is what a teacher with less must provide.
+            that does not set it needs ``FULL_VOCAB`` (the most a teacher gives).
+
+    Two paths, the same objective:
+
+    * :meth:`forward` / :meth:`token_terms`: the teacher gives ``FULL_VOCAB`` (hidden states + head, the in-process
+      teacher): every loss, ``kl`` the exact full-vocabulary reverse KL.
+    * :meth:`forward_signals` / :meth:`signal_terms`: the teacher gives only per-position signals (a ``vllm serve``
+      endpoint's ``prompt_logprobs``): the losses whose ``teacher_signal`` is ``SAMPLED_TOKEN`` or ``TOP_K``
+      implement :meth:`signal_terms`; they need the sampled token's log-prob besides (``teacher_logprobs``) and log
+      as ``kl`` its k1 estimate ``log p_S(a_t) - log p_T(a_t)`` (:class:`~lightning_opd.losses.base.TokenLoss`;
+      PROPOSED, docs/algorithms.md §6.5). Fed the same teacher distribution, both paths give the same loss.
 
     Args:
         chunk_size: tokens per chunk in :meth:`forward` (peak memory ~ a few ``chunk_size x V`` fp32
@@ -94,6 +102,59 @@ class TokenDivergence(nn.Module):
         return chunked_token_terms(self, student_hidden, teacher_hidden, targets, student_head, teacher_head,
                                    temperature, self.chunk_size, extras)
 
+    def signal_terms(self, student_logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
+                     teacher_sampled_logprobs: torch.Tensor, **inputs: torch.Tensor) -> TokenLoss:
+        """The per-token kernel from the teacher's reported signals: ``(..., V)`` student logits, ``(...)`` target
+        ids, ``(...)`` ``teacher_sampled_logprobs`` (``log p_T(a_t)``, nats, at ``temperature``) and, for a ``TOP_K``
+        loss, ``teacher_topk_ids`` / ``teacher_topk_logprobs`` ``(..., K)`` -> :class:`TokenLoss` of shape ``(...)``.
+
+        Raises:
+            NotImplementedError: a loss that needs the teacher's full vocabulary (``teacher_signal = FULL_VOCAB``).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} needs the teacher's {self.teacher_signal.value} log-probs (hidden states and "
+            "head): it runs only through forward() with a teacher that provides full_vocab")
+
+    def forward_signals(self, student_hidden: torch.Tensor, targets: torch.Tensor,
+                        student_head: Callable[[torch.Tensor], torch.Tensor], temperature: float = 1.0, *,
+                        teacher_sampled_logprobs: torch.Tensor, teacher_topk_ids: torch.Tensor | None = None,
+                        teacher_topk_logprobs: torch.Tensor | None = None, **extras: torch.Tensor | None) -> TokenLoss:
+        """Per-token loss from the student's hidden states and the teacher's reported signals, chunk by chunk with
+        recomputation (:func:`~lightning_opd.losses.chunked.chunked_signal_terms`; the student side of
+        :meth:`forward`, unchanged).
+
+        Args:
+            student_hidden: ``(N, D)`` student final hidden states at the positions predicting ``targets``.
+            targets: ``(N,)`` the sampled token ids.
+            student_head: ``(n, D) -> (n, V)`` LM head (cut to the shared vocabulary, F01b).
+            temperature: sampling temperature of the batch (> 0), the one the teacher scored at.
+            teacher_sampled_logprobs: ``(N,)`` ``log p_T(a_t)`` (nats; ``TeacherScores.sampled_logprobs``).
+            teacher_topk_ids, teacher_topk_logprobs: ``(N, K)`` the teacher's top-K ids (long, most likely first) and
+                log-probs (nats; ``TeacherScores.topk_*``), for ``TOP_K`` losses (``K >= min(k, V)``).
+            extras: ``(N,)`` per-token inputs of the loss (as in :meth:`forward`).
+
+        Returns:
+            :class:`TokenLoss` with ``(N,)`` fields; ``kl`` is the k1 estimate (see the class docstring).
+
+        Raises:
+            NotImplementedError: a ``FULL_VOCAB`` loss (:meth:`signal_terms`).
+            ValueError: inputs that disagree on ``N``; a top-K narrower than the loss's ``k``.
+        """
+        inputs = {"teacher_sampled_logprobs": teacher_sampled_logprobs, "teacher_topk_ids": teacher_topk_ids,
+                  "teacher_topk_logprobs": teacher_topk_logprobs, **extras}
+        return chunked_signal_terms(self, student_hidden, targets, student_head, temperature, self.chunk_size, inputs)
+
+    @staticmethod
+    def _from_signals(loss: torch.Tensor, lp_s: torch.Tensor, targets: torch.Tensor,
+                      teacher_sampled_logprobs: torch.Tensor) -> TokenLoss:
+        """Wrap a :meth:`signal_terms` ``loss`` with the detached diagnostics; ``kl`` is the k1 estimate
+        ``log p_S(a_t) - log p_T(a_t)`` (the full reverse KL needs the teacher's whole distribution)."""
+        with torch.no_grad():
+            s_tok = gather_token(lp_s, targets)
+            t_tok = teacher_sampled_logprobs.to(s_tok.dtype)
+            return TokenLoss(loss=loss, kl=s_tok - t_tok, student_logprobs=s_tok, teacher_logprobs=t_tok,
+                             entropy=entropy_of(lp_s))
+
     @staticmethod
     def _common(student_logits, teacher_logits, temperature):
         """``(lp_s, lp_t)``: fp32 log-probs at ``temperature``; the teacher's detached."""
@@ -123,7 +184,9 @@ class SampledTokenReverseKL(TokenDivergence):
     KL(p_S || p_T) at s_t (score-function form; k1 differentiated directly would have expected
     gradient 0, k3 would give the forward-KL gradient, §0.3). Needs only the teacher's log-prob of
     the sampled token; high variance (design.md: 5% vs 60% held-out success for the analytic loss).
-    The logged ``kl`` is still the exact reverse KL: the chunk's full logits are at hand anyway.
+    With a ``FULL_VOCAB`` teacher the logged ``kl`` is still the exact reverse KL (the chunk's full logits are at
+    hand anyway); with a teacher that reports ``log p_T(a_t)`` only (:meth:`signal_terms`: the same loss from
+    ``teacher_sampled_logprobs`` ``(N,)``), its k1 estimate, which here is also the loss's value.
 
     Args:
         signal: ``"recomputed"`` (default): ``A_t`` uses the learner's ``log p_S(a_t)``, recomputed at learner time.
@@ -170,6 +233,23 @@ class SampledTokenReverseKL(TokenDivergence):
         advantage = (gather_token(lp_t, targets) - reference).detach()
         ratio = torch.exp(s_tok - s_tok.detach())  # 1 in value, carries grad log p_S
         return self._full(-ratio * advantage, lp_s, lp_t, targets)
+
+    def signal_terms(self, student_logits, targets, temperature=1.0, *, teacher_sampled_logprobs,
+                     behaviour_logprobs: torch.Tensor | None = None) -> TokenLoss:
+        """:meth:`token_terms` with ``log p_T(a_t)`` given: ``teacher_sampled_logprobs`` ``(...)`` nats.
+
+        Raises:
+            ValueError: ``signal="behaviour"`` without ``behaviour_logprobs``.
+        """
+        lp_s = log_probs(student_logits, temperature)
+        s_tok = gather_token(lp_s, targets)
+        if self.uses_behaviour_logprobs and behaviour_logprobs is None:
+            raise ValueError("SampledTokenReverseKL(signal='behaviour') needs behaviour_logprobs (the batch's "
+                             "rollout-time log-probs of the sampled tokens)")
+        reference = behaviour_logprobs.to(s_tok) if self.uses_behaviour_logprobs else s_tok
+        advantage = (teacher_sampled_logprobs.to(s_tok) - reference).detach()
+        ratio = torch.exp(s_tok - s_tok.detach())  # 1 in value, carries grad log p_S
+        return self._from_signals(-ratio * advantage, lp_s, targets, teacher_sampled_logprobs)
 
 
 class FullVocabReverseKL(TokenDivergence):

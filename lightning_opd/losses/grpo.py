@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from lightning_opd.losses.divergences import TeacherSignal, TokenDivergence, TokenLoss, gather_token
+from lightning_opd.losses.divergences import TeacherSignal, TokenDivergence, TokenLoss, gather_token, log_probs
 
 
 class RewardFunctionError(RuntimeError):
@@ -198,7 +198,9 @@ class ClippedSurrogate(TokenDivergence):
     and the learner (asynchronous rollouts) is left to f-OPD's truncated ratio (StalenessMonitor M3),
     which composes as a weight (§0.5).
 
-    Teacher signal: ``SAMPLED_TOKEN`` (the advantage reads ``log π_T(a_t)`` only).
+    Teacher signal: ``SAMPLED_TOKEN`` (the advantage reads ``log π_T(a_t)`` only): with a teacher that reports only
+    that, :meth:`signal_terms` computes the same loss from ``teacher_sampled_logprobs`` ``(N,)`` and logs as ``kl``
+    the k1 estimate ``log π_θ(a_t) − log π_T(a_t)`` (PROPOSED, docs/algorithms.md §6.5).
 
     Args:
         clip_eps: ε of the clip range [1 − ε, 1 + ε] (PROPOSED 0.2, verl default; not reported by ATOD).
@@ -222,6 +224,14 @@ class ClippedSurrogate(TokenDivergence):
         loss, _, _ = self._surrogate(gather_token(lp_s, targets), gather_token(lp_t, targets), opd_weight, grpo_term,
                                      old_logprobs)
         return self._full(loss, lp_s, lp_t, targets)
+
+    def signal_terms(self, student_logits, targets, temperature=1.0, *, teacher_sampled_logprobs, opd_weight=None,
+                     grpo_term=None, old_logprobs=None) -> TokenLoss:
+        """:meth:`token_terms` with ``log π_T(a_t)`` given: ``teacher_sampled_logprobs`` ``(...)`` nats."""
+        lp_s = log_probs(student_logits, temperature)
+        loss, _, _ = self._surrogate(gather_token(lp_s, targets), teacher_sampled_logprobs.to(lp_s.dtype), opd_weight,
+                                     grpo_term, old_logprobs)
+        return self._from_signals(loss, lp_s, targets, teacher_sampled_logprobs)
 
     def ratio_stats(self, token_loss: TokenLoss, opd_weight: torch.Tensor | None = None,
                     grpo_term: torch.Tensor | None = None,
