@@ -15,6 +15,9 @@ which fills the hooks this class leaves empty (:meth:`OPDModule.prepare_batch`, 
 
 The teacher is a seam (:mod:`lightning_opd.teachers`): the module asks its :attr:`OPDModule.teacher_scorer` for
 the signal the loss needs at the supervised positions, and refuses at construction a loss the teacher cannot serve.
+A teacher that provides ``FULL_VOCAB`` (the in-process one) hands over hidden states and its head (the loss's
+``forward``); one that does not (a remote endpoint) its sampled-token and top-k log-probs (the loss's
+``forward_signals``), and the per-token KL is then the k1 estimate, logged as ``train/kl_sampled`` (§6.5).
 Deliberate simplification (this version): ``teacher`` names a model directory, scored by
 :class:`~lightning_opd.teachers.in_process.InProcessTeacher` in the trainer process on the student's device.
 
@@ -205,16 +208,21 @@ class OPDModule(PolicyModule):
         Raises:
             ValueError: the teacher does not provide the loss's ``teacher_signal``
                 (:func:`~lightning_opd.teachers.base.check_teacher_fits`: names the loss, the teacher, what it
-                provides and the losses that work with it).
-            NotImplementedError: the teacher does not provide ``FULL_VOCAB``: the loss kernels of this version read
-                the teacher's logits (also for the exact ``kl`` every loss logs).
+                provides and the losses that work with it); a teacher without ``FULL_VOCAB`` that does not provide
+                ``SAMPLED_TOKEN`` (every loss then reads ``log p_T(a_t)`` for ``teacher_logprobs`` and its ``kl``).
         """
         check_teacher_fits(loss, teacher)
-        if TeacherSignal.FULL_VOCAB not in teacher.provides:
-            raise NotImplementedError(
-                f"teacher {teacher.name} provides {sorted(s.value for s in teacher.provides)}: the loss kernels of "
-                f"this version ({type(loss).__name__} included) read the teacher's full-vocabulary logits, also for "
-                "the exact kl they log; scoring a loss from sampled-token or top-k teacher signals is not built yet")
+        if TeacherSignal.FULL_VOCAB not in teacher.provides and TeacherSignal.SAMPLED_TOKEN not in teacher.provides:
+            raise ValueError(
+                f"teacher {teacher.name} provides only {sorted(s.value for s in teacher.provides)}: a teacher without "
+                f"full_vocab must also provide sampled_token (the log-prob of the sampled token, which "
+                f"{type(loss).__name__} logs and estimates the KL with)")
+
+    @property
+    def kl_metric(self) -> str:
+        """Name of the per-token KL the step logs (``train/<name>``, ``<name>/turn_NN``): ``"kl"``, the exact reverse
+        KL, with a teacher that provides ``FULL_VOCAB``; ``"kl_sampled"``, its k1 estimate, otherwise (§6.5)."""
+        return "kl" if TeacherSignal.FULL_VOCAB in self.teacher_scorer.provides else "kl_sampled"
 
     @property
     def updates_per_batch(self) -> int:
@@ -361,6 +369,9 @@ class OPDModule(PolicyModule):
         ``forward``), so no ``(B, T, V)`` tensor is ever built and observation tokens (most of a
         multi-turn episode) cannot reach the loss (F04).
 
+        A teacher without ``FULL_VOCAB`` gives the loss's ``teacher_signal`` and ``SAMPLED_TOKEN`` instead of hidden
+        states and a head: the loss's ``forward_signals`` (the same student side; ``kl`` is the k1 estimate).
+
         Returns:
             ``(token_loss, mask, turns)``: a :class:`TokenLoss` over the ``(B, T-1)`` target positions
             (zeros where nothing was computed), the ``(B, T-1)`` loss mask and turn index.
@@ -368,12 +379,20 @@ class OPDModule(PolicyModule):
         ids = batch.input_ids
         rows, cols = self.supervised_positions(batch)
         temperature = batch.sampling.temperature or 1.0
-        teacher = self.score_teacher(batch, rows, cols, (TeacherSignal.FULL_VOCAB,), temperature)  # (N, D_T) + head
+        full = TeacherSignal.FULL_VOCAB in self.teacher_scorer.provides
+        signals = (TeacherSignal.FULL_VOCAB,) if full else tuple(dict.fromkeys((TeacherSignal.SAMPLED_TOKEN,
+                                                                                self.loss_fn.teacher_signal)))
+        teacher = self.score_teacher(batch, rows, cols, signals, temperature)  # (N, D_T) + head, or (N,) [+ (N, K)]
         targets = ids[:, 1:][rows, cols]  # (N,)
         extras = {k: None if v is None else v[rows, cols] for k, v in self.loss_inputs(batch).items()}  # (b, T-1) -> (N,)
 
         def student_side() -> TokenLoss:  # with a sharded student: its root parameters gathered (FSDP2)
             h_s = self.hidden_states(self.student, batch)[rows, cols]  # (N, D)
+            if not full:
+                return self.loss_fn.forward_signals(h_s, targets, self.lm_head(self.student), temperature,
+                                                    teacher_sampled_logprobs=teacher.sampled_logprobs,
+                                                    teacher_topk_ids=teacher.topk_ids,
+                                                    teacher_topk_logprobs=teacher.topk_logprobs, **extras)
             return self.loss_fn(h_s, teacher.hidden, targets, self.lm_head(self.student), teacher.head,
                                 temperature=temperature, **extras)
 
@@ -737,7 +756,8 @@ class OPDModule(PolicyModule):
         self._notify_policy_update()
         t2 = time.perf_counter()
         self.step_metrics.log_step(self, StepRecord(batch, sums, step_tokens, grad_norm, lag_max, t1 - t0, t2 - t1,
-                                                    stats, self.step_extras(), self.nonfinite.skipped))
+                                                    stats, self.step_extras(), self.nonfinite.skipped,
+                                                    self.kl_metric))
         self.log_rollout_counts(batch)
         measured = self.nonfinite.skipped == nonfinite_before  # F28: a NaN step's per-turn KL is no measurement
         return {"loss": sums["loss"], "turn_stats": stats if measured else None, "skipped_update": skipped == n_updates,

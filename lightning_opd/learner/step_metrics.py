@@ -7,8 +7,9 @@ Metric glossary (logged every step):
 | key | unit | reduction |
 |---|---|---|
 | ``train/loss`` | nats | step loss (§0.5) |
-| ``train/kl`` | nats/token | mean exact reverse KL over supervised tokens (whatever the loss) |
+| ``train/kl`` | nats/token | mean exact reverse KL over supervised tokens (whatever the loss), with a teacher that provides ``FULL_VOCAB`` |
 | ``kl/turn_NN`` | nats/token | mean over supervised tokens of turn NN (zero-based), token-weighted across ranks; NaN at a step where no episode reached turn NN (after some step did) |
+| ``train/kl_sampled``, ``kl_sampled/turn_NN`` | nats/token | instead of ``train/kl``, ``kl/turn_NN`` with a teacher without ``FULL_VOCAB`` (a remote endpoint): the same means of the k1 estimate ``log p_S(a_t) - log p_T(a_t)`` of the reverse KL (docs/algorithms.md §6.5) |
 | ``train/entropy`` | nats/token | mean student entropy over supervised tokens |
 | ``train/grad_norm`` | - | global L2 norm before clipping |
 | ``train/lr`` | - | learning rate |
@@ -66,6 +67,8 @@ class StepRecord:
         extra: further scalars of the step (e.g. ATOD's ``grpo/*``, ``ppo/*``), logged as they are (already
             reduced over ranks).
         nonfinite_skipped: optimizer updates skipped so far because the loss or a gradient was not finite (F28).
+        kl_name: what ``sums["kl"]`` holds, the metric's name: ``"kl"`` (exact reverse KL) or ``"kl_sampled"`` (its
+            k1 estimate, a teacher without ``FULL_VOCAB``), logged as ``train/<kl_name>`` and ``<kl_name>/turn_NN``.
     """
 
     batch: RolloutBatch
@@ -78,6 +81,7 @@ class StepRecord:
     turn_stats: TurnStats
     extra: dict[str, float] = field(default_factory=dict)
     nonfinite_skipped: int = 0
+    kl_name: str = "kl"
 
 
 class StepMetrics(torch.nn.Module):
@@ -114,7 +118,7 @@ class StepMetrics(torch.nn.Module):
         tokens = record.step_tokens.clamp(min=1)
         scalars = {
             "train/loss": module.reduce_sum(record.sums["loss"]),
-            "train/kl": module.reduce_sum(record.sums["kl"]) / tokens,
+            f"train/{record.kl_name}": module.reduce_sum(record.sums["kl"]) / tokens,
             "train/entropy": module.reduce_sum(record.sums["entropy"]) / tokens,
             "train/grad_norm": record.grad_norm.detach().float(),
             "train/lr": torch.tensor(module.optimizers().param_groups[0]["lr"]),
@@ -126,12 +130,12 @@ class StepMetrics(torch.nn.Module):
         }
         scalars.update({k: torch.tensor(v) for k, v in self._rollout_values(module, record).items()})
         for key, value in scalars.items():
-            module.log(key, value, batch_size=n, prog_bar=key in ("rollout/success", "train/kl"))
+            module.log(key, value, batch_size=n, prog_bar=key in ("rollout/success", "train/kl", "train/kl_sampled"))
         turn = self.turn_kl.compute()
         reached = turn["weight"] > 0  # synced: the same on every rank
         nan = torch.full((), float("nan"), device=turn["mean"].device)
         for t in range(self._turn_keys(reached)):
-            module.log(f"kl/turn_{t:02d}", turn["mean"][t].float() if reached[t] else nan, batch_size=n)
+            module.log(f"{record.kl_name}/turn_{t:02d}", turn["mean"][t].float() if reached[t] else nan, batch_size=n)
         self.turn_kl.reset()
         self._log_turn_shares(module, record.turn_stats, n)
         for key, value in record.extra.items():
