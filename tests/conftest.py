@@ -25,6 +25,15 @@ def _auto_generator_is_hf(request, monkeypatch):
         monkeypatch.setattr(backend, "vllm_importable", lambda: (False, "tests pin HF: tests/conftest.py"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _stop_vllm_servers():
+    """Stop the ``vllm serve`` processes tests started through :func:`tests.servers.served` at session end."""
+    yield
+    from tests.servers import stop_all
+
+    stop_all()
+
+
 @pytest.fixture
 def real_auto_generator():
     """Opt out of ``_auto_generator_is_hf``: ``generator: auto`` decides by the real import."""

