@@ -25,6 +25,23 @@ def _auto_generator_is_hf(request, monkeypatch):
         monkeypatch.setattr(backend, "vllm_importable", lambda: (False, "tests pin HF: tests/conftest.py"))
 
 
+@pytest.fixture(scope="session")
+def served_model_dirs(tmp_path_factory, tokenizer):
+    """Student and teacher directories like ``model_dirs`` (same tokenizer, different weights) with a head size vLLM's
+    CPU attention supports (64; the 2-layer models of ``model_dirs`` have 8), for ``vllm serve`` tests
+    (:func:`tests.servers.served`)."""
+    from tests.helpers import make_model
+
+    root = tmp_path_factory.mktemp("served_models")
+    out = {}
+    for name, seed in (("student", 0), ("teacher", 1)):
+        model = make_model(tokenizer, seed=seed, hidden=128, heads=2, kv_heads=1)
+        model.save_pretrained(str(root / name))
+        tokenizer.save_pretrained(str(root / name))
+        out[name] = str(root / name)
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_vllm_servers():
     """Stop the ``vllm serve`` processes tests started through :func:`tests.servers.served` at session end."""

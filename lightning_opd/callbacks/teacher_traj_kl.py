@@ -71,6 +71,20 @@ class TeacherTrajectoryKL(Callback):
         self.last: TrajectoryKL | None = None
 
     @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Refuse a module whose teacher is not a model directory in this process (a served teacher).
+
+        Raises:
+            ValueError: ``pl_module.teacher_path`` is ``None`` (``model.init_args.teacher`` is a served teacher).
+        """
+        if getattr(pl_module, "teacher_path", "") is None:
+            raise ValueError(
+                "TeacherTrajectoryKL plays the teacher's greedy episodes and scores the full-vocabulary KL on them, "
+                f"which needs the teacher's weights in this process, but model.init_args.teacher is "
+                f"{pl_module.teacher_scorer.name}: remove the callback from trainer.callbacks and measure it after the "
+                "fit with `lightning-opd evaluate --teacher DIR` (docs/usage.md)")
+
+    @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return

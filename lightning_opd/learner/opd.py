@@ -106,8 +106,11 @@ class OPDModule(PolicyModule):
 
     Args:
         student: student model directory (Hugging Face causal LM).
-        teacher: teacher model directory; must share the student's tokenizer (F01). Scored in this process by
-            :class:`~lightning_opd.teachers.in_process.InProcessTeacher` (:attr:`teacher_scorer`).
+        teacher: the teacher: a model directory (scored in this process by
+            :class:`~lightning_opd.teachers.in_process.InProcessTeacher`), or a :class:`~lightning_opd.teachers.base.Teacher`
+            (``class_path: lightning_opd.teachers.RemoteTeacher``: a ``vllm serve`` endpoint; ``RoutedTeacher``: several
+            teachers, one per task family). It must share the student's tokenizer (F01: checked here for a directory,
+            at ``configure_model`` over HTTP for a server). :attr:`teacher_scorer` holds it.
         loss: per-token divergence; default ``FullVocabReverseKL`` (analytic reverse KL). Use
             ``lightning_opd.losses.SampledTokenReverseKL`` for the sampled-token policy-gradient form.
             ATOD's ``ClippedSurrogate`` belongs to :class:`~lightning_opd.learner.atod.ATODModule`.
@@ -145,7 +148,7 @@ class OPDModule(PolicyModule):
         NonFiniteUpdateError: in fit, ``max_nonfinite_steps`` updates in a row with a non-finite loss or gradient.
     """
 
-    def __init__(self, student: str, teacher: str, loss: TokenDivergence | None = None,
+    def __init__(self, student: str, teacher: str | Teacher, loss: TokenDivergence | None = None,
                  optimizer: OptimizerCallable | None = None, lr_scheduler: LRSchedulerCallable | None = None,
                  micro_batch_size: int | None = None, grad_clip_norm: float | None = 1.0, dtype: str = "float32",
                  teacher_dtype: str | None = None, max_logged_turns: int = 16, log_text_every_n_steps: int = 10,
@@ -164,7 +167,7 @@ class OPDModule(PolicyModule):
         if teacher_dtype is not None:
             check_dtype(teacher_dtype, "model.init_args.teacher_dtype")
         self.automatic_optimization = False
-        self.teacher_path = teacher
+        self.teacher_path = teacher if isinstance(teacher, str) else None  #: the in-process teacher's directory
         self.teacher_dtype = teacher_dtype or dtype
         self.loss_fn = loss if loss is not None else self.default_loss()
         self.check_loss(self.loss_fn)
@@ -176,12 +179,17 @@ class OPDModule(PolicyModule):
         self.turn_blend: TurnBlendWeighting | None = None
         #: episodes generated for / used by (reached the loss) the steps so far, all ranks (log_rollout_counts)
         self.rollout_totals = {"generated": 0, "used": 0}
-        # F01: compare tokenizers before any rollout
-        self.vocab_size = check_tokenizers_compatible(self.tokenizer, load_tokenizer(teacher, trust_remote_code),
-                                                      student, teacher)
         #: the teacher seam: scores the student's tokens (a plain object, so its model stays out of the module tree:
         #: frozen, never checkpointed)
-        self.teacher_scorer: Teacher = InProcessTeacher(teacher, self.vocab_size, self.teacher_dtype, trust_remote_code)
+        self.teacher_scorer: Teacher
+        if isinstance(teacher, Teacher):  # F01 for a served teacher: checked over HTTP when it connects (load)
+            self.vocab_size = max(self.tokenizer.get_vocab().values()) + 1
+            self.teacher_scorer = teacher
+            teacher.bind(self.tokenizer, self.vocab_size)
+        else:  # F01: compare tokenizers before any rollout
+            self.vocab_size = check_tokenizers_compatible(self.tokenizer, load_tokenizer(teacher, trust_remote_code),
+                                                          student, teacher)
+            self.teacher_scorer = InProcessTeacher(teacher, self.vocab_size, self.teacher_dtype, trust_remote_code)
         self.check_teacher(self.loss_fn, self.teacher_scorer)
 
     # ----------------------------------------------------------------------------------- the objective
@@ -322,7 +330,7 @@ class OPDModule(PolicyModule):
     def teacher(self):
         """The in-process teacher's frozen ``PreTrainedModel`` (``None`` until loaded for fit, and for a teacher
         that holds no model in this process)."""
-        return getattr(self.teacher_scorer, "model", None)
+        return self.teacher_scorer.model if isinstance(self.teacher_scorer, InProcessTeacher) else None
 
     def configure_model(self) -> None:
         super().configure_model()

@@ -2,5 +2,6 @@
 
 from lightning_opd.teachers.base import Teacher, TeacherScores, check_teacher_fits, losses_for
 from lightning_opd.teachers.in_process import InProcessTeacher
+from lightning_opd.teachers.remote import RemoteTeacher
 
-__all__ = ["Teacher", "TeacherScores", "check_teacher_fits", "losses_for", "InProcessTeacher"]
+__all__ = ["Teacher", "TeacherScores", "check_teacher_fits", "losses_for", "InProcessTeacher", "RemoteTeacher"]

@@ -73,6 +73,11 @@ class Teacher:
         """How messages name this teacher (its class and what it scores with)."""
         return type(self).__name__
 
+    def bind(self, tokenizer, vocab_size: int) -> None:
+        """The student's tokenizer and the shared vocabulary size ``V``, given by the module before :meth:`load`
+        (a teacher that checks the student's tokenizer against its own at :meth:`load` keeps them). Default:
+        nothing."""
+
     def load(self) -> None:
         """Get ready to score (load weights, connect), once before fit. Default: nothing."""
 

