@@ -3,5 +3,6 @@
 from lightning_opd.teachers.base import Teacher, TeacherScores, check_teacher_fits, losses_for
 from lightning_opd.teachers.in_process import InProcessTeacher
 from lightning_opd.teachers.remote import RemoteTeacher
+from lightning_opd.teachers.routed import RoutedTeacher
 
-__all__ = ["Teacher", "TeacherScores", "check_teacher_fits", "losses_for", "InProcessTeacher", "RemoteTeacher"]
+__all__ = ["Teacher", "TeacherScores", "check_teacher_fits", "losses_for", "InProcessTeacher", "RemoteTeacher", "RoutedTeacher"]
