@@ -179,6 +179,9 @@ class OPDModule(PolicyModule):
         self.turn_blend: TurnBlendWeighting | None = None
         #: episodes generated for / used by (reached the loss) the steps so far, all ranks (log_rollout_counts)
         self.rollout_totals = {"generated": 0, "used": 0}
+        #: ``(2, n_teachers)`` fp64 sums of the step with a routing teacher: per teacher, KL over its supervised
+        #: tokens and the token count (this rank; :meth:`teacher_step_metrics` reduces and resets them)
+        self._teacher_sums: torch.Tensor | None = None
         #: the teacher seam: scores the student's tokens (a plain object, so its model stays out of the module tree:
         #: frozen, never checkpointed)
         self.teacher_scorer: Teacher
@@ -344,6 +347,12 @@ class OPDModule(PolicyModule):
 
     def on_fit_start(self) -> None:
         self.teacher_scorer.to(self.device)
+
+    def teardown(self, stage: str) -> None:
+        """Stop what a served teacher runs beside the fit (heartbeats, request threads)."""
+        close = getattr(self.teacher_scorer, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------------------------------- loss
     @staticmethod
@@ -649,6 +658,8 @@ class OPDModule(PolicyModule):
             sums["entropy"] += torch.where(keep, out.entropy, 0.0).sum()
             turn_kl.update(out.kl[keep], turns[keep])
             self.after_micro_batch(mb, out, keep)
+            if i < n_real:
+                self._route_sums(mb, out.kl, keep)
             if i >= n_real:  # padding (all sums above got exactly 0): no rows in the turn statistics
                 continue
             contribution = out.loss.detach() * (1.0 if weights is None else weights)
@@ -661,6 +672,39 @@ class OPDModule(PolicyModule):
             success=batch.success, is_probe=batch.is_probe, rollout_cap=batch.rollout_cap,
             kept=batch.loss_mask[:, 1:].sum(1) > 0)
         return sums, stats
+
+    def _route_sums(self, batch: RolloutBatch, kl: torch.Tensor, keep: torch.Tensor) -> None:
+        """With a teacher that routes rows to several teachers (``route``/``names``,
+        :class:`~lightning_opd.teachers.routed.RoutedTeacher`): add each row's ``(b, T-1)`` KL and supervised tokens
+        to its teacher's step sums."""
+        route = getattr(self.teacher_scorer, "route", None)
+        if route is None:
+            return
+        if self._teacher_sums is None:
+            self._teacher_sums = torch.zeros(2, len(self.teacher_scorer.names), dtype=torch.float64, device=kl.device)
+        owner = route(batch).to(kl.device)  # (b,)
+        self._teacher_sums[0].index_add_(0, owner, torch.where(keep, kl, 0.0).sum(1).double())
+        self._teacher_sums[1].index_add_(0, owner, keep.sum(1).double())
+
+    def teacher_step_metrics(self) -> dict[str, float]:
+        """The teacher's scalars of the step: with several teachers, ``teacher/<name>/token_share`` (fraction of the
+        step's supervised tokens, all ranks) and ``teacher/<name>/<kl_metric>`` (nats/token on its tokens; NaN when it
+        had none); a served teacher's running totals ``teacher/[<name>/]requests|rows|prompt_tokens|seconds|retries``
+        (this rank). Every rank calls it (a collective with several teachers)."""
+        out: dict[str, float] = {}
+        names = getattr(self.teacher_scorer, "names", None)
+        if names:
+            sums = self._teacher_sums if self._teacher_sums is not None else torch.zeros(
+                2, len(names), dtype=torch.float64, device=self.device)
+            sums = self.reduce_sum(sums.to(self.device))
+            total = float(sums[1].sum())
+            for i, name in enumerate(names):
+                tokens = float(sums[1, i])
+                out[f"teacher/{name}/token_share"] = tokens / total if total else 0.0
+                out[f"teacher/{name}/{self.kl_metric}"] = float(sums[0, i]) / tokens if tokens else float("nan")
+            self._teacher_sums = None
+        out.update({f"teacher/{k}": float(v) for k, v in getattr(self.teacher_scorer, "stats", {}).items()})
+        return out
 
     def apply_update(self, opt, sched, loss: torch.Tensor, clip: float, filtered: bool) -> torch.Tensor:
         """Clip the accumulated gradients and take the optimizer and LR-scheduler step, unless the update is skipped.
@@ -764,7 +808,8 @@ class OPDModule(PolicyModule):
         self._notify_policy_update()
         t2 = time.perf_counter()
         self.step_metrics.log_step(self, StepRecord(batch, sums, step_tokens, grad_norm, lag_max, t1 - t0, t2 - t1,
-                                                    stats, self.step_extras(), self.nonfinite.skipped,
+                                                    stats, {**self.step_extras(), **self.teacher_step_metrics()},
+                                                    self.nonfinite.skipped,
                                                     self.kl_metric))
         self.log_rollout_counts(batch)
         measured = self.nonfinite.skipped == nonfinite_before  # F28: a NaN step's per-turn KL is no measurement

@@ -29,6 +29,8 @@ Metric glossary (logged every step):
 | ``ppo/ratio_mean``, ``ppo/ratio_min``, ``ppo/ratio_max`` | - | importance ratio pi_theta/pi_old over the same tokens |
 | ``ppo/updates`` | optimizer updates | per rollout batch (``ppo_epochs * ppo_mini_batches``) |
 | ``tdur/mean_weight`` | - | mean T-DUR turn weight over all ranks' (episode, turn) pairs (with ``tdur``) |
+| ``teacher/<name>/token_share``, ``teacher/<name>/kl_sampled`` | fraction, nats/token | several teachers (``RoutedTeacher``): each teacher's share of the step's supervised tokens and mean KL on them, all ranks |
+| ``teacher/[<name>/]requests``, ``rows``, ``prompt_tokens``, ``seconds``, ``retries``, ``bytes_sent``, ``bytes_received`` | count, tokens, seconds, bytes | a served teacher (``RemoteTeacher``): running totals of this rank's requests since the fit started |
 
 Every mean over episodes or tokens is the mean over all data-parallel ranks' episodes or tokens: each
 rank's sum and count are summed over ranks, then divided (:mod:`lightning_opd.metrics.rank_stats`, F27).

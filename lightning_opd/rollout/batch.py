@@ -43,6 +43,8 @@ class RolloutBatch:
         sampling: sampling parameters the batch was generated with (the learner scores at the same
             temperature, F02).
         trajectories: the source trajectories (all of them, including empty ones), for logging.
+        task_ids: the task id of each row (``B`` strings; empty for a batch built without them), e.g. for routing
+            rows to several teachers (:class:`~lightning_opd.teachers.routed.RoutedTeacher`).
     """
 
     input_ids: torch.Tensor
@@ -63,6 +65,7 @@ class RolloutBatch:
     turn_weight: torch.Tensor | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trajectories: list[Trajectory] = field(default_factory=list)
+    task_ids: tuple[str, ...] = ()
 
     _TENSORS = ("input_ids", "attention_mask", "loss_mask", "turn_index", "behaviour_logprobs", "behaviour_version",
                 "rewards", "success", "num_turns", "group_id", "is_probe", "rollout_cap", "sample_weight", "advantage",
@@ -83,8 +86,12 @@ class RolloutBatch:
         return replace(self, **{k: getattr(self, k).to(device) for k in self._TENSORS if getattr(self, k) is not None})
 
     def select(self, index: slice | torch.Tensor) -> "RolloutBatch":
-        """Rows ``index`` (trajectories are kept whole for logging)."""
-        return replace(self, **{k: getattr(self, k)[index] for k in self._TENSORS if getattr(self, k) is not None})
+        """Rows ``index`` (a slice or a ``(b,)`` long tensor; trajectories are kept whole for logging)."""
+        task_ids = self.task_ids
+        if task_ids:
+            task_ids = task_ids[index] if isinstance(index, slice) else tuple(task_ids[i] for i in index.tolist())
+        return replace(self, **{k: getattr(self, k)[index] for k in self._TENSORS if getattr(self, k) is not None},
+                       task_ids=tuple(task_ids))
 
     @property
     def lengths(self) -> list[int]:
@@ -118,7 +125,7 @@ class RolloutBatch:
         values = {k: torch.full((n, 2) if k in self._PER_TOKEN else (n,), fill.get(k, 0), dtype=getattr(self, k).dtype,
                                 device=dev)
                   for k in self._TENSORS if getattr(self, k) is not None}
-        return replace(self, **values, trajectories=[])
+        return replace(self, **values, trajectories=[], task_ids=("",) * n if self.task_ids else ())
 
 
 def pack_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[tuple[int, int]]:
@@ -222,7 +229,7 @@ def collate_trajectories(trajs: list[Trajectory], sampling: SamplingParams, pad_
         group_id=per_row([t.group_id for t in rows], torch.long),
         is_probe=per_row([t.is_probe for t in rows], torch.bool),
         rollout_cap=per_row([t.rollout_cap for t in rows], torch.long),
-        sampling=sampling, trajectories=list(trajs),
+        sampling=sampling, trajectories=list(trajs), task_ids=tuple(str(t.task_id) for t in rows),
     )
 
 

@@ -61,6 +61,8 @@ class ServerClient:
         self.backoff_s = float(backoff_s)
         self.retry_count = 0  #: transient failures retried so far
         self.request_count = 0  #: requests answered so far
+        self.bytes_sent = 0  #: request bodies sent so far (bytes, JSON)
+        self.bytes_received = 0  #: answer bodies received so far (bytes)
         self.heartbeat: Heartbeat | None = None
         self._local = threading.local()  # one requests.Session per thread (Session is not thread-safe)
 
@@ -96,6 +98,8 @@ class ServerClient:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 r = self.session.request(method, self.url + route, json=payload, timeout=timeout)
+                self.bytes_sent += len(r.request.body or b"")
+                self.bytes_received += len(r.content)
             except requests.Timeout:
                 last = f"{method} {route} timed out after timeout_s={timeout:g} s"
                 continue

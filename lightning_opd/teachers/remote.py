@@ -149,8 +149,11 @@ class RemoteTeacher(Teacher):
 
     @property
     def stats(self) -> dict[str, float]:
-        """Totals since start: requests, rows, prompt tokens, seconds waiting for the servers, retries."""
-        return {**self.totals, "retries": float(sum(c.retry_count for c in self.clients))}
+        """Totals since start: requests, rows, prompt tokens, seconds waiting for the servers, retries, bytes sent and
+        received (all routes, JSON bodies)."""
+        return {**self.totals, "retries": float(sum(c.retry_count for c in self.clients)),
+                "bytes_sent": float(sum(c.bytes_sent for c in self.clients)),
+                "bytes_received": float(sum(c.bytes_received for c in self.clients))}
 
     # --------------------------------------------------------------------------------------- scoring
     def score(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor, signals: Collection[TeacherSignal],
