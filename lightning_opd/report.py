@@ -37,6 +37,14 @@ PANELS = (
     ("Schedules", ("schedule/", "turn_blend/alpha"), "value", None),
 )
 SFT_PANEL = ("Training loss", ("train/loss",), "nats/token", None)  # instead of the KL panel when no train/kl
+#: instead of the KL panel with a teacher without the full vocabulary (a served teacher): the k1 estimate
+SAMPLED_KL_PANEL = ("Training reverse KL (k1 estimate at the sampled tokens)", ("train/kl_sampled",), "nats/token", None)
+
+
+def kl_prefix(series: Series) -> str:
+    """``"kl"`` when the run logged the exact per-turn KL (``kl/turn_NN``), else ``"kl_sampled"`` (its k1 estimate,
+    logged with a teacher without the full vocabulary, docs/algorithms.md §6.5)."""
+    return "kl" if any(t.startswith("kl/turn_") for t in series) or "train/kl" in series else "kl_sampled"
 
 
 def read_scalars(run_dir: str | Path) -> Series:
@@ -63,7 +71,8 @@ def read_scalars(run_dir: str | Path) -> Series:
 def kl_matrix(series: Series) -> tuple[list[int], list[int], list[list[float]]]:
     """Per-turn KL as ``(turns, steps, matrix)`` with ``matrix[turn][step]`` (nats/token, NaN where a turn
     was not logged at that step, e.g. no episode reached it)."""
-    tags = sorted(t for t in series if t.startswith("kl/turn_"))
+    prefix = f"{kl_prefix(series)}/turn_"
+    tags = sorted(t for t in series if t.startswith(prefix))
     steps = sorted({s for t in tags for s in series[t][0]})
     col = {s: j for j, s in enumerate(steps)}
     matrix = []
@@ -85,7 +94,7 @@ def panels(series: Series) -> list[tuple[str, list[str], str, str | None]]:
     chosen = []
     for title, wanted, unit, kind in PANELS:
         if wanted == ("train/kl",) and "train/kl" not in series:
-            title, wanted, unit, kind = SFT_PANEL
+            title, wanted, unit, kind = SAMPLED_KL_PANEL if "train/kl_sampled" in series else SFT_PANEL
         tags = _tags(series, wanted)
         if tags:
             chosen.append((title, tags, unit, kind))
@@ -152,7 +161,7 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None,
         ax.set_ylabel("turn")
     else:
         ax.text(0.5, 0.5, "no kl/turn_* logged in this run", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title("Per-turn reverse KL")
+    ax.set_title("Per-turn reverse KL" if kl_prefix(series) == "kl" else "Per-turn reverse KL (k1 estimate)")
     ax.set_xlabel("step")
     for ax, (title, tags, unit, kind) in zip(axes[1:], chosen):
         for tag in tags:

@@ -95,6 +95,19 @@ def test_async_lag_and_sft_loss_get_their_panels(tmp_path):
                       ("Staleness", ["rollout/lag_max"])]
 
 
+def test_a_served_teacher_run_plots_the_k1_kl(tmp_path):
+    """A run with a served teacher logs train/kl_sampled and kl_sampled/turn_NN (docs/algorithms.md §6.5): the heat map
+    and the KL panel read those, named as the estimate."""
+    _write(tmp_path, {"train/kl_sampled": [(0, 0.5), (1, -0.1)], "kl_sampled/turn_00": [(0, 0.4), (1, 0.2)],
+                      "kl_sampled/turn_01": [(1, -0.3)]})
+    series = read_scalars(tmp_path)
+    turns, steps, matrix = kl_matrix(series)
+    assert (turns, steps) == ([0, 1], [0, 1]) and matrix[0] == pytest.approx([0.4, 0.2])
+    assert math.isnan(matrix[1][0]) and matrix[1][1] == pytest.approx(-0.3)
+    chosen = [(title, tags) for title, tags, _, _ in panels(series)]
+    assert chosen == [("Training reverse KL (k1 estimate at the sampled tokens)", ["train/kl_sampled"])]
+
+
 def test_success_axis_is_pinned_turn_ticks_are_integers_and_baselines_drawn(tmp_path, monkeypatch):
     before = tmp_path / "before"
     _write(before, {"val/success": [(0, 0.25)]})

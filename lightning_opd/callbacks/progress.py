@@ -110,7 +110,12 @@ class StepLinePrinter(ProgressBar):
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         step = trainer.global_step
         parts = [f"step {step}/{total}" if total else f"step {step}"]
-        keys = STEP_KEYS if "train/kl" in metrics else (LOSS_KEY, *STEP_KEYS[1:])
+        if "train/kl" in metrics:
+            keys = STEP_KEYS
+        elif "train/kl_sampled" in metrics:  # a served teacher: the k1 estimate (docs/algorithms.md §6.5)
+            keys = (("train/kl_sampled", "kl_sampled"), *STEP_KEYS[1:])
+        else:
+            keys = (LOSS_KEY, *STEP_KEYS[1:])
         parts += [f"{name} {_fmt(float(metrics[key]))}" for key, name in keys if key in metrics]
         done = step - self._first_step
         if self._t0 is not None and done > 0:

@@ -31,6 +31,8 @@ def test_step_line_by_hand(monkeypatch):
     printer._first_step = 1  # a resumed fit counts its own steps: 123.6 s / 2 = 61.8 s/step, 17 x 61.8 = 1050.6 s
     assert printer.step_line(_trainer({"train/loss": torch.tensor(2.0)})) == "step 3/20 | loss 2 | 61.8 s/step | ETA 17m31s"
     assert printer.step_line(_trainer({}, step=3, max_steps=-1)) == "step 3 | 61.8 s/step"  # no max_steps: no ETA
+    sampled = {"train/kl_sampled": torch.tensor(-0.05), "rollout/success": torch.tensor(0.5)}  # a served teacher
+    assert printer.step_line(_trainer(sampled)) == "step 3/20 | kl_sampled -0.05 | success 0.5 | 61.8 s/step | ETA 17m31s"
 
 
 def test_held_out_episodes_by_hand():
