@@ -14,7 +14,8 @@ Each arm is a ``lightning-opd fit`` child process for ``--steps`` optimizer step
 steps 2..N of ``timing/rollout_s`` + ``timing/update_s`` (seconds per step; async: wall seconds per step from the
 step timestamps, which include waiting for the producer), steps per hour, the learner process's peak RSS (its own
 ``ru_maxrss``: with the teacher served, the teacher's weights leave it; compared with the teacher's size on disk),
-and the bytes per step the teacher and sampler clients moved (JSON bodies). Results:
+the bytes per step the teacher client moved (JSON bodies), and each server's prompt tokens and how many of them
+came from its prefix cache (``/metrics``). Results:
 benchmarks/results/remote_step.json (one entry per arm, resumable).
 
 Run: .venv/bin/python -m benchmarks.remote_step [--steps 6] [--arms in_process remote_teacher]
@@ -88,7 +89,7 @@ def dir_bytes(path: str) -> int:
 
 def run_arm(arm: str, steps: int, server_cpus: list[int], learner_cpus: list[int], run_dir: Path) -> dict:
     """Start the arm's servers, run its fit as a child process, stop the servers; the arm's measurements."""
-    from lightning_opd.serving import VLLMServer
+    from lightning_opd.serving import ServerClient, VLLMServer
 
     servers = []
     try:
@@ -114,6 +115,11 @@ def run_arm(arm: str, steps: int, server_cpus: list[int], learner_cpus: list[int
             raise RuntimeError(f"arm {arm}: fit failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
         rss_kb = int(next(line.split()[-1] for line in proc.stdout.splitlines()
                           if line.startswith("REMOTE_STEP_MAXRSS_KB")))
+        prompt_tokens = {}  # per server: prompt tokens it was sent and how many of them its prefix cache held
+        for role, s in zip(("teacher", "sampler"), servers):
+            m = ServerClient(s.url).metrics()
+            prompt_tokens[role] = {"prompt_tokens": m.get("vllm:prompt_tokens_total", 0.0),
+                                   "cached_prompt_tokens": m.get("vllm:prompt_tokens_cached_total", 0.0)}
     finally:
         for s in servers:
             s.stop()
@@ -130,7 +136,7 @@ def run_arm(arm: str, steps: int, server_cpus: list[int], learner_cpus: list[int
             "teacher_weights_gb": dir_bytes(TEACHER) / 2 ** 30, "teacher_bytes_per_step": teacher_bytes,
             "rollout_s_median": statistics.median(r for _, _, r in scalars["timing/rollout_s"][1:]),
             "update_s_median": statistics.median(u for _, _, u in scalars["timing/update_s"][1:]),
-            "fit_wall_s": wall, "server_cpus": server_cpus if arm != "in_process" else None,
+            "fit_wall_s": wall, "server_prompt_tokens": prompt_tokens, "server_cpus": server_cpus if arm != "in_process" else None,
             "learner_cpus": learner_cpus if arm != "in_process" else None}
 
 
