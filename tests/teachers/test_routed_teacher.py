@@ -87,3 +87,37 @@ def test_per_teacher_token_share_and_kl_are_logged(served_model_dirs, endpoints,
     assert math.isclose(got["teacher/two/kl_sampled"], float(kl[2:].sum() / tokens[2:].sum()), rel_tol=1e-4, abs_tol=1e-5)
     assert got["teacher/one/requests"] >= 1 and got["teacher/two/retries"] == 0
     assert module.teacher_step_metrics()["teacher/one/token_share"] == 0.0  # reset after each step
+
+
+def test_yaml_names_several_teachers(model_dirs, tmp_path):
+    """``model.init_args.teacher`` as a RoutedTeacher of two RemoteTeacher endpoints, from YAML (no server needed to
+    build the module: a served teacher connects at ``load``)."""
+    import lightning as L
+    from jsonargparse import ArgumentParser
+
+    from lightning_opd.learner import OPDModule
+
+    config = tmp_path / "two_teachers.yaml"
+    config.write_text(f"""
+model:
+  class_path: lightning_opd.learner.OPDModule
+  init_args:
+    student: {model_dirs['student']}
+    teacher:
+      class_path: lightning_opd.teachers.RoutedTeacher
+      init_args:
+        teachers:
+          cook: {{class_path: lightning_opd.teachers.RemoteTeacher, init_args: {{urls: [http://127.0.0.1:8001]}}}}
+          coin: {{class_path: lightning_opd.teachers.RemoteTeacher, init_args: {{urls: [http://127.0.0.1:8002]}}}}
+        routes: {{cook/: cook}}
+        default: coin
+    loss: {{class_path: lightning_opd.losses.SampledTokenReverseKL}}
+""")
+    parser = ArgumentParser()
+    parser.add_subclass_arguments(L.LightningModule, "model")
+    module = parser.instantiate(parser.parse_path(str(config))).model
+    assert isinstance(module, OPDModule) and isinstance(module.teacher_scorer, RoutedTeacher)
+    assert module.teacher_scorer.names == ["cook", "coin"] and module.teacher_path is None
+    assert [t.urls for t in module.teacher_scorer.teachers.values()] == [["http://127.0.0.1:8001"],
+                                                                         ["http://127.0.0.1:8002"]]
+    assert module.kl_metric == "kl_sampled"
