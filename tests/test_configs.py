@@ -603,7 +603,7 @@ def test_model_help_shows_docstrings(capsys):
     out = help_text(capsys, ["fit", "--model.help", "lightning_opd.learner.OPDModule"])
     assert "--model.micro_batch_size" in out
     assert "episodes per forward/backward; the step's gradient does not depend on it (F07)" in out
-    assert "teacher model directory; must share the student's tokenizer (F01)" in out
+    assert "the teacher: a model directory (scored in this process by" in out
 
 
 def test_data_help_shows_docstrings(capsys):

@@ -180,7 +180,7 @@ class RemoteTeacher(Teacher):
                 f"teacher {self.name}: sampling temperature {temperature} != 1, but vLLM's prompt_logprobs are the "
                 "teacher's log-probs at temperature 1 (measured on vllm 0.32: the request temperature does not change "
                 "them), so the loss would compare the student at T with the teacher at 1 (F02): sample at "
-                "data.init_args.sampling.temperature=1.0, or use the in-process teacher (model.init_args.teacher: DIR)")
+                "data.init_args.temperature=1.0, or use the in-process teacher (model.init_args.teacher: DIR)")
         want_topk = TeacherSignal.TOP_K in signals
         k = min(int(top_k), self.vocab_size or int(top_k)) if want_topk else 0
         ids_cpu = batch.input_ids.detach().cpu()
