@@ -61,7 +61,7 @@ def arm_config(arm: str, teacher_url: str | None, sampler_url: str | None, steps
     data: dict = {}
     if sampler_url:
         data["generator"] = {"class_path": "lightning_opd.rollout.remote.RemoteGenerator",
-                             "init_args": {"urls": [sampler_url]}}
+                             "init_args": {"urls": [sampler_url], "weights_dir": str(run_dir / "pushed_weights")}}
     if arm.endswith("_async"):
         data.update(mode="async", producer_lead=1)
     return {"trainer": {"max_steps": steps, "val_check_interval": None, "limit_val_batches": 0,
@@ -100,13 +100,17 @@ def run_arm(arm: str, steps: int, server_cpus: list[int], learner_cpus: list[int
                                       max_model_len=2048).start())
             teacher_url = servers[-1].url
         if arm.startswith("remote_both"):
+            from lightning_opd.rollout.remote import sampler_server_args
+
             servers.append(VLLMServer(STUDENT, threads=threads, cpus=server_cpus, kv_cache_memory_bytes=1 << 29,
-                                      max_model_len=2048, dev_mode=True).start())
+                                      max_model_len=2048, dev_mode=True, extra_args=sampler_server_args(2048)).start())
             sampler_url = servers[-1].url
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
             json.dump(arm_config(arm, teacher_url, sampler_url, steps, run_dir), f)  # JSON is YAML
         args = ["fit", "--config", "conf/textworld/opd.yaml", "--config", f.name]
-        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, len(learner_cpus))))
+        # in-process: the learner (and its teacher) on every core; served: the learner on learner_cpus, servers on theirs
+        env = dict(os.environ, OMP_NUM_THREADS=str(len(os.sched_getaffinity(0)) if arm == "in_process"
+                                                   else max(1, len(learner_cpus))))
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], env=env, capture_output=True, text=True,
                               preexec_fn=(lambda: os.sched_setaffinity(0, learner_cpus)) if arm != "in_process" else None)
