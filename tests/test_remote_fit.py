@@ -213,3 +213,29 @@ def test_killed_teacher_server_stops_the_fit_and_resume_continues_on_a_restarted
     if serve is not None:
         assert serve.returncode == 0 and "stopped" in out, out
         assert not ServerClient(url, timeout_s=2.0, retries=0).healthy()  # the vllm process went with it
+
+
+@needs_vllm
+def test_async_fit_with_teacher_and_sampler_served(vllm, served_model_dirs, tmp_path):
+    """Both served: the tiny teacher (RemoteTeacher) and the tiny student's sampler server (RemoteGenerator, dev mode,
+    weights pushed by disk + reload), asynchronous with producer_lead 1: 3 steps train (the learner's on-policy check
+    passes on the versions the sampler stamped), every batch's lag is within max_allowed_lag = 1, and the sampler
+    server ends holding a version the learner pushed (its /weight_info names it)."""
+    from tests.rollout.test_remote_generator import sampler
+
+    teacher, sampler_server = served(served_model_dirs["teacher"]), sampler(served_model_dirs["student"])
+    generator = json.dumps({"class_path": "lightning_opd.rollout.remote.RemoteGenerator",
+                            "init_args": {"urls": [sampler_server.url], "heartbeat_s": 0,
+                                          "weights_dir": str(tmp_path / "pushed")}})
+    cli = OPDCLI(args=["fit", "--config", str(REMOTE), f"--model.init_args.student={served_model_dirs['student']}",
+                       f"--model.init_args.teacher.init_args.urls=[{teacher.url}]", "--model.init_args.export_dir=export",
+                       "--model.init_args.loss=lightning_opd.losses.SampledTokenReverseKL",
+                       "--trainer.logger.init_args.save_dir=logs", ENV, *SMALL, f"--data.init_args.generator={generator}",
+                       "--data.init_args.mode=async", "--data.init_args.producer_lead=1", "--trainer.max_steps=3"])
+    assert cli.trainer.global_step == 3 and cli.model.policy_version == 3
+    run = tmp_path / "logs" / "opd_remote" / "version_0"
+    lags = [v for _, v in scalars(run, "rollout/lag_max")]
+    assert len(lags) == 3 and all(0 <= v <= 1 for v in lags)
+    assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars(run, "train/kl_sampled"))
+    held = ServerClient(sampler_server.url).get("/weight_info")
+    assert str(held.get("weight_version")) in {"0", "1", "2", "3"}, held
