@@ -42,9 +42,11 @@ def served_model_dirs(tmp_path_factory, tokenizer):
     return out
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _stop_vllm_servers():
-    """Stop the ``vllm serve`` processes tests started through :func:`tests.servers.served` at session end."""
+    """Stop the ``vllm serve`` processes a test module started through :func:`tests.servers.served` when the module
+    ends. Kept for the whole session they added up (each 1-2.5 GB resident) until the CI machine (24 GB) killed
+    pytest at test 1263 of 1272 (stop 48's CI)."""
     yield
     from tests.servers import stop_all
 

@@ -1,9 +1,10 @@
-"""Real ``vllm serve`` processes for tests: each (model directory, options) started once per test session.
+"""Real ``vllm serve`` processes for tests: each (model directory, options) started once per test module.
 
 ``served(model_dir, **options)`` returns a running :class:`~lightning_opd.serving.VLLMServer` on 127.0.0.1 (a free
-port), started the first time it is asked for and stopped when the session ends (``tests/conftest.py``'s
-``_stop_vllm_servers``). A test that kills its server (fault cases) starts its own instead. Every server runs with
-``OMP_NUM_THREADS=1`` and a 256 MiB KV cache, so two of them and the learner fit on the 2-core CI machine.
+port), started the first time a module asks for it and stopped when that module ends (``tests/conftest.py``'s
+``_stop_vllm_servers``: kept for the session, they added up past the CI machine's 24 GB). A test that kills its
+server (fault cases) starts its own instead. Every server runs with ``OMP_NUM_THREADS=1`` and a 256 MiB KV cache,
+so two of them and the learner fit on the 2-core CI machine.
 """
 
 from __future__ import annotations

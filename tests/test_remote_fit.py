@@ -220,7 +220,8 @@ def test_async_fit_with_teacher_and_sampler_served(vllm, served_model_dirs, tmp_
     """Both served: the tiny teacher (RemoteTeacher) and the tiny student's sampler server (RemoteGenerator, dev mode,
     weights pushed by disk + reload), asynchronous with producer_lead 1: 3 steps train (the learner's on-policy check
     passes on the versions the sampler stamped), every batch's lag is within max_allowed_lag = 1, and the sampler
-    server ends holding a version the learner pushed (its /weight_info names it)."""
+    server ends holding a version the learner pushed (its /weight_info names it); the sampler's totals are logged
+    (``sampler/*``)."""
     from tests.rollout.test_remote_generator import sampler
 
     teacher, sampler_server = served(served_model_dirs["teacher"]), sampler(served_model_dirs["student"])
@@ -239,3 +240,7 @@ def test_async_fit_with_teacher_and_sampler_served(vllm, served_model_dirs, tmp_
     assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars(run, "train/kl_sampled"))
     held = ServerClient(sampler_server.url).get("/weight_info")
     assert str(held.get("weight_version")) in {"0", "1", "2", "3"}, held
+    requests = [v for _, v in scalars(run, "sampler/requests")]  # the sampler's running totals, logged per step
+    assert len(requests) == 3 and requests[0] > 0 and requests == sorted(requests), requests
+    assert scalars(run, "sampler/completion_tokens")[-1][1] > 0 and scalars(run, "sampler/pushes")[-1][1] >= 1
+    assert scalars(run, "sampler/retries")[-1][1] == 0

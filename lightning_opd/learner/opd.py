@@ -706,6 +706,13 @@ class OPDModule(PolicyModule):
         out.update({f"teacher/{k}": float(v) for k, v in getattr(self.teacher_scorer, "stats", {}).items()})
         return out
 
+    def sampler_step_metrics(self) -> dict[str, float]:
+        """A served sampler's running totals (:class:`~lightning_opd.rollout.remote.RemoteGenerator`'s ``stats``,
+        this rank) as ``sampler/requests|prompt_tokens|prompt_tokens_cached|completion_tokens|seconds|pushes|
+        push_seconds|retries|bytes_sent|bytes_received``; none for the in-process backends."""
+        generator = self.weight_sync.generator if self.weight_sync is not None else None
+        return {f"sampler/{k}": float(v) for k, v in getattr(generator, "stats", {}).items()}
+
     def apply_update(self, opt, sched, loss: torch.Tensor, clip: float, filtered: bool) -> torch.Tensor:
         """Clip the accumulated gradients and take the optimizer and LR-scheduler step, unless the update is skipped.
 
@@ -808,7 +815,8 @@ class OPDModule(PolicyModule):
         self._notify_policy_update()
         t2 = time.perf_counter()
         self.step_metrics.log_step(self, StepRecord(batch, sums, step_tokens, grad_norm, lag_max, t1 - t0, t2 - t1,
-                                                    stats, {**self.step_extras(), **self.teacher_step_metrics()},
+                                                    stats, {**self.step_extras(), **self.teacher_step_metrics(),
+                                                     **self.sampler_step_metrics()},
                                                     self.nonfinite.skipped,
                                                     self.kl_metric))
         self.log_rollout_counts(batch)

@@ -185,7 +185,8 @@ class VLLMServer:
         self.process = None
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the server's process group; SIGKILL after ``timeout_s`` seconds."""
+        """SIGTERM the server's process group; SIGKILL after ``timeout_s`` seconds, and SIGKILL to what is left of the
+        group once the API server has exited (no engine-core process outlives its server)."""
         proc = self.process
         if proc is None:
             return
@@ -198,6 +199,10 @@ class VLLMServer:
                 proc.wait()
             except ProcessLookupError:
                 pass
+        try:  # the engine-core processes of the group, should any outlive the API server
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.process = None
 
     def __enter__(self) -> "VLLMServer":
