@@ -6,8 +6,7 @@ One run, arms side by side, each fit alone on the cores except for the servers i
   the loss a served teacher can feed), the teacher model in the learner's process;
 * ``remote_teacher``: the same, the teacher a ``vllm serve`` process (``RemoteTeacher``), started here, pinned to
   ``--server-cpus`` with ``OMP_NUM_THREADS`` = their count;
-* ``remote_both``: also the sampler on a ``vllm serve`` process with weight pushes (``RemoteGenerator``), when
-  :mod:`lightning_opd.rollout.remote` exists;
+* ``remote_both``: also the sampler on a ``vllm serve`` process with weight pushes (``RemoteGenerator``);
 * ``remote_both_async``: that, asynchronous (``mode: async``, ``producer_lead: 1``), learner on the other cores.
 
 Each arm is a ``lightning-opd fit`` child process for ``--steps`` optimizer steps. Printed per arm: the median of
@@ -135,9 +134,14 @@ def run_arm(arm: str, steps: int, server_cpus: list[int], learner_cpus: list[int
     sent = scalars.get("teacher/bytes_sent", [])
     received = scalars.get("teacher/bytes_received", [])
     teacher_bytes = ((sent[-1][2] + received[-1][2]) / len(sent)) if sent else 0.0
+    s_sent, s_received = scalars.get("sampler/bytes_sent", []), scalars.get("sampler/bytes_received", [])
+    sampler_bytes = ((s_sent[-1][2] + s_received[-1][2]) / len(s_sent)) if s_sent else 0.0
+    pushes = scalars.get("sampler/push_seconds", [])
+    push_s = (pushes[-1][2] / scalars["sampler/pushes"][-1][2]) if pushes and scalars["sampler/pushes"][-1][2] else 0.0
     return {"arm": arm, "steps": len(per_step), "step_s_median": statistics.median(timed),
             "steps_per_hour": 3600.0 / statistics.median(timed), "learner_peak_rss_gb": rss_kb / 2 ** 20,
             "teacher_weights_gb": dir_bytes(TEACHER) / 2 ** 30, "teacher_bytes_per_step": teacher_bytes,
+            "sampler_bytes_per_step": sampler_bytes, "push_s_mean": push_s,
             "rollout_s_median": statistics.median(r for _, _, r in scalars["timing/rollout_s"][1:]),
             "update_s_median": statistics.median(u for _, _, u in scalars["timing/update_s"][1:]),
             "fit_wall_s": wall, "server_prompt_tokens": prompt_tokens, "server_cpus": server_cpus if arm != "in_process" else None,
@@ -155,12 +159,6 @@ def main() -> None:
     results = ResultFile(args.out)
     run_dir = Path(tempfile.mkdtemp(prefix="remote_step_"))
     for arm in args.arms:
-        if arm.startswith("remote_both"):
-            try:
-                import lightning_opd.rollout.remote  # noqa: F401
-            except ImportError:
-                print(f"{arm}: skipped (no remote sampler in this checkout)")
-                continue
         if arm in results:
             print(f"{arm}: done already ({args.out})")
             continue
@@ -170,10 +168,11 @@ def main() -> None:
     base = next((r for r in rows if r["arm"] == "in_process"), None)
     print(markdown_table(
         ["arm", "s/step (median)", "rollout s", "update s", "steps/h", "x in-process", "learner peak RSS GB",
-         "teacher bytes/step"],
+         "teacher bytes/step", "sampler bytes/step", "push s"],
         [[r["arm"], f"{r['step_s_median']:.1f}", f"{r['rollout_s_median']:.1f}", f"{r['update_s_median']:.1f}",
           f"{r['steps_per_hour']:.0f}", f"{base['step_s_median'] / r['step_s_median']:.2f}" if base else "-",
-          f"{r['learner_peak_rss_gb']:.2f}", f"{r['teacher_bytes_per_step'] / 1e6:.2f} MB"] for r in rows]))
+          f"{r['learner_peak_rss_gb']:.2f}", f"{r['teacher_bytes_per_step'] / 1e6:.2f} MB",
+          f"{r.get('sampler_bytes_per_step', 0.0) / 1e6:.2f} MB", f"{r.get('push_s_mean', 0.0):.1f}"] for r in rows]))
     if rows:
         print(f"teacher weights on disk: {rows[0]['teacher_weights_gb']:.2f} GB")
 
