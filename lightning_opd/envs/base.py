@@ -61,6 +61,8 @@ class EnvFactory(ABC):
 
     #: one-line system message shown at the start of every episode (``None``: template default)
     system_prompt: str | None = None
+    #: :meth:`privileged_context` gives a text for this environment's tasks (set ``True`` where it is implemented)
+    provides_privileged_context: bool = False
 
     @abstractmethod
     def train_tasks(self) -> list[str]:
@@ -81,3 +83,16 @@ class EnvFactory(ABC):
             NotImplementedError: the environment has no expert.
         """
         raise NotImplementedError(f"{type(self).__name__} has no expert policy")
+
+    def privileged_context(self, task_id: str) -> str | None:
+        """Privileged text about ``task_id`` that only a privileged teacher sees, never the student: e.g. a
+        walkthrough that wins the game, or the gold documents and answer (PROPOSED, docs/algorithms.md §6.3; the
+        self-distillation teacher of TRL's SDFT/SDPO and prime-rl's ``opsd``,
+        :class:`~lightning_opd.teachers.privileged.PrivilegedTeacher`). A short plain text (a few hundred
+        characters), inserted into the teacher's copy of the first prompt. An environment that implements it
+        sets :attr:`provides_privileged_context` to ``True``.
+
+        Returns:
+            the text, or ``None``: this environment (or this task) has none (the default).
+        """
+        return None

@@ -216,6 +216,7 @@ class SearchQAEnvFactory(EnvFactory):
     """
 
     system_prompt = SYSTEM_PROMPT
+    provides_privileged_context = True
 
     def __init__(self, data_dir: str = "artifacts/search_qa", top_k: int = 2, max_query_chars: int = 200,
                  max_answer_words: int = 8, num_train: int | None = None, num_eval: int | None = None) -> None:
@@ -270,3 +271,28 @@ class SearchQAEnvFactory(EnvFactory):
         if "hops" not in t:
             raise NotImplementedError(f"Search-QA task {task_id!r} has no 'hops' to build an expert from")
         return [f"<search>{h}</search>" for h in t["hops"]] + [f"<answer>{t['answer']}</answer>"]
+
+    def privileged_context(self, task_id: str) -> str | None:
+        """The question's gold documents (``gold_docs`` ids looked up in the corpus, in hop order) and its answer::
+
+            Documents that answer this question:
+            1. <document>
+            2. <document>
+            Answer: <answer>
+
+        (only the answer line for a question without ``gold_docs``). PROPOSED, docs/algorithms.md §6.3.
+
+        Raises:
+            KeyError: unknown task id, or a gold document id missing from the corpus.
+        """
+        t = self.task(task_id)
+        docs = dict(zip(self.retriever.ids, self.retriever.texts))
+        lines = []
+        if t.get("gold_docs"):
+            missing = [d for d in t["gold_docs"] if d not in docs]
+            if missing:
+                raise KeyError(f"Search-QA task {task_id!r}: gold documents {missing} are not in "
+                               f"{self.data_dir / 'corpus.jsonl'}")
+            lines = ["Documents that answer this question:"] + [f"{i}. {docs[d]}" for i, d in
+                                                               enumerate(t["gold_docs"], 1)]
+        return "\n".join(lines + [f"Answer: {t['answer']}"])

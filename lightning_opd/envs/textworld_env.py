@@ -206,6 +206,7 @@ class TextWorldEnvFactory(EnvFactory):
     """
 
     system_prompt = SYSTEM_PROMPT
+    provides_privileged_context = True
 
     def __init__(self, games_dir: str = "artifacts/games/quest3", max_observation_chars: int = 600,
                  num_train: int | None = None, num_eval: int | None = None, repeat_goal: bool = True,
@@ -262,3 +263,15 @@ class TextWorldEnvFactory(EnvFactory):
 
     def expert_actions(self, task_id: str) -> list[str]:
         return list(self._games[task_id]["walkthrough"])
+
+    def privileged_context(self, task_id: str) -> str | None:
+        """The game's expert walkthrough as one line: ``"A walkthrough that wins this game: cmd1; cmd2; ..."``
+        (``None`` for a game whose manifest lists no walkthrough). PROPOSED, docs/algorithms.md §6.3.
+
+        Raises:
+            KeyError: unknown task id.
+        """
+        if task_id not in self._games:
+            raise KeyError(f"unknown TextWorld task id {task_id!r} in {self.games_dir}")
+        steps = self.expert_actions(task_id)
+        return f"A walkthrough that wins this game: {'; '.join(steps)}" if steps else None

@@ -109,8 +109,10 @@ class OPDModule(PolicyModule):
         teacher: the teacher: a model directory (scored in this process by
             :class:`~lightning_opd.teachers.in_process.InProcessTeacher`), or a :class:`~lightning_opd.teachers.base.Teacher`
             (``class_path: lightning_opd.teachers.RemoteTeacher``: a ``vllm serve`` endpoint; ``RoutedTeacher``: several
-            teachers, one per task family). It must share the student's tokenizer (F01: checked here for a directory,
-            at ``configure_model`` over HTTP for a server). :attr:`teacher_scorer` holds it.
+            teachers, one per task family; ``PrivilegedTeacher``: the student's own weights shown the environment's
+            privileged context, self-distillation, docs/algorithms.md §6.3). It must share the student's tokenizer
+            (F01: checked here for a directory, at ``configure_model`` over HTTP for a server). :attr:`teacher_scorer`
+            holds it.
         loss: per-token divergence; default ``FullVocabReverseKL`` (analytic reverse KL). Use
             ``lightning_opd.losses.SampledTokenReverseKL`` for the sampled-token policy-gradient form.
             ATOD's ``ClippedSurrogate`` belongs to :class:`~lightning_opd.learner.atod.ATODModule`.
@@ -339,6 +341,16 @@ class OPDModule(PolicyModule):
         super().configure_model()
         if self._trainer is None or self.trainer.state.fn == "fit":
             self.teacher_scorer.load()  # the in-process teacher: loaded once, F20 checked
+            self.teacher_scorer.attach_student(self.student)  # a self-distillation teacher scores with its weights
+
+    def connect_data(self, datamodule) -> None:
+        """:meth:`PolicyModule.connect_data`, then hand the DataModule's environment factory (``env``) to the teacher
+        (:meth:`~lightning_opd.teachers.base.Teacher.attach_envs`: a privileged teacher reads its texts there and
+        refuses an environment without them)."""
+        super().connect_data(datamodule)
+        envs = getattr(datamodule, "env", None)
+        if envs is not None:
+            self.teacher_scorer.attach_envs(envs)
 
     def check_loaded_student(self, model) -> None:
         """Refuse a student whose log-probs the head path cannot reproduce (F20; see
@@ -739,6 +751,7 @@ class OPDModule(PolicyModule):
             return full
         torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         opt.step()
+        self.teacher_scorer.on_optimizer_step()  # e.g. a self-distillation teacher's EMA
         if sched is not None:
             sched.step()
         self.nonfinite.applied()

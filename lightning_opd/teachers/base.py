@@ -9,8 +9,9 @@ needs (``teacher_signal``), each teacher the ones it ``provides``; :func:`check_
 does not fit, naming both and the losses that would work.
 
 Implementations: :class:`~lightning_opd.teachers.in_process.InProcessTeacher` (a Hugging Face model in the
-learner's process: all three signals). A teacher that scores elsewhere (a ``vllm serve`` endpoint) or on its
-own view of the episode (privileged context: other token positions, the same sampled tokens) subclasses
+learner's process: all three signals), :class:`~lightning_opd.teachers.privileged.PrivilegedTeacher` (the
+student's own weights shown the environment's privileged context: other token positions, the same sampled tokens).
+A teacher that scores elsewhere (a ``vllm serve`` endpoint) or on its own view of the episode subclasses
 :class:`Teacher`: it owns how it gets the numbers, and returns them at the student's positions.
 """
 
@@ -84,6 +85,19 @@ class Teacher:
     def to(self, device: torch.device | str) -> "Teacher":
         """Move what scores in this process to ``device`` (the student's). Default: nothing."""
         return self
+
+    def attach_student(self, student) -> None:
+        """The student ``PreTrainedModel`` the module trains, given by ``OPDModule.configure_model`` after it is
+        loaded (a teacher scoring with the student's own weights keeps it or copies it). Default: nothing."""
+
+    def attach_envs(self, envs) -> None:
+        """The :class:`~lightning_opd.envs.base.EnvFactory` the rollouts come from, given by ``OPDModule`` at
+        setup (a teacher that reads what the environment gives, e.g. privileged context, keeps it and may refuse
+        an environment). Default: nothing."""
+
+    def on_optimizer_step(self) -> None:
+        """Called by ``OPDModule`` right after each optimizer step that changed the student's weights (not after a
+        skipped update), e.g. to update an EMA copy. Default: nothing."""
 
     def score(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor, signals: Collection[TeacherSignal],
               temperature: float = 1.0, top_k: int | None = None, chunk_size: int = 256) -> TeacherScores:

@@ -90,16 +90,34 @@ class InProcessTeacher(Teacher):
             return trunk_hidden_states(model, batch.input_ids, batch.attention_mask)[rows, cols]
 
         hidden = with_root_params(model, hidden_states)
-        out = TeacherScores()
-        if TeacherSignal.FULL_VOCAB in signals:
-            out.hidden, out.head = hidden, head
-        if TeacherSignal.SAMPLED_TOKEN in signals:
-            targets = batch.input_ids[:, 1:][rows, cols]  # (N,)
-            out.sampled_logprobs = chunked_sampled_logprobs(hidden, targets, head, temperature, chunk_size)
-        if TeacherSignal.TOP_K in signals:
-            k = min(int(top_k), self.vocab_size)
-            parts = [log_probs(head(hidden[i:i + chunk_size]), temperature).topk(k, dim=-1)
-                     for i in range(0, hidden.shape[0], chunk_size)]
-            out.topk_ids = torch.cat([p.indices for p in parts]) if parts else hidden.new_zeros(0, k, dtype=torch.long)
-            out.topk_logprobs = torch.cat([p.values for p in parts]) if parts else hidden.new_zeros(0, k)
-        return out
+        return scores_from_hidden(hidden, batch.input_ids[:, 1:][rows, cols], head, signals, temperature, top_k,
+                                  chunk_size, self.vocab_size)
+
+
+def scores_from_hidden(hidden: torch.Tensor, targets: torch.Tensor, head, signals: Collection[TeacherSignal],
+                       temperature: float, top_k: int | None, chunk_size: int, vocab_size: int) -> TeacherScores:
+    """The teacher's ``signals`` from its final hidden states at the ``N`` scored positions (no gradient is built
+    when ``hidden`` and ``head`` carry none; shared by the in-process and the privileged teacher).
+
+    Args:
+        hidden: ``(N, D_T)`` final hidden states (after the last norm) at the scored positions.
+        targets: ``(N,)`` long, the sampled token each position predicts.
+        head: ``(c, D_T) -> (c, V)`` the teacher's head cut to the shared vocabulary (F01b).
+        signals, temperature, top_k, chunk_size: see :meth:`~lightning_opd.teachers.base.Teacher.score`.
+        vocab_size: the shared vocabulary ``V`` (``K`` is ``min(top_k, V)``).
+
+    Returns:
+        :class:`TeacherScores` with ``signals`` (``FULL_VOCAB``: ``hidden`` and ``head`` as given).
+    """
+    out = TeacherScores()
+    if TeacherSignal.FULL_VOCAB in signals:
+        out.hidden, out.head = hidden, head
+    if TeacherSignal.SAMPLED_TOKEN in signals:
+        out.sampled_logprobs = chunked_sampled_logprobs(hidden, targets, head, temperature, chunk_size)
+    if TeacherSignal.TOP_K in signals:
+        k = min(int(top_k), vocab_size)
+        parts = [log_probs(head(hidden[i:i + chunk_size]), temperature).topk(k, dim=-1)
+                 for i in range(0, hidden.shape[0], chunk_size)]
+        out.topk_ids = torch.cat([p.indices for p in parts]) if parts else hidden.new_zeros(0, k, dtype=torch.long)
+        out.topk_logprobs = torch.cat([p.values for p in parts]) if parts else hidden.new_zeros(0, k)
+    return out

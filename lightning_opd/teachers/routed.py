@@ -100,6 +100,18 @@ class RoutedTeacher(Teacher):
         for t in self.teachers.values():
             t.load()
 
+    def attach_student(self, student) -> None:
+        for t in self.teachers.values():
+            t.attach_student(student)
+
+    def attach_envs(self, envs) -> None:
+        for t in self.teachers.values():
+            t.attach_envs(envs)
+
+    def on_optimizer_step(self) -> None:
+        for t in self.teachers.values():
+            t.on_optimizer_step()
+
     def to(self, device: torch.device | str) -> "RoutedTeacher":
         for t in self.teachers.values():
             t.to(device)

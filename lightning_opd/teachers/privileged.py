@@ -1,0 +1,338 @@
+"""``PrivilegedTeacher``: self-distillation, the student's own weights with privileged context as the teacher.
+
+PROPOSED, docs/algorithms.md §6.3 (the self-distillation teacher of TRL's SDFT/SDPO, prime-rl's ``opsd``,
+tinker-cookbook's SDFT recipe). The teacher is the student model itself (``weights``: its starting weights, its
+current weights, or an EMA of them), shown a privileged text the student never sees (the environment's
+:meth:`~lightning_opd.envs.base.EnvFactory.privileged_context`: a TextWorld walkthrough, Search-QA's gold documents
+and answer), and it scores exactly the student's sampled tokens.
+
+The teacher's view of an episode (:func:`teacher_view`): the student's first prompt (system message + first
+observation, one chat-template render with the generation prompt, :class:`~lightning_opd.rollout.chat.ChatFormat`)
+re-rendered with the privileged block inserted (``placement``), followed by the student's ids after the first prompt
+unchanged. Later turns are token deltas appended by the agent loop (F08), so they are the same ids in both
+sequences; every later position moves by one constant ``offset`` (tokens). The privileged text only enters this
+copy: the rollouts, the student's forward and the loss's student side never contain it.
+
+Where the texts come from: the module hands the teacher its DataModule's environment factory
+(:meth:`~lightning_opd.teachers.base.Teacher.attach_envs`, at setup); the teacher asks it for each task's text
+once and keeps it. An environment without privileged context is refused there. Which row is which episode: each
+row of a batch is matched to its :class:`~lightning_opd.rollout.types.Trajectory` in ``batch.trajectories`` by
+task id and token ids (its first message is the environment's own text, rendered, never decoded ids).
+
+Deliberate simplifications: the ``frozen`` and ``ema`` copies are plain ``copy.deepcopy``s of an unsharded student
+in the student's dtype, kept out of the module tree (not checkpointed: a resumed run restarts the EMA from the
+starting weights); a sharded (FSDP2) student is refused for them (``live`` works: the student's own forward).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Collection
+
+import torch
+
+from lightning_opd.losses.base import TeacherSignal
+from lightning_opd.models.fsdp import with_root_params
+from lightning_opd.models.logits import output_head, trunk_hidden_states
+from lightning_opd.rollout.batch import RolloutBatch
+from lightning_opd.rollout.chat import ChatFormat
+from lightning_opd.rollout.types import Trajectory
+from lightning_opd.teachers.base import Teacher, TeacherScores
+from lightning_opd.teachers.in_process import scores_from_hidden
+
+PLACEMENTS = ("system", "before_observation")
+WEIGHTS = ("frozen", "live", "ema")
+
+
+class TeacherViewError(ValueError):
+    """An episode's ids do not start with its first prompt as the chat template renders it (F08)."""
+
+
+def privileged_messages(system_prompt: str | None, first_user: str, privileged: str,
+                        placement: str) -> list[dict[str, str]]:
+    """The teacher's first-prompt messages: the student's (``system_prompt``, ``first_user``) with ``privileged``
+    inserted.
+
+    ``"system"``: appended to the system message after a blank line (a system message of its own when the student
+    has none; it then replaces a template's default system message). ``"before_observation"``: before the first
+    observation in the first user message, followed by a blank line.
+
+    Raises:
+        ValueError: an unknown ``placement``.
+    """
+    if placement == "system":
+        system = privileged if system_prompt is None else f"{system_prompt}\n\n{privileged}"
+        return [{"role": "system", "content": system}, {"role": "user", "content": first_user}]
+    if placement == "before_observation":
+        head = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+        return head + [{"role": "user", "content": f"{privileged}\n\n{first_user}"}]
+    raise ValueError(f"placement={placement!r}: use one of {PLACEMENTS} (where the privileged text goes in the "
+                     "teacher's first prompt)")
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def teacher_view(traj: Trajectory, privileged: str, chat: ChatFormat,
+                 placement: str = "system") -> tuple[list[int], int]:
+    """The teacher's token sequence of an episode and the shift of every position after its first prompt.
+
+    ``traj.token_ids`` = ``first_prompt + rest``, where ``first_prompt`` is ``chat.first_prompt(messages[0])`` (the
+    system message and the first observation, generation prompt included). The view is ``P + rest`` with ``P`` the
+    render of :func:`privileged_messages` with the generation prompt; ``offset = len(P) - len(first_prompt)``. So
+    ``view[j + offset] == traj.token_ids[j]`` for every ``j >= len(first_prompt)`` (the replies and later turns,
+    token for token), and the teacher's logits at ``j - 1 + offset`` score the student's token ``j``.
+
+    Args:
+        traj: the episode (``token_ids``, ``assistant_mask``, ``messages[0]`` = the first user message).
+        privileged: the privileged text.
+        chat: the student's :class:`ChatFormat` (its tokenizer and the environment's system prompt).
+        placement: ``"system"`` or ``"before_observation"`` (:func:`privileged_messages`).
+
+    Returns:
+        ``(view_ids, offset)``: ``(T + offset,)`` ids, and the shift in tokens (negative when, with no system
+        prompt and ``placement="system"``, the privileged system message is shorter than the template's default).
+
+    Raises:
+        TeacherViewError: ``traj`` has no first user message, or its ids do not start with that message's render
+            (the message names the task and the first differing position), or a token of the first prompt is
+            marked as sampled.
+        ValueError: an unknown ``placement``.
+    """
+    view, offset, _ = _view_parts(traj, privileged, chat, placement)
+    return view, offset
+
+
+def _view_parts(traj: Trajectory, privileged: str, chat: ChatFormat, placement: str) -> tuple[list[int], int, int]:
+    """:func:`teacher_view`'s ``(view_ids, offset)`` and the length of the student's first prompt (tokens)."""
+    if not traj.messages or traj.messages[0].get("role") != "user":
+        raise TeacherViewError(f"episode of task {traj.task_id!r} has no first user message (messages[0]); the "
+                               "teacher's view re-renders it")
+    first_user = traj.messages[0]["content"]
+    prompt = chat.first_prompt(first_user)
+    n = len(prompt)
+    if traj.token_ids[:n] != prompt:
+        pos = _first_difference(traj.token_ids[:n], prompt)
+        got = traj.token_ids[pos] if pos < traj.num_tokens else "end of episode"
+        want = prompt[pos] if pos < n else "end of prompt"
+        raise TeacherViewError(
+            f"episode of task {traj.task_id!r}: its ids differ from the chat template's render of its first prompt at "
+            f"position {pos} (episode {got}, render {want}); the teacher's view needs the episode rendered by "
+            "ChatFormat.first_prompt with the same tokenizer and system prompt (F08)")
+    if any(traj.assistant_mask[:n]):
+        raise TeacherViewError(f"episode of task {traj.task_id!r}: a token of its first prompt (positions < {n}) "
+                               "is marked as sampled")
+    view_prompt = chat.render(privileged_messages(chat.system_prompt, first_user, privileged, placement),
+                              add_generation_prompt=True)
+    return view_prompt + list(traj.token_ids[n:]), len(view_prompt) - n, n
+
+
+class PrivilegedTeacher(Teacher):
+    """The student's own weights, shown the environment's privileged context, as the teacher (self-distillation).
+
+    PROPOSED, docs/algorithms.md §6.3 (TRL SDFT/SDPO: teacher = base / live / EMA weights; prime-rl ``opsd``).
+    Provides every :class:`~lightning_opd.losses.base.TeacherSignal`, computed like
+    :class:`~lightning_opd.teachers.in_process.InProcessTeacher`'s on the teacher's view
+    (:func:`~lightning_opd.teachers.in_process.scores_from_hidden`).
+
+    Needs, from ``OPDModule``: :meth:`bind` (tokenizer, ``V``), :meth:`attach_envs` (at setup: the environment
+    factory, refused without privileged context), :meth:`attach_student` (at ``configure_model``: the student,
+    copied for ``frozen``/``ema``), :meth:`on_optimizer_step` (after each optimizer step: the EMA update).
+
+    Args:
+        weights: ``"frozen"`` (a copy of the student's starting weights), ``"live"`` (the student module itself, run
+            in eval mode under ``torch.no_grad``: no graph, the optimizer state untouched) or ``"ema"`` (a copy
+            updated after each optimizer step, ``ema = ema_decay * ema + (1 - ema_decay) * student``).
+        ema_decay: the EMA's decay in ``[0, 1)`` (used with ``weights="ema"``).
+        placement: where the privileged text goes, ``"system"`` or ``"before_observation"``
+            (:func:`privileged_messages`).
+
+    Raises:
+        ValueError: an unknown ``weights`` or ``placement``, or ``ema_decay`` outside ``[0, 1)``.
+    """
+
+    provides = frozenset(TeacherSignal)
+
+    def __init__(self, weights: str = "frozen", ema_decay: float = 0.99, placement: str = "system") -> None:
+        if weights not in WEIGHTS:
+            raise ValueError(f"PrivilegedTeacher weights={weights!r}: use one of {WEIGHTS} (frozen: the student's "
+                             "starting weights; live: its current weights; ema: an EMA of them)")
+        if not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"PrivilegedTeacher ema_decay={ema_decay} must be in [0, 1)")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"PrivilegedTeacher placement={placement!r}: use one of {PLACEMENTS}")
+        self.weights, self.ema_decay, self.placement = weights, float(ema_decay), placement
+        self.tokenizer = None
+        self.vocab_size: int | None = None
+        self.student = None  #: the live student module (``attach_student``)
+        self.model = None  #: the model that scores: the student (live) or its frozen / EMA copy
+        self.envs = None
+        self.chat: ChatFormat | None = None
+        self._texts: dict[str, str] = {}
+
+    @property
+    def name(self) -> str:
+        return f"{type(self).__name__}(weights={self.weights}, placement={self.placement})"
+
+    def bind(self, tokenizer, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
+        self._make_chat()
+
+    def attach_envs(self, envs) -> None:
+        """Keep ``envs`` (the privileged texts and the system prompt).
+
+        Raises:
+            ValueError: ``envs`` does not provide privileged context (names the environment and this teacher).
+        """
+        if not getattr(envs, "provides_privileged_context", False):
+            raise ValueError(
+                f"teacher {self.name} needs privileged context from the environment, but {type(envs).__name__} "
+                "provides none (EnvFactory.provides_privileged_context is False): implement "
+                "EnvFactory.privileged_context for it, or use a trained teacher (model.init_args.teacher: a directory)")
+        self.envs, self._texts = envs, {}
+        self._make_chat()
+
+    def _make_chat(self) -> None:
+        if self.tokenizer is not None and self.envs is not None:
+            self.chat = ChatFormat(self.tokenizer, self.envs.system_prompt)
+
+    def attach_student(self, student) -> None:
+        """Score with ``student`` (``live``) or a frozen copy of it (``frozen``, ``ema``), no grad, eval mode. The copy
+        is taken once, on the first call with this student.
+
+        Raises:
+            NotImplementedError: ``frozen``/``ema`` with a sharded (FSDP2, DTensor) student.
+        """
+        if student is self.student and self.model is not None:
+            return  # configure_model again (a second fit): keep the copy taken from the starting weights
+        self.student = student
+        if self.weights == "live":
+            self.model = student
+            return
+        if any(hasattr(p, "full_tensor") for p in student.parameters()):
+            raise NotImplementedError(f"teacher {self.name}: a copy of a sharded (FSDP2) student is not supported; "
+                                      "use weights=live, or train on one device")
+        self.model = copy.deepcopy(student).eval().requires_grad_(False)
+
+    def load(self) -> None:
+        """Nothing to load: the weights come from :meth:`attach_student`."""
+
+    def to(self, device: torch.device | str) -> "PrivilegedTeacher":
+        if self.model is not None and self.model is not self.student:
+            self.model.to(device)
+        return self
+
+    @torch.no_grad()
+    def on_optimizer_step(self) -> None:
+        """``ema``: ``ema = ema_decay * ema + (1 - ema_decay) * student`` for every parameter (buffers copied);
+        otherwise nothing."""
+        if self.weights != "ema" or self.model is None:
+            return
+        for e, s in zip(self.model.parameters(), self.student.parameters()):
+            e.mul_(self.ema_decay).add_(s.detach().to(e.dtype), alpha=1.0 - self.ema_decay)
+        for e, s in zip(self.model.buffers(), self.student.buffers()):
+            e.copy_(s)
+
+    def privileged_text(self, task_id: str) -> str:
+        """The environment's privileged text for ``task_id`` (asked once, then kept).
+
+        Raises:
+            RuntimeError: no environment attached.
+            ValueError: the environment gives none for this task.
+        """
+        if task_id not in self._texts:
+            if self.envs is None:
+                raise RuntimeError(f"teacher {self.name} has no environment: OPDModule attaches its DataModule's env "
+                                   "at setup (attach_envs); call attach_envs(env_factory) when scoring by hand")
+            text = self.envs.privileged_context(task_id)
+            if not text:
+                raise ValueError(f"teacher {self.name}: {type(self.envs).__name__} gives no privileged context for "
+                                 f"task {task_id!r}")
+            self._texts[task_id] = text
+        return self._texts[task_id]
+
+    def view_batch(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The teacher's view of every row of ``batch``, right-padded.
+
+        A row with no task id (a padding row of ``masked_rows``) is kept as it is (offset 0).
+
+        Returns:
+            ``(input_ids, attention_mask, offsets, prompt_lens)``: ``(B, T')`` long each; ``(B,)`` long shifts and
+            ``(B,)`` long first-prompt lengths in the student's ids (tokens; 0 for a padding row).
+
+        Raises:
+            RuntimeError: a row whose trajectory is not in ``batch.trajectories``.
+            TeacherViewError: see :func:`teacher_view`.
+        """
+        if self.chat is None:
+            raise RuntimeError(f"teacher {self.name} is not ready: it needs bind() (tokenizer) and attach_envs()")
+        by_ids = {(str(t.task_id), tuple(t.token_ids)): t for t in batch.trajectories if t.num_tokens > 0}
+        views, offsets, prompt_lens = [], [], []
+        for i, n in enumerate(batch.lengths):
+            ids = batch.input_ids[i, :n].tolist()
+            task = batch.task_ids[i] if batch.task_ids else ""
+            if not task:
+                views.append(ids)
+                offsets.append(0)
+                prompt_lens.append(0)
+                continue
+            traj = by_ids.get((task, tuple(ids)))
+            if traj is None:
+                raise RuntimeError(f"teacher {self.name}: row {i} (task {task!r}) has no trajectory in "
+                                   "batch.trajectories; the teacher's view needs its first message")
+            view, offset, first = _view_parts(traj, self.privileged_text(task), self.chat, self.placement)
+            views.append(view)
+            offsets.append(offset)
+            prompt_lens.append(first)
+        width = max((len(v) for v in views), default=1)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.full((len(views), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(views), width), dtype=torch.long)
+        for i, v in enumerate(views):
+            ids[i, :len(v)] = torch.tensor(v, dtype=torch.long)
+            mask[i, :len(v)] = 1
+        return ids, mask, torch.tensor(offsets, dtype=torch.long), torch.tensor(prompt_lens, dtype=torch.long)
+
+    @torch.no_grad()
+    def score(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor, signals: Collection[TeacherSignal],
+              temperature: float = 1.0, top_k: int | None = None, chunk_size: int = 256) -> TeacherScores:
+        """See :meth:`Teacher.score`. One forward of the scoring model over the teacher's views (eval mode, no
+        grad); position ``(r, c)`` of ``batch`` is read at ``(r, c + offset[r])`` of the views.
+
+        Raises:
+            RuntimeError: called before :meth:`attach_student`, or not ready (see :meth:`view_batch`).
+            ValueError: a bad request (:meth:`Teacher.check_request`).
+
+        A requested position inside a row's first prompt (before its last token) has no counterpart in the teacher's
+        view; it is read unshifted (a finite, meaningless score: the loss masks such positions).
+        """
+        self.check_request(signals, top_k)
+        if self.model is None:
+            raise RuntimeError(f"teacher {self.name} has no weights: OPDModule.configure_model calls "
+                               "attach_student(student); call it when scoring by hand")
+        device = batch.input_ids.device
+        ids, mask, offsets, prompt_lens = (t.to(device) for t in self.view_batch(batch))
+        # a position inside a first prompt (the (0, 0) an all-masked micro-batch keeps): no counterpart, read unshifted
+        shift = torch.where(cols >= prompt_lens[rows] - 1, offsets[rows], 0)
+        tcols = cols + shift
+        targets = batch.input_ids[:, 1:][rows, cols]  # (N,)
+        moved = shift != 0
+        if not torch.equal(ids[:, 1:][rows, tcols][moved], targets[moved]):
+            raise RuntimeError(f"teacher {self.name}: the teacher's view does not hold the student's tokens at the "
+                               "shifted positions (a bug: the view must keep every id after the first prompt)")
+        model = self.model
+        head = output_head(model, self.vocab_size)
+        was_training = model.training
+        model.eval()
+        try:
+            hidden = with_root_params(model, lambda: trunk_hidden_states(model, ids, mask)[rows, tcols])  # (N, D)
+        finally:
+            model.train(was_training)
+
+        def frozen_head(h: torch.Tensor) -> torch.Tensor:  # live: no graph into the student's head either
+            with torch.no_grad():
+                return head(h)
+
+        return scores_from_hidden(hidden, targets, frozen_head, signals, temperature, top_k, chunk_size,
+                                  self.vocab_size)
