@@ -309,14 +309,20 @@ class OPDModule(PolicyModule):
         return values
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Also saves the rollout totals (``rollout_totals``: generated, used; the same on every rank)."""
+        """Also saves the rollout totals (``rollout_totals``: generated, used; the same on every rank) and the
+        teacher's state where it has one (``teacher_state``: e.g. a privileged teacher's EMA weights)."""
         super().on_save_checkpoint(checkpoint)
         checkpoint["rollout_totals"] = dict(self.rollout_totals)
+        teacher_state = self.teacher_scorer.state_dict()
+        if teacher_state:
+            checkpoint["teacher_state"] = teacher_state
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
         totals = checkpoint.get("rollout_totals", {})
         self.rollout_totals = {k: int(totals.get(k, 0)) for k in ("generated", "used")}
+        if "teacher_state" in checkpoint:
+            self.teacher_scorer.load_state_dict(checkpoint["teacher_state"])
 
     def updates(self, batch: RolloutBatch) -> list[tuple[int, RolloutBatch]]:
         """``(epoch, part)`` of every optimizer update of the step, in order. OPD: one update on the whole batch."""

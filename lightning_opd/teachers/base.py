@@ -99,6 +99,14 @@ class Teacher:
         """Called by ``OPDModule`` right after each optimizer step that changed the student's weights (not after a
         skipped update), e.g. to update an EMA copy. Default: nothing."""
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue this teacher exactly (saved in the checkpoint by ``OPDModule``, e.g.
+        an EMA copy's weights). Default: nothing (``{}``)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (at checkpoint load, after :meth:`attach_student`). Default: nothing."""
+
     def score(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor, signals: Collection[TeacherSignal],
               temperature: float = 1.0, top_k: int | None = None, chunk_size: int = 256) -> TeacherScores:
         """The teacher's ``signals`` at the positions ``(rows, cols)`` of ``batch``; no gradient.
@@ -162,3 +170,8 @@ def check_teacher_fits(loss, teacher: Teacher) -> None:
         f"{teacher.name} provides only {sorted(s.value for s in teacher.provides)}: use one of "
         f"{', '.join(losses_for(teacher.provides)) or '(no loss)'} with this teacher, or a teacher that provides "
         f"{need.value} (the in-process teacher provides all)")
+
+
+def first_difference(mine: list[int], theirs: list[int]) -> int:
+    """Index of the first differing id of two id lists (the shorter length when one is a prefix of the other)."""
+    return next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))

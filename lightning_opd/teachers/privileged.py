@@ -20,8 +20,8 @@ row of a batch is matched to its :class:`~lightning_opd.rollout.types.Trajectory
 task id and token ids (its first message is the environment's own text, rendered, never decoded ids).
 
 Deliberate simplifications: the ``frozen`` and ``ema`` copies are plain ``copy.deepcopy``s of an unsharded student
-in the student's dtype, kept out of the module tree (not checkpointed: a resumed run restarts the EMA from the
-starting weights); a sharded (FSDP2) student is refused for them (``live`` works: the student's own forward).
+in the student's dtype, kept out of the module tree (the EMA is saved in the checkpoint through
+:meth:`PrivilegedTeacher.state_dict`, so a resumed run continues it); a sharded (FSDP2) student is refused for them (``live`` works: the student's own forward).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from lightning_opd.models.logits import output_head, trunk_hidden_states
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.chat import ChatFormat
 from lightning_opd.rollout.types import Trajectory
-from lightning_opd.teachers.base import Teacher, TeacherScores
+from lightning_opd.teachers.base import Teacher, TeacherScores, first_difference
 from lightning_opd.teachers.in_process import scores_from_hidden
 
 PLACEMENTS = ("system", "before_observation")
@@ -69,9 +69,6 @@ def privileged_messages(system_prompt: str | None, first_user: str, privileged: 
     raise ValueError(f"placement={placement!r}: use one of {PLACEMENTS} (where the privileged text goes in the "
                      "teacher's first prompt)")
 
-
-def _first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def teacher_view(traj: Trajectory, privileged: str, chat: ChatFormat,
@@ -113,7 +110,7 @@ def _view_parts(traj: Trajectory, privileged: str, chat: ChatFormat, placement: 
     prompt = chat.first_prompt(first_user)
     n = len(prompt)
     if traj.token_ids[:n] != prompt:
-        pos = _first_difference(traj.token_ids[:n], prompt)
+        pos = first_difference(traj.token_ids[:n], prompt)
         got = traj.token_ids[pos] if pos < traj.num_tokens else "end of episode"
         want = prompt[pos] if pos < n else "end of prompt"
         raise TeacherViewError(
@@ -233,6 +230,26 @@ class PrivilegedTeacher(Teacher):
             e.mul_(self.ema_decay).add_(s.detach().to(e.dtype), alpha=1.0 - self.ema_decay)
         for e, s in zip(self.model.buffers(), self.student.buffers()):
             e.copy_(s)
+
+    def state_dict(self) -> dict:
+        """``ema``: the EMA copy's weights (``{"ema": state dict}``), so a resumed run continues the average;
+        ``frozen`` (the starting weights, copied again at resume) and ``live`` (the student's): nothing."""
+        if self.weights != "ema" or self.model is None:
+            return {}
+        return {"ema": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the EMA copy from :meth:`state_dict` (a checkpoint without one leaves the copy as it is).
+
+        Raises:
+            RuntimeError: the saved EMA does not fit the student (another model), or :meth:`attach_student` has not
+                been called.
+        """
+        if self.weights != "ema" or "ema" not in state:
+            return
+        if self.model is None:
+            raise RuntimeError(f"teacher {self.name}: load_state_dict before attach_student (no EMA copy to restore)")
+        self.model.load_state_dict(state["ema"])
 
     def privileged_text(self, task_id: str) -> str:
         """The environment's privileged text for ``task_id`` (asked once, then kept).

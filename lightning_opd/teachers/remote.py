@@ -36,7 +36,7 @@ from lightning_opd.losses.base import TeacherSignal
 from lightning_opd.models.tokenizers import TokenizerMismatchError, check_tokenizers_compatible
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.serving import ServerClient, ServerError
-from lightning_opd.teachers.base import Teacher, TeacherScores
+from lightning_opd.teachers.base import Teacher, TeacherScores, first_difference
 
 #: the probe conversation whose chat-template render must be the same token ids on the server and for the student
 PROBE_CONVERSATION = (
@@ -277,7 +277,7 @@ def check_server_tokenizer(client: ServerClient, model: str, tokenizer, root: st
     theirs = client.post("/tokenize", {"model": model, "messages": list(PROBE_CONVERSATION),
                                        "add_generation_prompt": True})["tokens"]
     if mine != theirs:
-        i = _first_difference(mine, theirs)
+        i = first_difference(mine, theirs)
         raise TokenizerMismatchError(
             f"teacher at {url}: its chat template renders the probe conversation differently from the student's: "
             f"first difference at token {i} (in {_turn_of(tokenizer, i)}): student "
@@ -285,10 +285,6 @@ def check_server_tokenizer(client: ServerClient, model: str, tokenizer, root: st
             f"({tokenizer.decode(theirs[i:i + 5])!r}). Serve a teacher with the student's chat template "
             "(vllm serve --chat-template FILE) or one of the student's family")
 
-
-def _first_difference(mine: list[int], theirs: list[int]) -> int:
-    """Index of the first differing id of two id lists (the shorter length when one is a prefix of the other)."""
-    return next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
 
 
 def _turn_of(tokenizer, index: int) -> str:
@@ -321,7 +317,7 @@ def _check_vocabulary_probe(client: ServerClient, model: str, tokenizer, chars_p
         mine = tokenizer(chunk, add_special_tokens=False)["input_ids"]
         theirs = client.post("/tokenize", {"model": model, "prompt": chunk, "add_special_tokens": False})["tokens"]
         if mine != theirs:
-            i = _first_difference(mine, theirs)
+            i = first_difference(mine, theirs)
             raise TokenizerMismatchError(
                 f"teacher at {url} tokenizes differently from the student: first difference at token {i} of a "
                 f"vocabulary probe: student id {mine[i] if i < len(mine) else None} "

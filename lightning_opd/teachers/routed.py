@@ -112,6 +112,14 @@ class RoutedTeacher(Teacher):
         for t in self.teachers.values():
             t.on_optimizer_step()
 
+    def state_dict(self) -> dict:
+        """The teachers' states (those that have one), keyed by name."""
+        return {n: st for n, t in self.teachers.items() if (st := t.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        for n, st in state.items():
+            self.teachers[n].load_state_dict(st)
+
     def to(self, device: torch.device | str) -> "RoutedTeacher":
         for t in self.teachers.values():
             t.to(device)

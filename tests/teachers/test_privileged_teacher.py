@@ -327,3 +327,32 @@ def test_short_opd_fit_with_the_privileged_teacher(model_dirs, weights):
         ema = dict(teacher.model.named_parameters())
         assert any(not torch.equal(ema[n], start[n]) for n in start)  # moved towards the student
         assert any(not torch.equal(ema[n], now[n]) for n in start)  # but not onto it
+
+
+def test_the_ema_is_saved_in_the_checkpoint_and_a_resumed_run_continues_it(model_dirs, tmp_path):
+    """2 steps with ``ema`` and a checkpoint, then a new module resumed from it for 1 more step: at load the EMA
+    copy equals the saved one (not the starting weights), and the checkpoint holds it under ``teacher_state``."""
+    teacher = PrivilegedTeacher("ema", ema_decay=0.5)
+    model = OPDModule(student=model_dirs["student"], teacher=teacher)
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                        default_root_dir=str(tmp_path), callbacks=[])
+    trainer.fit(model, datamodule=_datamodule(HintedKeywordEnvFactory()))
+    ckpt = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = {k: v.clone() for k, v in teacher.model.state_dict().items()}
+    assert set(torch.load(ckpt, weights_only=False)["teacher_state"]["ema"]) == set(saved)
+
+    resumed_teacher = PrivilegedTeacher("ema", ema_decay=0.5)
+    resumed = OPDModule(student=model_dirs["student"], teacher=resumed_teacher)
+    loaded = {}
+    original = resumed_teacher.load_state_dict
+    resumed_teacher.load_state_dict = lambda st: (original(st), loaded.update(
+        {k: v.clone() for k, v in resumed_teacher.model.state_dict().items()}))
+    _trainer(3).fit(resumed, datamodule=_datamodule(HintedKeywordEnvFactory()), ckpt_path=str(ckpt))
+    assert resumed.policy_version == 3 and loaded
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)  # continued from the saved EMA
+    start = OPDModule(student=model_dirs["student"], teacher=PrivilegedTeacher("frozen"))
+    start.configure_model()
+    starting = dict(start.student.named_parameters())
+    assert any(not torch.equal(loaded[k], starting[k]) for k in starting if k in loaded)
