@@ -20,7 +20,7 @@ token counts as prefilled).
 
 The context limit (F24) is the smallest ``max_model_len`` the servers report in ``/v1/models``.
 
-Weight push (:meth:`RemoteGenerator.push_weights`): vLLM's weight-transfer protocol (``/init_weight_transfer_engine``
+Weight push (:meth:`RemoteGenerator.push_weights`, :class:`~lightning_opd.rollout.weight_push.ServerWeightPush`): vLLM's weight-transfer protocol (``/init_weight_transfer_engine``
 ..., ``--weight-transfer-config``) has no backend that runs on CPU (nccl, sparse_nccl and nccl_m2n need NCCL on
 CUDA devices, ipc CUDA IPC handles, sharded_rdt Ray + NIXL; measured here: a dev-mode server without the config
 answers ``Weight transfer not configured``; docs/design.md "Servers"), so the push is the disk path: the
@@ -52,19 +52,16 @@ between calls at the next request.
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from pathlib import Path
 from typing import Hashable, Mapping, Sequence
 
 import torch
 
-from lightning_opd.files import write_dir_atomic
 from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
                                              SamplingParams)
+from lightning_opd.rollout.weight_push import ServerWeightPush, rank_world
 from lightning_opd.serving import ServerClient, ServerError
 
 
@@ -84,13 +81,6 @@ def sampler_server_args(max_model_len: int = 2048) -> list[str]:
     """
     return ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--no-enable-chunked-prefill",
             "--max-num-batched-tokens", str(max(16384, int(max_model_len)))]
-
-
-def _rank_world() -> tuple[int, int]:
-    """This process's rank and the world size (``(0, 1)`` without ``torch.distributed``)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 class RemoteGenerator(Generator):
@@ -150,9 +140,8 @@ class RemoteGenerator(Generator):
         self._pool: ThreadPoolExecutor | None = None
         self._routes: dict[Hashable, int] = {}  # episode key -> index into self.clients
         self._load: list[int] = []  # episodes routed to each server
-        self._tmp_dir: str | None = None
-        self._snapshot: Path | None = None  # the last pushed snapshot directory (local path)
         self._stats_lock = threading.Lock()
+        self._push = ServerWeightPush(weights_dir, server_weights_dir, push_timeout_s, self._stats_lock)
         #: running totals: requests, replies' prompt tokens (prefilled / cached), completion tokens, seconds waiting,
         #: pushes and their seconds
         self.totals = {"requests": 0, "prompt_tokens": 0, "prompt_tokens_cached": 0, "completion_tokens": 0,
@@ -178,7 +167,7 @@ class RemoteGenerator(Generator):
         """
         if self._connected:
             return
-        rank, world = _rank_world()
+        rank, world = rank_world()
         if len(self.all_clients) < world:
             raise ValueError(f"{self.name}: {len(self.all_clients)} sampler server(s) for {world} learner ranks; give "
                              "at least one URL per rank (rank r uses urls[r::world_size], so each server has one "
@@ -216,9 +205,7 @@ class RemoteGenerator(Generator):
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
-        if self._tmp_dir is not None:
-            shutil.rmtree(self._tmp_dir, ignore_errors=True)
-            self._tmp_dir, self._snapshot = None, None
+        self._push.close()
         self._connected = False
 
     @property
@@ -278,73 +265,14 @@ class RemoteGenerator(Generator):
         """
         with self._lock:
             self.connect()
-            t0 = time.perf_counter()
-            local, remote = self._write_snapshot(state, int(version))
-            t1 = time.perf_counter()
             self._server_version = None
-            list(self._pool.map(lambda c: self._reload(c, remote, int(version)), self.clients))
-            t2 = time.perf_counter()
-            previous, self._snapshot = self._snapshot, local
-            if previous is not None and previous != local:
-                shutil.rmtree(previous, ignore_errors=True)
+            self.last_push_breakdown = self._push.push(self.clients, state, int(version), self._pool)
             self._server_version = int(version)
-            self.last_push_breakdown = {"write": t1 - t0, "reload": t2 - t1, "total": time.perf_counter() - t0}
             self.last_push_seconds = self.last_push_breakdown["total"]
             with self._stats_lock:
                 self.totals["pushes"] += 1
                 self.totals["push_seconds"] += self.last_push_seconds
             return self.last_push_seconds
-
-    def _write_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> tuple[Path, str]:
-        """``state`` as ``<weights_dir>[/rank<r>]/v<version>/model.safetensors``, written atomically: ``(local
-        directory, the path the servers read)``. Tensors sharing storage (tied embeddings) are written as copies."""
-        from safetensors.torch import save_file
-
-        if self.weights_dir is None and self._tmp_dir is None:
-            self._tmp_dir = tempfile.mkdtemp(prefix="lightning-opd-weights-")
-        base = Path(self.weights_dir or self._tmp_dir)
-        rank, world = _rank_world()
-        sub = Path(f"rank{rank}") if world > 1 else Path()
-        name = f"v{version:08d}" if version >= 0 else f"v_{-version:08d}"
-        tensors: dict[str, torch.Tensor] = {}
-        seen: set[tuple[int, int]] = set()
-        for key, value in state.items():
-            t = value.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            ptr = (t.untyped_storage().data_ptr(), t.storage_offset())
-            t = t.clone() if ptr in seen else t.contiguous()
-            seen.add(ptr)
-            tensors[key] = t
-        local = write_dir_atomic(base / sub / name, lambda d: save_file(tensors, str(d / "model.safetensors"),
-                                                                        metadata={"format": "pt"}))
-        remote = str(Path(self.server_weights_dir) / sub / name) if self.server_weights_dir else str(local)
-        return local, remote
-
-    def _reload(self, client: ServerClient, path: str, version: int) -> None:
-        """One server: pause, reload from ``path``, reset the prefix cache, stamp ``version``, resume."""
-        control = ServerClient(client.url, self.push_timeout_s, retries=0)
-        steps = (("POST /pause?mode=wait", "/pause?mode=wait", None),
-                 ("reload_weights", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path},
-                                                        "timeout": self.push_timeout_s}),
-                 ("POST /reset_prefix_cache", "/reset_prefix_cache", None),
-                 ("POST /update_weight_version", "/update_weight_version", {"new_version": str(version)}),
-                 ("POST /resume", "/resume", None))
-        for what, route, body in steps:
-            try:
-                control.post(route, body)
-            except ServerError as err:
-                detail = str(err).removeprefix(f"{client.url}: ")
-                hint = (" (the route is missing: start the server with VLLM_SERVER_DEV_MODE=1, dev_mode=True / "
-                        "lightning-opd serve --dev-mode)" if "HTTP 404" in detail else "")
-                raise ServerError(client.url, f"pushing weights of version {version} from {path}: {what} failed: "
-                                  f"{detail}{hint}; the server may be paused with weights of an unknown version: "
-                                  "restart it") from err
-            finally:
-                with self._stats_lock:  # control traffic counts in the client's totals
-                    client.bytes_sent += control.bytes_sent
-                    client.bytes_received += control.bytes_received
-                    control.bytes_sent = control.bytes_received = 0
 
     def _ensure_current(self) -> None:
         """Before sampling (``follow_policy``): serve the attached policy's current weights."""

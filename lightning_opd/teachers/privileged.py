@@ -27,6 +27,7 @@ in the student's dtype, kept out of the module tree (the EMA is saved in the che
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Collection
 
 import torch
@@ -37,6 +38,7 @@ from lightning_opd.models.logits import output_head, trunk_hidden_states
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.chat import ChatFormat
 from lightning_opd.rollout.types import Trajectory
+from lightning_opd.rollout.weight_push import ServerWeightPush
 from lightning_opd.teachers.base import Teacher, TeacherScores, first_difference
 from lightning_opd.teachers.in_process import scores_from_hidden
 
@@ -137,6 +139,14 @@ class PrivilegedTeacher(Teacher):
     factory, refused without privileged context), :meth:`attach_student` (at ``configure_model``: the student,
     copied for ``frozen``/``ema``), :meth:`on_optimizer_step` (after each optimizer step: the EMA update).
 
+    Served (``server``: a :class:`~lightning_opd.teachers.remote.RemoteTeacher` on a ``vllm serve`` process started
+    from the student's starting directory, in dev mode for ``live``/``ema``): the teacher's views go over the wire
+    as token ids (``prompt_logprobs``; the privileged prompt is what the server sees) and the student's weights stay
+    out of a second copy in the learner for ``frozen``; ``live`` and ``ema`` push the student's (or the EMA's)
+    weights to the server every ``push_every`` optimizer steps (:class:`~lightning_opd.rollout.weight_push.
+    ServerWeightPush`: disk snapshot + reload, as for a remote sampler). It then provides what the server provides
+    (``SAMPLED_TOKEN``, ``TOP_K``; temperature 1).
+
     Args:
         weights: ``"frozen"`` (a copy of the student's starting weights), ``"live"`` (the student module itself, run
             in eval mode under ``torch.no_grad``: no graph, the optimizer state untouched) or ``"ema"`` (a copy
@@ -144,14 +154,20 @@ class PrivilegedTeacher(Teacher):
         ema_decay: the EMA's decay in ``[0, 1)`` (used with ``weights="ema"``).
         placement: where the privileged text goes, ``"system"`` or ``"before_observation"``
             (:func:`privileged_messages`).
+        server: score on this served teacher instead of in this process (``None``: in-process).
+        push_every: ``live``/``ema`` with ``server``: push the weights every this many optimizer steps (>= 1).
+        weights_dir, server_weights_dir: where pushed snapshots are written, and where the server sees them
+            (:class:`~lightning_opd.rollout.weight_push.ServerWeightPush`).
 
     Raises:
-        ValueError: an unknown ``weights`` or ``placement``, or ``ema_decay`` outside ``[0, 1)``.
+        ValueError: an unknown ``weights`` or ``placement``, ``ema_decay`` outside ``[0, 1)``, ``push_every < 1``.
     """
 
     provides = frozenset(TeacherSignal)
 
-    def __init__(self, weights: str = "frozen", ema_decay: float = 0.99, placement: str = "system") -> None:
+    def __init__(self, weights: str = "frozen", ema_decay: float = 0.99, placement: str = "system",
+                 server: Teacher | None = None, push_every: int = 1, weights_dir: str | None = None,
+                 server_weights_dir: str | None = None) -> None:
         if weights not in WEIGHTS:
             raise ValueError(f"PrivilegedTeacher weights={weights!r}: use one of {WEIGHTS} (frozen: the student's "
                              "starting weights; live: its current weights; ema: an EMA of them)")
@@ -159,7 +175,16 @@ class PrivilegedTeacher(Teacher):
             raise ValueError(f"PrivilegedTeacher ema_decay={ema_decay} must be in [0, 1)")
         if placement not in PLACEMENTS:
             raise ValueError(f"PrivilegedTeacher placement={placement!r}: use one of {PLACEMENTS}")
+        if push_every < 1:
+            raise ValueError(f"PrivilegedTeacher push_every={push_every} must be >= 1 (optimizer steps between pushes)")
         self.weights, self.ema_decay, self.placement = weights, float(ema_decay), placement
+        self.server, self.push_every = server, int(push_every)
+        if server is not None:
+            self.provides = server.provides
+        self._pusher = ServerWeightPush(weights_dir, server_weights_dir) if server is not None else None
+        self._steps = 0  # optimizer steps seen (the push schedule)
+        self.pushed_version = 0  #: optimizer steps of the weights the server holds (0: the starting weights)
+        self._pushes, self._push_s = 0, 0.0  # pushes and their seconds
         self.tokenizer = None
         self.vocab_size: int | None = None
         self.student = None  #: the live student module (``attach_student``)
@@ -170,11 +195,28 @@ class PrivilegedTeacher(Teacher):
 
     @property
     def name(self) -> str:
-        return f"{type(self).__name__}(weights={self.weights}, placement={self.placement})"
+        where = f", server={self.server.name}" if self.server is not None else ""
+        return f"{type(self).__name__}(weights={self.weights}, placement={self.placement}{where})"
 
     def bind(self, tokenizer, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
         self._make_chat()
+        if self.server is not None:
+            self.server.bind(tokenizer, vocab_size)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """A served teacher's request totals plus ``pushes`` and ``push_seconds`` (none in-process)."""
+        if self.server is None:
+            return {}
+        return {**getattr(self.server, "stats", {}), "pushes": float(self._pushes), "push_seconds": self._push_s}
+
+    def close(self) -> None:
+        """Close the served teacher's client and remove a temporary snapshot directory."""
+        if self.server is not None and hasattr(self.server, "close"):
+            self.server.close()
+        if self._pusher is not None:
+            self._pusher.close()
 
     def attach_envs(self, envs) -> None:
         """Keep ``envs`` (the privileged texts and the system prompt).
@@ -204,8 +246,8 @@ class PrivilegedTeacher(Teacher):
         if student is self.student and self.model is not None:
             return  # configure_model again (a second fit): keep the copy taken from the starting weights
         self.student = student
-        if self.weights == "live":
-            self.model = student
+        if self.weights == "live" or (self.server is not None and self.weights == "frozen"):
+            self.model = student  # live: the student itself; served frozen: the server holds the starting weights
             return
         if any(hasattr(p, "full_tensor") for p in student.parameters()):
             raise NotImplementedError(f"teacher {self.name}: a copy of a sharded (FSDP2) student is not supported; "
@@ -213,7 +255,10 @@ class PrivilegedTeacher(Teacher):
         self.model = copy.deepcopy(student).eval().requires_grad_(False)
 
     def load(self) -> None:
-        """Nothing to load: the weights come from :meth:`attach_student`."""
+        """Served: connect to the server (``RemoteTeacher.load``: health, model, F01 over HTTP). In-process: nothing
+        (the weights come from :meth:`attach_student`)."""
+        if self.server is not None:
+            self.server.load()
 
     def to(self, device: torch.device | str) -> "PrivilegedTeacher":
         if self.model is not None and self.model is not self.student:
@@ -224,19 +269,39 @@ class PrivilegedTeacher(Teacher):
     def on_optimizer_step(self) -> None:
         """``ema``: ``ema = ema_decay * ema + (1 - ema_decay) * student`` for every parameter (buffers copied);
         otherwise nothing."""
-        if self.weights != "ema" or self.model is None:
-            return
-        for e, s in zip(self.model.parameters(), self.student.parameters()):
-            e.mul_(self.ema_decay).add_(s.detach().to(e.dtype), alpha=1.0 - self.ema_decay)
-        for e, s in zip(self.model.buffers(), self.student.buffers()):
-            e.copy_(s)
+        self._steps += 1
+        if self.weights == "ema" and self.model is not None:
+            for e, s in zip(self.model.parameters(), self.student.parameters()):
+                e.mul_(self.ema_decay).add_(s.detach().to(e.dtype), alpha=1.0 - self.ema_decay)
+            for e, s in zip(self.model.buffers(), self.student.buffers()):
+                e.copy_(s)
+        if self.server is not None and self.weights != "frozen" and self._steps % self.push_every == 0:
+            self.push()
+
+    def push(self) -> float:
+        """Served ``live``/``ema``: the scoring weights (the student's, or the EMA's) to the server, stamped with the
+        optimizer steps so far (:attr:`pushed_version`); seconds.
+
+        Raises:
+            RuntimeError: no server, or nothing attached.
+            ServerError: a push step failed (naming the server and the step).
+        """
+        if self.server is None or self.model is None:
+            raise RuntimeError(f"teacher {self.name}: push needs a server and attach_student()")
+        clients = getattr(self.server, "clients", [])
+        breakdown = self._pusher.push(clients, self.model.state_dict(), self._steps)
+        self.pushed_version = self._steps
+        self._pushes += 1
+        self._push_s += breakdown["total"]
+        return breakdown["total"]
 
     def state_dict(self) -> dict:
         """``ema``: the EMA copy's weights (``{"ema": state dict}``), so a resumed run continues the average;
         ``frozen`` (the starting weights, copied again at resume) and ``live`` (the student's): nothing."""
-        if self.weights != "ema" or self.model is None:
-            return {}
-        return {"ema": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
+        out: dict = {"steps": self._steps}
+        if self.weights == "ema" and self.model is not None:
+            out["ema"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the EMA copy from :meth:`state_dict` (a checkpoint without one leaves the copy as it is).
@@ -245,11 +310,14 @@ class PrivilegedTeacher(Teacher):
             RuntimeError: the saved EMA does not fit the student (another model), or :meth:`attach_student` has not
                 been called.
         """
-        if self.weights != "ema" or "ema" not in state:
-            return
-        if self.model is None:
-            raise RuntimeError(f"teacher {self.name}: load_state_dict before attach_student (no EMA copy to restore)")
-        self.model.load_state_dict(state["ema"])
+        self._steps = int(state.get("steps", self._steps))
+        if self.weights == "ema" and "ema" in state:
+            if self.model is None:
+                raise RuntimeError(f"teacher {self.name}: load_state_dict before attach_student (no EMA copy to "
+                                   "restore)")
+            self.model.load_state_dict(state["ema"])
+        if self.server is not None and self.weights != "frozen" and self._steps:
+            self.push()  # a restarted server holds the starting weights: serve the resumed ones
 
     def privileged_text(self, task_id: str) -> str:
         """The environment's privileged text for ``task_id`` (asked once, then kept).
@@ -325,7 +393,7 @@ class PrivilegedTeacher(Teacher):
         view; it is read unshifted (a finite, meaningless score: the loss masks such positions).
         """
         self.check_request(signals, top_k)
-        if self.model is None:
+        if self.model is None and self.server is None:
             raise RuntimeError(f"teacher {self.name} has no weights: OPDModule.configure_model calls "
                                "attach_student(student); call it when scoring by hand")
         device = batch.input_ids.device
@@ -338,6 +406,9 @@ class PrivilegedTeacher(Teacher):
         if not torch.equal(ids[:, 1:][rows, tcols][moved], targets[moved]):
             raise RuntimeError(f"teacher {self.name}: the teacher's view does not hold the student's tokens at the "
                                "shifted positions (a bug: the view must keep every id after the first prompt)")
+        if self.server is not None:  # the views as token ids to the served teacher (the privileged prompt goes over)
+            view = dataclasses.replace(batch, input_ids=ids, attention_mask=mask)
+            return self.server.score(view, rows, tcols, signals, temperature, top_k, chunk_size)
         model = self.model
         head = output_head(model, self.vocab_size)
         was_training = model.training
