@@ -87,8 +87,8 @@ def overrides(cfg: dict, model_dirs: dict, data_dirs: dict[str, Path], tmp: Path
     model = cfg.get("model") or {}
     params = init_params(model)
     put("model.init_args.student", model_dirs["student"])
-    if "teacher" in params:
-        put("model.init_args.teacher", model_dirs["teacher"])
+    if "teacher" in params and not isinstance((model.get("init_args") or {}).get("teacher"), dict):
+        put("model.init_args.teacher", model_dirs["teacher"])  # a directory; a Teacher class (served, privileged) stays
     if "export_dir" in params:
         put("model.init_args.export_dir", tmp / "export")
     env = ((cfg.get("data") or {}).get("init_args") or {}).get("env")
@@ -336,7 +336,24 @@ def check_search_qa_teacher_sft(cli, tmp):
     assert cli.trainer.max_steps == 60
 
 
-EXPECT = {"textworld/opd.yaml": check_opd, "textworld/teacher_sft.yaml": check_teacher_sft,
+def check_self_distill(cli, tmp):
+    from lightning_opd.teachers import PrivilegedTeacher
+
+    t = cli.model.teacher_scorer
+    assert isinstance(t, PrivilegedTeacher) and (t.weights, t.ema_decay, t.placement, t.server) == (
+        "frozen", 0.99, "system", None)
+    assert cli.model.teacher_path is None and type(cli.model.loss_fn) is FullVocabReverseKL
+    assert cli.model.export_dir == str(tmp / "export") and cli.trainer.max_steps == 20
+
+
+def check_opd_remote(cli, tmp):
+    from lightning_opd.teachers import RemoteTeacher
+
+    assert isinstance(cli.model.teacher_scorer, RemoteTeacher) and not cli.model.teacher_scorer._loaded
+
+
+EXPECT = {"textworld/self_distill.yaml": check_self_distill, "textworld/opd_remote.yaml": check_opd_remote,
+          "textworld/opd.yaml": check_opd, "textworld/teacher_sft.yaml": check_teacher_sft,
           "model/opd_sampled.yaml": check_opd_sampled, "data/textworld.yaml": check_data_textworld,
           "debug/fast_dev_run.yaml": check_fast_dev_run, "callbacks/staleness_monitor.yaml": check_staleness_monitor,
           "textworld/fopd_async.yaml": check_fopd_async, "data/vllm.yaml": check_vllm,
