@@ -15,6 +15,11 @@ What it teaches:
    (``OPDModule`` + ``RolloutDataModule``) with the just-trained teacher, each with a
    ``lightning.Trainer``; held-out success of the student before, the teacher and the student after
    (``PolicyModule`` + ``Trainer.validate``).
+4. Privileged context (optional, ``--self-distill``): an ``EnvFactory`` that sets
+   ``provides_privileged_context = True`` and implements ``privileged_context(task_id)`` (here: the secret itself)
+   can be distilled with no trained teacher: ``PrivilegedTeacher`` scores the student's own tokens with the
+   student's weights (``frozen``, ``live`` or ``ema``) shown that text in its system message, which the student
+   never sees (PROPOSED, docs/algorithms.md §6.3). An environment without it is refused at setup, naming both.
 
 Prerequisite: ``make model`` (artifacts/models/smollm2-135m; no games or teacher needed).
 
@@ -25,6 +30,7 @@ Run::
                                                          # on 2 CPU cores; only --tiny is timed)
     .venv/bin/python tutorials/02_custom_env.py --tiny   # CI smoke run: 2 + 2 steps, numbers 1..16, 3 turns
                                                          # (3.5 min measured on 2 shared CPU cores)
+    .venv/bin/python tutorials/02_custom_env.py --self-distill   # also OPD from the privileged teacher
     options: --out DIR (logs, teacher and student; default runs/tutorials/custom_env, --tiny: a temp dir)
 
 To use the environment from YAML instead, put the two classes in an importable module and name the
@@ -95,6 +101,7 @@ class GuessNumberEnvFactory(EnvFactory):
     """Tasks are the secrets ``1..high``; every 4th number is held out (disjoint splits)."""
 
     system_prompt = "You play guess-the-number. Reply with one number only."
+    provides_privileged_context = True  # 4.: a PrivilegedTeacher may use privileged_context
 
     def __init__(self, high: int = 32) -> None:
         self.high = high
@@ -107,6 +114,11 @@ class GuessNumberEnvFactory(EnvFactory):
 
     def make(self, task_id: str) -> GuessNumberEnv:
         return GuessNumberEnv(int(task_id), self.high)
+
+    def privileged_context(self, task_id: str) -> str | None:
+        """What a privileged-context teacher sees and the student never does (4.): here, the answer itself. A
+        walkthrough, a demonstration or gold documents play this part in other environments."""
+        return f"The secret number is {task_id}."
 
     def expert_actions(self, task_id: str) -> list[str]:
         """Binary search: guess the middle of the remaining range until it hits."""
@@ -181,10 +193,27 @@ def distill(env: EnvFactory, teacher_dir: Path, out: Path, steps: int, episodes:
     return out / "student-opd", Path(opd.logger.log_dir)
 
 
+def self_distill(env: EnvFactory, out: Path, steps: int, episodes: int, max_turns: int, max_new_tokens: int,
+                 quiet: bool) -> Path:
+    """OPD with no trained teacher (4.): the teacher is the student's starting weights shown
+    ``env.privileged_context`` (``PrivilegedTeacher(weights="frozen")``); the student goes to
+    ``out/student-self-distill``."""
+    from lightning_opd.teachers import PrivilegedTeacher
+
+    student = OPDModule(student=str(MODEL), teacher=PrivilegedTeacher(weights="frozen", placement="system"),
+                        max_logged_turns=max_turns, optimizer=partial(torch.optim.AdamW, lr=5e-5, weight_decay=0.0),
+                        export_dir=str(out / "student-self-distill"))
+    rollouts = RolloutDataModule(env, episodes_per_step=episodes, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                                 seed=0)
+    trainer(out, "self_distill", steps, quiet).fit(student, datamodule=rollouts)
+    return out / "student-self-distill"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="CI settings: 2 SFT + 2 OPD steps, numbers 1..16, 3 turns")
     p.add_argument("--out", type=Path, default=None, help="output directory (default runs/tutorials/custom_env)")
+    p.add_argument("--self-distill", action="store_true", help="also OPD from the privileged-context teacher (4.)")
     a = p.parse_args(argv)
     if not (MODEL / "config.json").exists():
         raise SystemExit(f"missing {MODEL.relative_to(ROOT)}: run `make model` from the repository root first")
@@ -202,8 +231,11 @@ def main(argv: list[str] | None = None) -> None:
     teacher_dir = train_teacher(env, out, sft_steps, max(max_turns, longest), a.tiny)
     student_dir, run_dir = distill(env, teacher_dir, out, opd_steps, episodes, max_turns, max_new_tokens, a.tiny)
 
-    results = {name: held_out_success(path, env, max_turns, max_new_tokens, a.tiny)
-               for name, path in (("student before", MODEL), ("teacher", teacher_dir), ("student after", student_dir))}
+    policies = [("student before", MODEL), ("teacher", teacher_dir), ("student after", student_dir)]
+    if a.self_distill:
+        policies.append(("self-distilled", self_distill(env, out, opd_steps, episodes, max_turns, max_new_tokens,
+                                                        a.tiny)))
+    results = {name: held_out_success(path, env, max_turns, max_new_tokens, a.tiny) for name, path in policies}
     print(f"\nheld-out success ({len(env.eval_tasks())} secrets, greedy, at most {max_turns} turns):")
     for name, success in results.items():
         print(f"  {name:<15} {success:.2f}")

@@ -144,16 +144,32 @@ def test_02_guess_number_env_and_binary_search_expert(tokenizer):
     assert episode.step("5").won
     # the tutorial's own check, on the tiny tokenizer: every expert episode is won
     assert tutorial.check_with_expert(env, tokenizer) == 5
+    # 4.: its privileged context reaches a PrivilegedTeacher's view of an episode, never the student's
+    from lightning_opd.rollout import AgentLoop, EpisodeSpec, SamplingParams
+    from lightning_opd.rollout.chat import ChatFormat
+    from lightning_opd.rollout.scripted import ScriptedGenerator, walkthrough_replies
+    from lightning_opd.teachers.privileged import teacher_view
+
+    assert env.provides_privileged_context and env.privileged_context("5") == "The secret number is 5."
+    traj = AgentLoop(env, ScriptedGenerator(tokenizer, walkthrough_replies({"5": env.expert_actions("5")})), tokenizer,
+                     max_turns=5).run([EpisodeSpec("5")], SamplingParams())[0]
+    chat = ChatFormat(tokenizer, env.system_prompt)
+    view, offset = teacher_view(traj, env.privileged_context("5"), chat)
+    n = len(chat.first_prompt(traj.messages[0]["content"]))
+    assert "number is 5" in tokenizer.decode(view) and "number is 5" not in tokenizer.decode(traj.token_ids)
+    assert offset > 0 and view[n + offset:] == traj.token_ids[n:]  # the student's replies, token for token
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_02_custom_env_tiny_trains_teacher_then_student(artifacts, tmp_path):
     tmp_path = tmp_path.resolve()
-    out = run_tutorial("02_custom_env.py", "--tiny", "--out", str(tmp_path))
+    out = run_tutorial("02_custom_env.py", "--tiny", "--self-distill", "--out", str(tmp_path))
     assert "expert check: 16/16 episodes won, at most 5 turns" in out
-    success = dict(re.findall(r"^\s*(student before|teacher|student after)\s+([01]\.\d\d)\s*$", out, re.MULTILINE))
-    assert set(success) == {"student before", "teacher", "student after"}, out
+    success = dict(re.findall(r"^\s*(student before|teacher|student after|self-distilled)\s+([01]\.\d\d)\s*$", out,
+                              re.MULTILINE))
+    assert set(success) == {"student before", "teacher", "student after", "self-distilled"}, out
+    assert (tmp_path / "student-self-distill" / "model.safetensors").exists()
     assert all(0.0 <= float(v) <= 1.0 for v in success.values())
     assert (tmp_path / "teacher" / "model.safetensors").exists()
     assert (tmp_path / "student-opd" / "model.safetensors").exists()
