@@ -341,7 +341,7 @@ def check_self_distill(cli, tmp):
 
     t = cli.model.teacher_scorer
     assert isinstance(t, PrivilegedTeacher) and (t.weights, t.ema_decay, t.placement, t.server) == (
-        "frozen", 0.99, "system", None)
+        "frozen", 0.99, "before_observation", None)
     assert cli.model.teacher_path is None and type(cli.model.loss_fn) is FullVocabReverseKL
     assert cli.model.export_dir == str(tmp / "export") and cli.trainer.max_steps == 20
 

@@ -100,6 +100,8 @@ class EvalSettings:
             (:meth:`kv_cache_bytes`), so the prefix cache keeps every episode's earlier turns (a smaller cache
             re-prefills whole contexts every turn: benchmarks/eval_kv_cache.py).
         own_traj_kl: ``--no-own-traj-kl`` sets it ``False``: no own-trajectory KL by outcome (with ``--teacher``).
+        privileged_context: ``--privileged-context``: every policy sees each task's privileged text before its first
+            observation (:class:`~lightning_opd.envs.privileged.WithPrivilegedContext`).
 
     Raises:
         ValueError: a bad value; the message names the flag.
@@ -117,6 +119,7 @@ class EvalSettings:
     dtype: str = "float32"
     vllm_kv_cache_bytes: int | None = None
     own_traj_kl: bool = True
+    privileged_context: bool = False
 
     def __post_init__(self) -> None:
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
@@ -386,6 +389,10 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
     if limit is not None and limit < 1:
         raise ValueError(f"--limit {limit} must be >= 1")
     env, env_id = make_env(env_class, env_args, games)
+    if settings.privileged_context:  # the policies see each task's privileged text (the privileged teacher acting)
+        from lightning_opd.envs.privileged import WithPrivilegedContext
+
+        env, env_id = WithPrivilegedContext(env), {**env_id, "privileged_context": True}
     tasks = env.eval_tasks() if split == "eval" else env.train_tasks()
     tasks = tasks[:limit] if limit is not None else tasks
     if not tasks:
@@ -542,6 +549,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--own-traj-kl", dest="own_traj_kl", action="store_true",
                    help="compute it (the default; after --no-own-traj-kl, e.g. the runner's evaluate_final turning "
                         "it back on for the final checkpoint)")
+    p.add_argument("--privileged-context", action="store_true",
+                   help="the policies see each task's privileged text before its first observation (the environment's "
+                        "privileged_context, e.g. TextWorld's walkthrough): the privileged-context teacher as a policy")
     p.add_argument("--out", required=True, help="output JSON")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     a = p.parse_args(argv)
@@ -556,7 +566,8 @@ def main(argv: list[str] | None = None) -> dict:
     settings = EvalSettings(seeds=a.seeds, avg_k=a.avg_k, temperature=a.temperature, max_turns=a.max_turns,
                             max_new_tokens=a.max_new_tokens, max_context_tokens=a.max_context_tokens,
                             batch_size=a.batch_size, backend=a.backend, device=a.device, dtype=a.dtype,
-                            vllm_kv_cache_bytes=a.vllm_kv_cache_bytes, own_traj_kl=a.own_traj_kl)
+                            vllm_kv_cache_bytes=a.vllm_kv_cache_bytes, own_traj_kl=a.own_traj_kl,
+                            privileged_context=a.privileged_context)
     t0 = time.perf_counter()
     result = evaluate(a.students, env_class=a.env, env_args=env_args, games=a.games, split=a.split, limit=a.limit,
                       settings=settings, teacher=a.teacher, base=a.base, cache_dir=a.cache_dir, out=a.out)
