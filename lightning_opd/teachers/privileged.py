@@ -127,6 +127,27 @@ def _view_parts(traj: Trajectory, privileged: str, chat: ChatFormat, placement: 
     return view_prompt + list(traj.token_ids[n:]), len(view_prompt) - n, n
 
 
+def expert_next_actions(traj: Trajectory, expert: list[str]) -> dict[int, str]:
+    """The expert's next action at each turn of an episode: turn -> ``expert[p]``, where ``p`` counts the expert's
+    actions the student has already taken in order (a reply whose first line equals ``expert[p]``, case and spaces
+    ignored, moves ``p`` on; any other reply leaves it). Turns after the expert's last action are left out.
+
+    PROPOSED (issue 42's hint-use diagnostic): with TextWorld's walkthrough as the expert, the command the
+    privileged text says comes next.
+    """
+    out: dict[int, str] = {}
+    p = 0
+    replies = [m["content"] for m in traj.messages if m.get("role") == "assistant"]
+    for turn, reply in enumerate(replies):
+        if p >= len(expert):
+            break
+        out[turn] = expert[p]
+        lines = reply.strip().splitlines()
+        if lines and " ".join(lines[0].lower().split()) == " ".join(expert[p].lower().split()):
+            p += 1
+    return out
+
+
 class PrivilegedTeacher(Teacher):
     """The student's own weights, shown the environment's privileged context, as the teacher (self-distillation).
 
@@ -185,6 +206,10 @@ class PrivilegedTeacher(Teacher):
         self._steps = 0  # optimizer steps seen (the push schedule)
         self.pushed_version = 0  #: optimizer steps of the weights the server holds (0: the starting weights)
         self._pushes, self._push_s = 0, 0.0  # pushes and their seconds
+        #: hint use (:meth:`hint_use`): turns scored with an expert next action, and those where the teacher's top-1
+        #: first reply token is that action's first token; totals, and the window since ``stats`` was last read
+        self.hint_totals = {"turns": 0, "top1_hits": 0}
+        self._hint_window = [0, 0]
         self.tokenizer = None
         self.vocab_size: int | None = None
         self.student = None  #: the live student module (``attach_student``)
@@ -206,10 +231,52 @@ class PrivilegedTeacher(Teacher):
 
     @property
     def stats(self) -> dict[str, float]:
-        """A served teacher's request totals plus ``pushes`` and ``push_seconds`` (none in-process)."""
+        """``hint_top1``: over the turns scored since the last read (one optimizer step, as ``OPDModule`` logs it
+        ``teacher/hint_top1``), the share whose teacher top-1 first reply token is the first token of the expert's
+        next action (:func:`expert_next_actions`; NaN when none), and ``hint_turns`` (those turns); served: also
+        the server's request totals, ``pushes`` and ``push_seconds``. Reading it starts a new window."""
+        turns, hits = self._hint_window
+        self._hint_window = [0, 0]
+        out = {"hint_top1": hits / turns if turns else float("nan"), "hint_turns": float(turns)}
         if self.server is None:
-            return {}
-        return {**getattr(self.server, "stats", {}), "pushes": float(self._pushes), "push_seconds": self._push_s}
+            return out
+        return {**getattr(self.server, "stats", {}), **out, "pushes": float(self._pushes),
+                "push_seconds": self._push_s}
+
+    def hint_use(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor,
+                 top1: torch.Tensor) -> tuple[int, int]:
+        """Count, for each turn of ``batch`` whose first reply token is scored at ``(rows[i], cols[i])``, whether the
+        teacher's top-1 there (``top1[i]``, ``(N,)`` long) is the first token of the expert's next action
+        (:func:`expert_next_actions`, from the environment's ``expert_actions``); returns ``(turns, hits)`` of this
+        call and adds them to :attr:`hint_totals`. Environments without an expert count nothing."""
+        at = {(int(r), int(c)): i for i, (r, c) in enumerate(zip(rows.tolist(), cols.tolist()))}
+        by_ids = {(str(t.task_id), tuple(t.token_ids)): t for t in batch.trajectories if t.num_tokens > 0}
+        turns = hits = 0
+        for r, n in enumerate(batch.lengths):
+            task = batch.task_ids[r] if batch.task_ids else ""
+            traj = by_ids.get((task, tuple(batch.input_ids[r, :n].tolist()))) if task else None
+            if traj is None:
+                continue
+            try:
+                expert = list(self.envs.expert_actions(task))
+            except (NotImplementedError, KeyError):
+                continue
+            first: dict[int, int] = {}
+            for j, (m, k) in enumerate(zip(traj.assistant_mask, traj.turn_index)):
+                if m and k >= 0 and k not in first:
+                    first[k] = j
+            for turn, action in expert_next_actions(traj, expert).items():
+                i = at.get((r, first.get(turn, 0) - 1))
+                ids = self.tokenizer(action, add_special_tokens=False)["input_ids"]
+                if i is None or not ids:
+                    continue
+                turns += 1
+                hits += int(top1[i]) == ids[0]
+        self.hint_totals["turns"] += turns
+        self.hint_totals["top1_hits"] += hits
+        self._hint_window[0] += turns
+        self._hint_window[1] += hits
+        return turns, hits
 
     def close(self) -> None:
         """Close the served teacher's client and remove a temporary snapshot directory."""
@@ -408,7 +475,10 @@ class PrivilegedTeacher(Teacher):
                                "shifted positions (a bug: the view must keep every id after the first prompt)")
         if self.server is not None:  # the views as token ids to the served teacher (the privileged prompt goes over)
             view = dataclasses.replace(batch, input_ids=ids, attention_mask=mask)
-            return self.server.score(view, rows, tcols, signals, temperature, top_k, chunk_size)
+            out = self.server.score(view, rows, tcols, signals, temperature, top_k, chunk_size)
+            if out.topk_ids is not None:  # hint use from the top-k the loss asked for (none with sampled tokens only)
+                self.hint_use(batch, rows, cols, out.topk_ids[:, 0])
+            return out
         model = self.model
         head = output_head(model, self.vocab_size)
         was_training = model.training
@@ -422,5 +492,21 @@ class PrivilegedTeacher(Teacher):
             with torch.no_grad():
                 return head(h)
 
-        return scores_from_hidden(hidden, targets, frozen_head, signals, temperature, top_k, chunk_size,
-                                  self.vocab_size)
+        out = scores_from_hidden(hidden, targets, frozen_head, signals, temperature, top_k, chunk_size,
+                                 self.vocab_size)
+        self._hint_use_from_hidden(batch, rows, cols, hidden, frozen_head)
+        return out
+
+    def _hint_use_from_hidden(self, batch, rows, cols, hidden, head) -> None:
+        """:meth:`hint_use` with the top-1 of the head at the turns' first reply positions only (a few rows)."""
+        starts = batch.turn_index[:, 1:] if batch.turn_index.shape[1] > 1 else None
+        if starts is None or not batch.trajectories:
+            return
+        prev = batch.turn_index[:, :-1]
+        first = (batch.loss_mask[:, 1:] > 0) & (starts >= 0) & (starts != prev)  # (B, T-1): predicts a turn's 1st token
+        pick = first[rows, cols].nonzero(as_tuple=True)[0]
+        if pick.numel() == 0:
+            return
+        top1 = torch.zeros(rows.numel(), dtype=torch.long, device=rows.device)
+        top1[pick] = head(hidden[pick]).argmax(-1)
+        self.hint_use(batch, rows, cols, top1)  # it reads top1 at the first reply positions only (all in pick)

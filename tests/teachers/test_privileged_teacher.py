@@ -356,3 +356,49 @@ def test_the_ema_is_saved_in_the_checkpoint_and_a_resumed_run_continues_it(model
     start.configure_model()
     starting = dict(start.student.named_parameters())
     assert any(not torch.equal(loaded[k], starting[k]) for k in starting if k in loaded)
+
+
+def test_expert_next_actions_advance_when_the_student_takes_them():
+    traj = Trajectory(task_id="t", seed=0)
+    for reply in ("open door", "Look", "  Open  Door\nextra", "go east", "take key"):
+        traj.messages.append({"role": "user", "content": "obs"})
+        traj.messages.append({"role": "assistant", "content": reply})
+    from lightning_opd.teachers.privileged import expert_next_actions
+
+    # "open door" taken at turn 0 -> next is "go east"; "Look" and a second "Open Door" are not it; "go east" taken
+    # at turn 3 -> "take key" at turn 4, taken: the expert's actions end there
+    assert expert_next_actions(traj, ["open door", "go east", "take key"]) == {
+        0: "open door", 1: "go east", 2: "go east", 3: "go east", 4: "take key"}
+
+
+def test_hint_use_counts_the_teachers_top1_against_the_experts_next_action(tok):
+    """The keyword environment's expert says the task word each turn; hint_use compares the teacher's top-1 at each
+    turn's first reply position with the word's first token: forced hits on the turns given the right top-1."""
+    model = make_model(tok, seed=3)
+    batch, trajs = _batch(tok)
+    t = _teacher(tok, model)
+    rows, cols = (batch.loss_mask[:, 1:] > 0).nonzero(as_tuple=True)
+    # the positions predicting each turn's first reply token
+    firsts = []
+    for r, traj in enumerate(trajs):
+        seen = set()
+        replies = sum(m["role"] == "assistant" for m in traj.messages)  # _batch's extra turn 3 has no message
+        for j, (m, k) in enumerate(zip(traj.assistant_mask, traj.turn_index)):
+            if m and k not in seen and k < replies:
+                seen.add(k)
+                firsts.append((r, j - 1, traj.task_id))
+    expert = {task: HintedKeywordEnvFactory().expert_actions(task) for task in ("key", "apple")}
+    top1 = torch.zeros(rows.numel(), dtype=torch.long)
+    index = {(int(r), int(c)): i for i, (r, c) in enumerate(zip(rows.tolist(), cols.tolist()))}
+    word_id = {task: tok(expert[task][0], add_special_tokens=False)["input_ids"][0] for task in expert}
+    right = [f for f in firsts[::2]]  # every other turn gets the word's first token as top-1
+    for r, c, task in right:
+        top1[index[(r, c)]] = word_id[task]
+    turns, hits = t.hint_use(batch, rows, cols, top1)
+    assert turns == len(firsts) and hits == len(right)
+    stats = t.stats
+    assert stats["hint_turns"] == turns and stats["hint_top1"] == pytest.approx(hits / turns)
+    assert t.stats["hint_turns"] == 0  # a new window after each read
+    # the in-process score path counts them too (with the model's real top-1)
+    t.score(batch, rows, cols, (S,), temperature=1.0)
+    assert t.hint_totals["turns"] == 2 * turns
