@@ -148,6 +148,17 @@ def expert_next_actions(traj: Trajectory, expert: list[str]) -> dict[int, str]:
     return out
 
 
+def row_trajectories(batch: RolloutBatch) -> list[tuple[str, Trajectory | None]]:
+    """Each row of ``batch`` as ``(task id, its Trajectory)``, matched in ``batch.trajectories`` by task id and token ids
+    (so also in a micro-batch); ``("", None)`` for a row with no task id (padding), ``(task, None)`` when unmatched."""
+    by_ids = {(str(t.task_id), tuple(t.token_ids)): t for t in batch.trajectories if t.num_tokens > 0}
+    out = []
+    for r, n in enumerate(batch.lengths):
+        task = batch.task_ids[r] if batch.task_ids else ""
+        out.append((task, by_ids.get((task, tuple(batch.input_ids[r, :n].tolist()))) if task else None))
+    return out
+
+
 class PrivilegedTeacher(Teacher):
     """The student's own weights, shown the environment's privileged context, as the teacher (self-distillation).
 
@@ -250,11 +261,8 @@ class PrivilegedTeacher(Teacher):
         (:func:`expert_next_actions`, from the environment's ``expert_actions``); returns ``(turns, hits)`` of this
         call and adds them to :attr:`hint_totals`. Environments without an expert count nothing."""
         at = {(int(r), int(c)): i for i, (r, c) in enumerate(zip(rows.tolist(), cols.tolist()))}
-        by_ids = {(str(t.task_id), tuple(t.token_ids)): t for t in batch.trajectories if t.num_tokens > 0}
         turns = hits = 0
-        for r, n in enumerate(batch.lengths):
-            task = batch.task_ids[r] if batch.task_ids else ""
-            traj = by_ids.get((task, tuple(batch.input_ids[r, :n].tolist()))) if task else None
+        for r, (task, traj) in enumerate(row_trajectories(batch)):
             if traj is None:
                 continue
             try:
@@ -419,17 +427,13 @@ class PrivilegedTeacher(Teacher):
         """
         if self.chat is None:
             raise RuntimeError(f"teacher {self.name} is not ready: it needs bind() (tokenizer) and attach_envs()")
-        by_ids = {(str(t.task_id), tuple(t.token_ids)): t for t in batch.trajectories if t.num_tokens > 0}
         views, offsets, prompt_lens = [], [], []
-        for i, n in enumerate(batch.lengths):
-            ids = batch.input_ids[i, :n].tolist()
-            task = batch.task_ids[i] if batch.task_ids else ""
+        for i, (task, traj) in enumerate(row_trajectories(batch)):
             if not task:
-                views.append(ids)
+                views.append(batch.input_ids[i, :batch.lengths[i]].tolist())
                 offsets.append(0)
                 prompt_lens.append(0)
                 continue
-            traj = by_ids.get((task, tuple(ids)))
             if traj is None:
                 raise RuntimeError(f"teacher {self.name}: row {i} (task {task!r}) has no trajectory in "
                                    "batch.trajectories; the teacher's view needs its first message")
