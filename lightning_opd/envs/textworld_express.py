@@ -49,7 +49,7 @@ coin           "" (package default: 11 locations, doors)                        
 coin           numLocations=5,numDistractorItems=0,includeDoors=0,...                      2 / 4.5 / 24
 =============  ==========================================================================  =====================
 
-(the defaults on the first 40 train seeds: CookingWorld 10 / 13 / 16, Coin 2 / 8.5 / 18). Coin's gold path is the
+(the defaults on the first 40 train seeds: CookingWorld 10 / 13 / 16, Coin 2 / 6 / 18). Coin's gold path is the
 engine's search for the coin (it walks into rooms and back), not a shortest path. The other games (twc,
 mapreader, arithmetic, sorting, simonsays, peckingorder) run with the package's defaults: gold paths of 5-28 steps
 on 10 dev seeds each.

@@ -7,6 +7,8 @@ One factory (one JVM, about 2 s to start; loading a variation takes about 0.5 s)
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from lightning_opd.envs.scienceworld_env import (
@@ -128,6 +130,12 @@ def test_unknown_task_name_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"\['find-unicorn'\] not ScienceWorld task names; choose from boil, .*"
                                          r"find-living-thing, .*use-thermometer"):
         ScienceWorldEnvFactory(["find-living-thing", "find-unicorn"])
+
+
+def test_missing_package_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "scienceworld", None)
+    with pytest.raises(ImportError, match=r"ScienceWorld is not installed.*make install-benchmarks"):
+        ScienceWorldEnvFactory()
 
 
 # ------------------------------------------------------------------------------------------ episodes

@@ -136,6 +136,12 @@ def test_missing_java_says_what_to_install(monkeypatch):
         java_bin_dir()
 
 
+def test_missing_package_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "textworld_express", None)
+    with pytest.raises(ImportError, match=r"TextWorldExpress is not installed.*make install-benchmarks"):
+        TextWorldExpressEnvFactory("coin")
+
+
 # ------------------------------------------------------------------------------------------ episodes
 
 
