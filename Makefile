@@ -23,7 +23,7 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 BENCH_STAMP := $(VENV)/.benchmarks-installed
 
 .PHONY: install install-vllm install-benchmarks model games games-long teacher teacher-train teacher-eval prepare demo student-opd test test-fast clean-demo \
-	search-qa teacher-search-qa teacher-search-qa-train demo-search-qa
+	search-qa teacher-search-qa teacher-search-qa-train demo-search-qa teacher-twx teacher-twx-train demo-twx
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -101,6 +101,28 @@ demo-search-qa: install model search-qa teacher-search-qa
 	$(LOPD) fit --config conf/search_qa/opd.yaml --trainer.logger.init_args.save_dir=runs/search_qa --trainer.logger.init_args.name=opd
 	$(LOPD) results "student before=runs/search_qa/student_before" "teacher=runs/search_qa/teacher" "student after (OPD)=runs/search_qa/opd"
 	$(LOPD) report runs/search_qa/opd
+
+# TextWorldExpress (issue 45): GAME=coin (default) or cookingworld; the teacher is the committed LoRA adapter merged
+# (teacher-twx-train redoes it on the gold paths of 200 training seeds); demo-twx: OPD, then the student before, the
+# teacher and the student after on the first 50 test seeds, greedy, with paired 95% CIs.
+GAME ?= coin
+TWX_TURNS := $(if $(filter cookingworld,$(GAME)),16,12)
+TWX_ADAPTER := assets/teacher-twx-$(GAME)-lora
+TWX_TEACHER := artifacts/models/teacher-twx-$(GAME)
+TWX_STUDENT := artifacts/models/student-twx-$(GAME)
+TWX_ARGS := --data.init_args.env.init_args.game_name=$(GAME) --data.init_args.max_turns=$(TWX_TURNS)
+$(TWX_TEACHER)/config.json: $(TWX_ADAPTER)/adapter_model.safetensors | $(MODEL)/config.json
+	$(LOPD) merge-adapter --base $(MODEL) --adapter $(TWX_ADAPTER) --out $(TWX_TEACHER) --force
+teacher-twx: install-benchmarks $(TWX_TEACHER)/config.json
+
+teacher-twx-train: install install-benchmarks model
+	$(LOPD) fit --config conf/textworldexpress/teacher_sft.yaml $(TWX_ARGS) --model.init_args.adapter_dir=$(TWX_ADAPTER) --model.init_args.export_dir=$(TWX_TEACHER)
+
+demo-twx: install install-vllm install-benchmarks model teacher-twx
+	rm -rf runs/twx_$(GAME)
+	$(LOPD) fit --config conf/textworldexpress/opd.yaml $(TWX_ARGS) --model.init_args.teacher=$(TWX_TEACHER) --model.init_args.export_dir=$(TWX_STUDENT) --trainer.logger.init_args.save_dir=runs/twx_$(GAME)
+	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(TWX_TEACHER)" "student after (OPD)=$(TWX_STUDENT)" --env lightning_opd.envs.textworld_express.TextWorldExpressEnvFactory --env-args '{"game_name": "$(GAME)", "num_train": 200, "num_eval": 50}' --max-turns $(TWX_TURNS) --max-context-tokens 3072 --teacher $(TWX_TEACHER) --avg-k 0 --cache-dir runs/twx_$(GAME)/teacher_trajectories --out runs/twx_$(GAME)/evaluation.json
+	$(LOPD) compare runs/twx_$(GAME)/evaluation.json --json runs/twx_$(GAME)/comparison.json
 
 prepare: model games
 

@@ -9,6 +9,8 @@ no weight decay, fp32, the SmolLM2-135M student and the demo's LoRA teacher, ``-
   CPU and ``trl==1.16.0`` under the product's ``constraints.txt``; never a product dependency), HF ``generate`` for
   sampling (its default), gradient checkpointing off (its default is on, which only costs time at this size).
 - Ours: ``lightning-opd fit --config conf/textworld/opd.yaml --data.init_args.max_turns=1 --trainer.max_steps=N``
+  with that config's micro-batching (``micro_batch_tokens: 2048``: the 4 episodes in one forward/backward) and fused
+  AdamW (``fused: true``; TRL gets fused AdamW too: transformers' default optimizer with torch >= 2.8)
   (vLLM sampler where it imports: ``generator: auto``), no validation, no export.
 
 Each side's step time is the wall clock between consecutive optimizer-step ends (TRL: a ``TrainerCallback``'s
@@ -16,6 +18,11 @@ Each side's step time is the wall clock between consecutive optimizer-step ends 
 the teacher pass, the update and per-step logging are all inside it; the first step (warm-up, engine start) is not
 timed: medians of steps 2..N. Rounds alternate TRL, ours, TRL, ours, ... so both see the same machine state; the
 ratio printed is TRL's median step / ours (> 1: we are faster). Run alone on the machine.
+
+The step's roofline (printed beside the ratio; the same for both sides): the model FLOPs of one step, sampling
+(prefill of every prompt, then one decode pass per new token) + the teacher's forward + the student's forward and
+backward over prompt and reply (:mod:`benchmarks.roofline`; replies counted at ``--max-new-tokens``, an upper bound),
+at the fp32 matmul peak measured on this machine. A step cannot take less; a speed ratio is bounded by it.
 
 Resumable per (side, round): ``benchmarks/results/peer_trl.json`` keeps finished rounds; ``--force`` reruns.
 Run: ``.venv/bin/python -m benchmarks.peer_trl [--rounds 2 --steps 10]``   (needs ``make prepare teacher install-vllm``)
@@ -107,7 +114,8 @@ def run_ours(args, work: Path) -> dict:
                                         "init_args": {"save_dir": str(work), "name": "ours"}}},
                  "model": {"init_args": {"student": args.model, "teacher": args.teacher, "export_dir": None,
                                          "optimizer": {"class_path": "torch.optim.AdamW",
-                                                       "init_args": {"lr": args.lr, "weight_decay": 0.0}}}},
+                                                       "init_args": {"lr": args.lr, "weight_decay": 0.0,
+                                                                     "fused": True}}}},
                  "data": {"init_args": {"env": {"class_path": "lightning_opd.envs.textworld_env.TextWorldEnvFactory",
                                                 "init_args": {"games_dir": args.games}},
                                         "max_turns": 1, "episodes_per_step": args.batch,
@@ -129,10 +137,44 @@ def run_ours(args, work: Path) -> dict:
             "version": f"lightning {lightning.__version__}, torch {torch.__version__}, vllm {vllm.__version__}"}
 
 
+def step_roofline(prompt_tokens: list[int], batch: int, new_tokens: int, model: str, teacher: str) -> dict:
+    """The roofline of one step of the workload: ``{"flops", "seconds", "matmul_flops", "prompt_tokens_mean"}``.
+
+    FLOPs per step, averaged over the steps' prompts (``prompt_tokens``, in order, ``batch`` per step): per episode of
+    ``P`` prompt and ``C = new_tokens`` reply tokens, sampling (a prefill of ``P`` and ``C - 1`` decode passes, the head
+    on one position each), the teacher's forward and the student's forward + backward over ``P + C`` tokens (heads on
+    the ``C`` supervised positions) (:func:`benchmarks.roofline.update_flops`); seconds at the measured fp32 matmul peak
+    (:func:`benchmarks.roofline.measure_machine`, this process's torch threads)."""
+    from benchmarks.roofline import ModelShape, Row, generation_passes, measure_machine, pass_flops, update_flops
+    from lightning_opd.models import load_causal_lm
+
+    student_model = load_causal_lm(model)
+    student, teach = ModelShape.of(student_model), ModelShape.of(load_causal_lm(teacher))
+    sample = sum(pass_flops(student, rows) for p in prompt_tokens
+                 for rows in generation_passes([Row(0, p, new_tokens)]))
+    update = update_flops(student, teach, [(p + new_tokens, new_tokens) for p in prompt_tokens])["flops"]
+    per_step = (sample + update) * batch / len(prompt_tokens)
+    peak = measure_machine(student_model)["matmul_flops"]
+    return {"flops": per_step, "seconds": per_step / peak, "matmul_flops": peak,
+            "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens)}
+
+
+def prompt_lengths(prompts: Path, tokenizer_dir: str, n: int) -> list[int]:
+    """Tokens of the first ``n`` prompts of ``prompts`` under the student's chat template (generation prompt added)."""
+    from lightning_opd.models.loading import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    rows = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()[:n]]
+    return [len(tok.apply_chat_template(r, add_generation_prompt=True, tokenize=True)) for r in rows]
+
+
 def report(results: ResultFile) -> str:
-    """The markdown table of every finished round and the ratio of the medians (TRL / ours)."""
+    """The markdown table of every finished round, the ratio of the medians (TRL / ours) and, when measured, the step's
+    roofline with each side's fraction of it."""
     rows, medians = [], {"trl": [], "ours": []}
     for key in sorted(results.data):
+        if key.rsplit("_", 1)[0] not in medians:
+            continue
         side, rnd = key.rsplit("_", 1)
         r = results[key]
         medians[side].append(r["median_s"])
@@ -142,6 +184,13 @@ def report(results: ResultFile) -> str:
         trl, ours = statistics.median(medians["trl"]), statistics.median(medians["ours"])
         lines.append(f"\nTRL {trl:.2f} s/step, ours {ours:.2f} s/step (medians over rounds): ours is "
                      f"{trl / ours:.2f}x TRL's speed")
+        if "roofline" in results:
+            roof = results["roofline"]
+            lines.append(f"step roofline {roof['seconds']:.2f} s ({roof['flops'] / 1e12:.2f} TFLOP at "
+                         f"{roof['matmul_flops'] / 1e9:.0f} GFLOP/s, prompts {roof['prompt_tokens_mean']:.0f} tokens on "
+                         f"average): TRL at {roof['seconds'] / trl:.0%} of it, ours at {roof['seconds'] / ours:.0%}; "
+                         f"1.5x TRL's speed would be {trl / 1.5:.2f} s/step = "
+                         f"{roof['seconds'] / (trl / 1.5):.0%} of the roofline")
     return "\n".join(lines)
 
 
@@ -164,6 +213,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="peer_trl_") as tmp:
         prompts = Path(tmp) / "prompts.jsonl"
         write_prompts(args.games, None, 200, prompts)
+        if "roofline" not in results or args.force:
+            lengths = prompt_lengths(prompts, args.model, args.steps * args.batch)
+            results.put("roofline", step_roofline(lengths, args.batch, args.max_new_tokens, args.model, args.teacher))
         for rnd in range(args.rounds):
             for side in ("trl", "ours"):
                 key = f"{side}_{rnd}"

@@ -514,6 +514,7 @@ def test_linked_value_set_by_hand_is_refused_naming_the_data_key(build_cli, caps
 
 def test_command_line_overrides_win_over_files(build_cli):
     cli, _, _ = build_cli(BASE, extra=["--trainer.max_steps=3", "--model.init_args.micro_batch_size=2",
+                                       "--model.init_args.micro_batch_tokens=null",
                                        "--data.init_args.env.init_args.max_observation_chars=100"])
     assert cli.trainer.max_steps == 3
     assert cli.model.micro_batch_size == 2

@@ -48,6 +48,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.profiler import record_function
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lightning_opd.learner.policy import PolicyModule, check_dtype
@@ -417,12 +418,14 @@ class OPDModule(PolicyModule):
         full = TeacherSignal.FULL_VOCAB in self.teacher_scorer.provides
         signals = (TeacherSignal.FULL_VOCAB,) if full else tuple(dict.fromkeys((TeacherSignal.SAMPLED_TOKEN,
                                                                                 self.loss_fn.teacher_signal)))
-        teacher = self.score_teacher(batch, rows, cols, signals, temperature)  # (N, D_T) + head, or (N,) [+ (N, K)]
+        with record_function("opd.teacher"):  # a label for torch.profiler (benchmarks/update_profile.py)
+            teacher = self.score_teacher(batch, rows, cols, signals, temperature)  # (N, D_T) + head, or (N,) [+ (N, K)]
         targets = ids[:, 1:][rows, cols]  # (N,)
         extras = {k: None if v is None else v[rows, cols] for k, v in self.loss_inputs(batch).items()}  # (b, T-1) -> (N,)
 
         def student_side() -> TokenLoss:  # with a sharded student: its root parameters gathered (FSDP2)
-            h_s = self.hidden_states(self.student, batch)[rows, cols]  # (N, D)
+            with record_function("opd.student_trunk"):
+                h_s = self.hidden_states(self.student, batch)[rows, cols]  # (N, D)
             if not full:
                 return self.loss_fn.forward_signals(h_s, targets, self.lm_head(self.student), temperature,
                                                     teacher_sampled_logprobs=teacher.sampled_logprobs,
@@ -663,13 +666,15 @@ class OPDModule(PolicyModule):
         h = turn_kl.num_turns
         micro, n_real = self.agreed_micro_batches(batch)
         for i, mb in enumerate(micro):
-            out, mask, turns = self.token_losses(mb)
+            with record_function("opd.forward"):  # teacher + student trunk + heads and loss
+                out, mask, turns = self.token_losses(mb)
             weights = self.token_weights(mb, out)
             if self.aggregation == "sequence":  # §0.5's option: step_tokens is then the step's sequence count
                 seq_w = sequence_token_weights(mask).to(out.loss.dtype)
                 weights = seq_w if weights is None else weights * seq_w
             loss = aggregate_token_loss(out.loss, mask, step_tokens, weights) * world_size
-            backward(loss)
+            with record_function("opd.backward"):
+                backward(loss)
             keep = mask > 0
             sums["loss"] += loss.detach() / world_size
             sums["kl"] += torch.where(keep, out.kl, 0.0).sum()
@@ -756,7 +761,8 @@ class OPDModule(PolicyModule):
             self.skip_update(opt)
             return full
         torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
-        opt.step()
+        with record_function("opd.optimizer"):
+            opt.step()
         self.teacher_scorer.on_optimizer_step()  # e.g. a self-distillation teacher's EMA
         if sched is not None:
             sched.step()
@@ -797,7 +803,8 @@ class OPDModule(PolicyModule):
             in ``on_train_batch_end``.
         """
         t0 = time.perf_counter()
-        batch, _, _ = next(dataloader_iter)  # generated now, with the current weights
+        with record_function("opd.rollout"):
+            batch, _, _ = next(dataloader_iter)  # generated now, with the current weights
         batch = batch.to(self.device)
         t1 = time.perf_counter()
         lag_max = self._check_on_policy(batch)
@@ -831,7 +838,8 @@ class OPDModule(PolicyModule):
         # one rollout iteration, however many updates (§3.1 note), also when all were skipped (§1.5: the producer's
         # batch index and the forced-lag copies stay in step with the version; its weights equal the last version's)
         self.policy_version += 1
-        self._notify_policy_update()
+        with record_function("opd.policy_push"):
+            self._notify_policy_update()
         t2 = time.perf_counter()
         self.step_metrics.log_step(self, StepRecord(batch, sums, step_tokens, grad_norm, lag_max, t1 - t0, t2 - t1,
                                                     stats, {**self.step_extras(), **self.teacher_step_metrics(),

@@ -198,7 +198,7 @@ class VLLMGenerator(Generator):
 
     def push_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
         """Load ``state`` (a student ``state_dict``) into the engine and stamp it ``version``; returns seconds."""
-        with self._lock:
+        with self._lock, torch.profiler.record_function("rollout.weight_push"):
             self.start()
             self.last_push_seconds = self.sync.push(state.items())
             self._engine_version = int(version)

@@ -45,3 +45,32 @@ def test_report_ratio_is_trl_median_over_ours(tmp_path, monkeypatch):
     text = report(results)
     assert "TRL 8.50 s/step, ours 5.50 s/step" in text
     assert "ours is 1.55x TRL's speed" in text
+
+
+def test_step_roofline_counts_sampling_teacher_and_student_flops(model_dirs, tokenizer, monkeypatch):
+    """The tiny Llama (hidden 32, MLP 64, 2 layers, 4 heads of 8, 2 KV heads, untied head of V x 32): trunk linears
+    2 x (1024 + 512 + 512 + 1024 + 3 x 2048) = 18432, so a forward over n tokens after c cached, head on h positions, is
+    36864 n + 64 V h + 256 (n c + n (n + 1) / 2). One prompt of P = 3 tokens, C = 2 new, batch 1:
+    sampling: prefill (3, 0, 1) = 110592 + 64 V + 1536 and one decode pass (1, 3, 1) = 36864 + 64 V + 1024;
+    student forward + backward 3 x (5, 0, 2) and teacher (5, 0, 2): 4 x (184320 + 128 V + 3840).
+    Total 902656 + 640 V FLOPs; at a peak of 1e6 FLOP/s that many microseconds."""
+    monkeypatch.setattr("benchmarks.roofline.measure_machine", lambda model: {"matmul_flops": 1e6})
+    from benchmarks.peer_trl import step_roofline
+
+    v = len(tokenizer)
+    r = step_roofline([3], batch=1, new_tokens=2, model=model_dirs["student"], teacher=model_dirs["teacher"])
+    assert r["flops"] == 902656 + 640 * v
+    assert r["seconds"] == pytest.approx((902656 + 640 * v) / 1e6)
+    assert r["prompt_tokens_mean"] == 3
+
+
+def test_report_gives_each_side_s_fraction_of_the_roofline(tmp_path, monkeypatch):
+    """Roofline 4.0 s; TRL 8.0 s (50%), ours 5.0 s (80%); 1.5x TRL = 5.33 s/step = 75% of the roofline."""
+    monkeypatch.setattr("benchmarks.common.RESULTS", tmp_path)
+    results = ResultFile("peer")
+    results.put("trl_0", {"median_s": 8.0, "step_s": [8.0]})
+    results.put("ours_0", {"median_s": 5.0, "step_s": [5.0]})
+    results.put("roofline", {"seconds": 4.0, "flops": 8e11, "matmul_flops": 2e11, "prompt_tokens_mean": 200})
+    text = report(results)
+    assert "TRL at 50% of it, ours at 80%" in text
+    assert "1.5x TRL's speed would be 5.33 s/step = 75% of the roofline" in text
