@@ -165,7 +165,8 @@ def prompt_lengths(prompts: Path, tokenizer_dir: str, n: int) -> list[int]:
 
     tok = load_tokenizer(tokenizer_dir)
     rows = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()[:n]]
-    return [len(tok.apply_chat_template(r, add_generation_prompt=True, tokenize=True)) for r in rows]
+    texts = [tok.apply_chat_template(r, add_generation_prompt=True, tokenize=False) for r in rows]
+    return [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
 
 def report(results: ResultFile) -> str:

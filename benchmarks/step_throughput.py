@@ -87,13 +87,13 @@ def run(workload: str, args, machine: Machine) -> dict:
                            episodes_per_step=args.episodes, max_turns=turns, max_new_tokens=args.max_new_tokens,
                            seed=0)
     log, batches = GenerationLog(dm.generator), []
-    take = dm.next_train_batch
+    plan = model.plan_batch
 
-    def next_train_batch():  # keep the batch the step trains on (its sizes give the update's FLOPs)
-        batches.append(take())
-        return batches[-1]
+    def plan_batch(batch, student_logprobs=None):  # keep the batch the step trains on (its sizes give the FLOPs)
+        batches.append(batch)
+        return plan(batch, student_logprobs)
 
-    dm.next_train_batch = next_train_batch
+    model.plan_batch = plan_batch
     recorder = StepRecorder(log, batches)
     L.Trainer(accelerator="cpu", max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

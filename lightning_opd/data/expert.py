@@ -42,12 +42,16 @@ class ExpertDataModule(RolloutDataModule):
         self.expert_trajectories: list[Trajectory] = []
 
     def expert_rollouts(self, tokenizer) -> list[Trajectory]:
-        """Play every training task with its expert actions (token-exact renders)."""
+        """Play every training task with its expert actions (token-exact renders), ``eval_batch_size`` episodes at a
+        time: an environment backed by an engine process (TextWorldExpress, ScienceWorld: one JVM of ~60-300 MB per
+        open episode) then holds at most that many engines, not one per training task (F31, docs/faults.md)."""
         tasks = self.env.train_tasks()
         gen = ScriptedGenerator(tokenizer, walkthrough_replies({t: self.env.expert_actions(t) for t in tasks}))
         longest = max(len(self.env.expert_actions(t)) for t in tasks)
         loop = AgentLoop(self.env, gen, tokenizer, max_turns=max(longest, 1), max_context_tokens=self.max_context_tokens)
-        trajs = loop.run([EpisodeSpec(task_id=t, seed=i) for i, t in enumerate(tasks)], SamplingParams())
+        specs = [EpisodeSpec(task_id=t, seed=i) for i, t in enumerate(tasks)]
+        trajs = [traj for start in range(0, len(specs), self.eval_batch_size)
+                 for traj in loop.run(specs[start:start + self.eval_batch_size], SamplingParams())]
         if self.require_success:
             trajs = [t for t in trajs if t.success]
         if not trajs:

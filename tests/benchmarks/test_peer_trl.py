@@ -74,3 +74,21 @@ def test_report_gives_each_side_s_fraction_of_the_roofline(tmp_path, monkeypatch
     text = report(results)
     assert "TRL at 50% of it, ours at 80%" in text
     assert "1.5x TRL's speed would be 5.33 s/step = 75% of the roofline" in text
+
+
+def test_prompt_lengths_count_the_chat_template_tokens(model_dirs, tmp_path):
+    """Each prompt's length is its token count under the student's chat template with the generation prompt, the
+    template's text tokenised without extra special tokens: a list of token counts (not the 2 keys of the encoding
+    ``apply_chat_template(tokenize=True)`` returns, the bug this guards)."""
+    from benchmarks.peer_trl import prompt_lengths
+    from lightning_opd.models.loading import load_tokenizer
+
+    rows = [[{"role": "user", "content": "go north"}], [{"role": "system", "content": "play"},
+                                                         {"role": "user", "content": "take key from box"}]]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows))
+    tok = load_tokenizer(model_dirs["student"])
+    want = [len(tok(tok.apply_chat_template(r, add_generation_prompt=True, tokenize=False),
+                    add_special_tokens=False)["input_ids"]) for r in rows]
+    got = prompt_lengths(path, model_dirs["student"], 2)
+    assert got == want and min(got) > 10

@@ -67,3 +67,33 @@ def test_lora_arguments_are_checked(model_dirs):
         SFTModule(student=model_dirs["student"], lora_rank=0)
     with pytest.raises(ValueError, match="adapter_dir needs model.lora_rank"):
         SFTModule(student=model_dirs["student"], adapter_dir="x")
+
+
+class CountingFactory(KeywordEnvFactory):
+    """KeywordEnvFactory whose environments count how many are open at once (an engine process each, F31)."""
+
+    def __init__(self) -> None:
+        super().__init__(need=2)
+        self.open, self.most = 0, 0
+
+    def make(self, task_id: str):
+        env, factory = super().make(task_id), self
+        factory.open += 1
+        factory.most = max(factory.most, factory.open)
+        close = env.close
+
+        def counted_close() -> None:
+            factory.open -= 1
+            close()
+
+        env.close = counted_close
+        return env
+
+
+def test_expert_rollouts_open_at_most_eval_batch_size_environments(tokenizer):
+    """F31: the 4 training tasks played 3 at a time (eval_batch_size 3): at most 3 environments open at once, all
+    closed at the end, and all 4 expert trajectories (won) come back in task order."""
+    factory = CountingFactory()
+    trajs = ExpertDataModule(factory, eval_batch_size=3).expert_rollouts(tokenizer)
+    assert factory.most == 3 and factory.open == 0
+    assert [t.task_id for t in trajs] == factory.train_tasks() and all(t.success for t in trajs)
