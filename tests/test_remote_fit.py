@@ -201,7 +201,9 @@ def test_killed_teacher_server_stops_the_fit_and_resume_continues_on_a_restarted
         assert resumed.trainer.global_step == 4 and resumed.model.policy_version == 4
         run = max((tmp_path / "logs" / "opd").iterdir(), key=lambda d: int(d.name.split("_")[1]))  # the newest
         assert [s for s, _ in scalars(run, "train/kl_sampled")] == [2, 3]  # steps 0-1 are not redone
-        assert scalars(run, "teacher/requests") == [(2, 2.0), (3, 4.0)]  # this process's totals
+        # this process's totals: opd.yaml packs a step's 2 short episodes into one micro-batch (micro_batch_tokens 2048),
+        # scored in one request
+        assert scalars(run, "teacher/requests") == [(2, 1.0), (3, 2.0)]
         assert isinstance(resumed.model.loss_fn, SampledTokenReverseKL)
         assert torch.load(last, weights_only=True)["global_step"] == 4
         print(f"\nkilled -> ServerError {failed_after:.1f} s; dead URL refused in {refused_after:.1f} s; {ready}")
