@@ -70,7 +70,11 @@ class StepProfiler(L.Callback):
 
 def phase_table(events, steps: int) -> dict[str, float]:
     """Seconds per step of each phase (see the module docstring) from the profiler's ``key_averages()``; the
-    labels' CPU totals include their children, so head + loss is ``opd.forward`` less teacher and trunk."""
+    labels' CPU totals include their children, so head + loss is ``opd.forward`` less teacher and trunk.
+
+    Assumes the synchronous mode this benchmark runs: the vLLM push (``rollout.weight_push``) happens inside the
+    rollout, so it is taken out of ``opd.rollout``, and ``opd.policy_push`` (the learner's report to the weight sync,
+    ~0 s here) holds no push of its own. In async mode a push nested in ``opd.policy_push`` would be counted twice."""
     total = {e.key: e.cpu_time_total / 1e6 / steps for e in events if e.key in PHASES}
     count = {e.key: e.count / steps for e in events if e.key in PHASES}
     get = total.get
