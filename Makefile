@@ -23,7 +23,8 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 BENCH_STAMP := $(VENV)/.benchmarks-installed
 
 .PHONY: install install-vllm install-benchmarks model games games-long teacher teacher-train teacher-eval prepare demo student-opd test test-fast clean-demo \
-	search-qa teacher-search-qa teacher-search-qa-train demo-search-qa teacher-twx teacher-twx-train demo-twx
+	search-qa teacher-search-qa teacher-search-qa-train demo-search-qa teacher-twx teacher-twx-train demo-twx \
+	teacher-sciworld teacher-sciworld-train demo-sciworld
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -121,8 +122,28 @@ teacher-twx-train: install install-benchmarks model
 demo-twx: install install-vllm install-benchmarks model teacher-twx
 	rm -rf runs/twx_$(GAME)
 	$(LOPD) fit --config conf/textworldexpress/opd.yaml $(TWX_ARGS) --model.init_args.teacher=$(TWX_TEACHER) --model.init_args.export_dir=$(TWX_STUDENT) --trainer.logger.init_args.save_dir=runs/twx_$(GAME)
-	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(TWX_TEACHER)" "student after (OPD)=$(TWX_STUDENT)" --env lightning_opd.envs.textworld_express.TextWorldExpressEnvFactory --env-args '{"game_name": "$(GAME)", "num_train": 200, "num_eval": 50}' --max-turns $(TWX_TURNS) --max-context-tokens 3072 --teacher $(TWX_TEACHER) --avg-k 0 --cache-dir runs/twx_$(GAME)/teacher_trajectories --out runs/twx_$(GAME)/evaluation.json
+	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(TWX_TEACHER)" "student after (OPD)=$(TWX_STUDENT)" --env lightning_opd.envs.textworld_express.TextWorldExpressEnvFactory --env-args '{"game_name": "$(GAME)", "num_train": 200, "num_eval": 50}' --max-turns $(TWX_TURNS) --max-context-tokens 3072 --teacher $(TWX_TEACHER) --avg-k 0 --no-own-traj-kl --cache-dir runs/twx_$(GAME)/teacher_trajectories --out runs/twx_$(GAME)/evaluation.json
 	$(LOPD) compare runs/twx_$(GAME)/evaluation.json --json runs/twx_$(GAME)/comparison.json
+
+# ScienceWorld (issue 45): the 8 default task types (gold paths <= 16 steps; docs/usage.md), 25 training and 7 test
+# variations per type, 16 turns; the teacher is the committed LoRA adapter merged (teacher-sciworld-train redoes it on
+# the 200 gold paths); demo-sciworld: OPD, then the three policies greedily on the held-out test variations. Evaluation
+# plays 28 episodes at a time: each is a JVM of about 300 MB.
+SCIWORLD_ADAPTER := assets/teacher-sciworld-lora
+SCIWORLD_TEACHER := artifacts/models/teacher-sciworld
+SCIWORLD_STUDENT := artifacts/models/student-sciworld
+$(SCIWORLD_TEACHER)/config.json: $(SCIWORLD_ADAPTER)/adapter_model.safetensors | $(MODEL)/config.json
+	$(LOPD) merge-adapter --base $(MODEL) --adapter $(SCIWORLD_ADAPTER) --out $(SCIWORLD_TEACHER) --force
+teacher-sciworld: install-benchmarks $(SCIWORLD_TEACHER)/config.json
+
+teacher-sciworld-train: install install-benchmarks model
+	$(LOPD) fit --config conf/scienceworld/teacher_sft.yaml
+
+demo-sciworld: install install-vllm install-benchmarks model teacher-sciworld
+	rm -rf runs/sciworld
+	$(LOPD) fit --config conf/scienceworld/opd.yaml --trainer.logger.init_args.save_dir=runs/sciworld
+	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(SCIWORLD_TEACHER)" "student after (OPD)=$(SCIWORLD_STUDENT)" --env lightning_opd.envs.scienceworld_env.ScienceWorldEnvFactory --env-args '{"num_train": 25, "num_eval": 7, "max_observation_chars": 1000}' --max-turns 16 --max-context-tokens 4096 --batch-size 28 --teacher $(SCIWORLD_TEACHER) --avg-k 0 --no-own-traj-kl --cache-dir runs/sciworld/teacher_trajectories --out runs/sciworld/evaluation.json
+	$(LOPD) compare runs/sciworld/evaluation.json --json runs/sciworld/comparison.json
 
 prepare: model games
 
@@ -133,7 +154,7 @@ OPD_FIT = $(LOPD) fit --config conf/textworld/opd.yaml --trainer.logger.init_arg
 demo: install install-vllm model games teacher
 	rm -rf runs/demo
 	$(OPD_FIT)
-	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(TEACHER)" "student after (OPD)=$(STUDENT)" --games $(GAMES) --teacher $(TEACHER) --avg-k 0 --cache-dir runs/demo/teacher_trajectories --out runs/demo/evaluation.json
+	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(TEACHER)" "student after (OPD)=$(STUDENT)" --games $(GAMES) --teacher $(TEACHER) --avg-k 0 --no-own-traj-kl --cache-dir runs/demo/teacher_trajectories --out runs/demo/evaluation.json
 	$(LOPD) compare runs/demo/evaluation.json --json runs/demo/comparison.json
 	$(LOPD) compare runs/demo/evaluation.json --table teacher_traj_kl
 

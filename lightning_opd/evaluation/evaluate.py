@@ -25,6 +25,11 @@ training ``OPDModule``, a file or an FSDP run's folder of shards, whose ``studen
   episodes it wins and in those it loses. It costs a student and a teacher forward over every greedy episode
   (on 2 CPU cores about 7 of the 20 minutes of a 50-game evaluation whose episodes all run 8 turns).
 
+No work is done twice: a student that is the ``--teacher`` directory reuses the teacher's greedy episodes played
+in the same run (not read from the cache) and scores KL 0 on its trajectories without a forward pass; the
+teacher's hidden states on its trajectories are computed once for all students; one vLLM engine serves every
+policy of the same architecture (weights pushed, prefix cache emptied, between policies).
+
 Episodes go through the training stack unchanged: the agent loop of a
 :class:`~lightning_opd.rollout.session.RolloutSession`, as in training (same chat rendering, stop ids, context
 limit), with the vLLM generator when vLLM is importable
@@ -44,7 +49,8 @@ Output (``--out``, written atomically at the end)::
                    "sampled": [{... , "sample", "episode_seed"}],
                    "teacher_traj_kl": [{"task_id", "seed", "kl", "tokens"}],      # per task, under every seed
                    "summary": {"greedy": {...}, "sampled": {"avg_at_k", ...}, "teacher_traj_kl": {mean, per_turn, ...},
-                               "own_traj_kl": {"won" | "failed": {episodes, mean, per_turn, tokens_per_turn, tokens}}}}]}
+                               "own_traj_kl": {"won" | "failed": {episodes, mean, per_turn, tokens_per_turn, tokens}}}}],
+     "engine_starts": vLLM engines started (one while consecutive policies share an architecture)}
 
 Values per episode: ``success``/``failure``/``truncated``/``env_error`` 0 or 1, ``turns`` replies,
 ``invalid_actions`` count, ``reward`` points, ``cut_replies`` count; greedy records also keep the
@@ -271,17 +277,32 @@ def load_student(name: str, path: str, base: str | None, dtype: str, device: tor
 
 
 # ------------------------------------------------------------------------------------------ generators
+def model_config(path: str) -> dict:
+    """A model directory's ``config.json`` without the keys that do not change the network (its name, the
+    transformers version and the stored dtype): two directories with equal dicts hold the same architecture."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return {k: v for k, v in cfg.items() if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")}
+
+
 class Backends:
     """Generators for one run: a fresh ``HFGenerator`` per policy, or one vLLM engine kept while
-    consecutive policies share its start directory (checkpoints of one run). Every policy gets a new
-    version, so the engine (``follow_policy``) loads that policy's weights before its first reply."""
+    consecutive policies have the same architecture (:func:`model_config`: checkpoints of one run, or a
+    base model, its LoRA-merged teacher and its distilled student). Every policy gets a new version, so the
+    engine (``follow_policy``) loads that policy's weights before its first reply (and empties its prefix
+    cache); a policy of another architecture starts a new engine from its own directory.
+
+    Attributes:
+        engine_starts: vLLM engines started so far (count).
+    """
 
     def __init__(self, settings: EvalSettings) -> None:
         self.kind = settings.resolved_backend()
         self.settings = settings
         self._engine = None
         self._engine_path: str | None = None
+        self._engine_config: dict | None = None
         self._version = 0  # distinct version per policy: the engine pushes weights when it changes
+        self.engine_starts = 0
 
     def loop(self, env, handle: PolicyHandle, engine_path: str) -> AgentLoop:
         """The agent loop of a :class:`~lightning_opd.rollout.session.RolloutSession` for ``handle``, the same
@@ -299,7 +320,8 @@ class Backends:
             from lightning_opd.rollout.hf import HFGenerator
 
             return HFGenerator()
-        if self._engine is not None and self._engine_path == engine_path:
+        config = model_config(engine_path)
+        if self._engine is not None and (self._engine_path == engine_path or self._engine_config == config):
             return self._engine
         self.close()
         from lightning_opd.rollout.vllm import VLLMGenerator
@@ -307,13 +329,14 @@ class Backends:
         s = self.settings
         self._engine = VLLMGenerator(model=engine_path, dtype=s.dtype, kv_cache_memory_bytes=s.kv_cache_bytes(engine_path),
                                      max_model_len=s.max_context_tokens)
-        self._engine_path = engine_path
+        self._engine_path, self._engine_config = engine_path, config
+        self.engine_starts += 1
         return self._engine
 
     def close(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
-        self._engine, self._engine_path = None, None
+        self._engine, self._engine_path, self._engine_config = None, None, None
 
 
 # ---------------------------------------------------------------------------------------------- playing
@@ -341,13 +364,17 @@ def play(loop: AgentLoop, specs: list[EpisodeSpec], sampling: SamplingParams, ba
     return out
 
 
-def evaluate_student(loop: AgentLoop, tasks: Sequence[str], settings: EvalSettings) -> tuple[dict, list[Trajectory]]:
+def evaluate_student(loop: AgentLoop, tasks: Sequence[str], settings: EvalSettings,
+                     greedy_trajs: list[Trajectory] | None = None) -> tuple[dict, list[Trajectory]]:
     """Greedy and sampled episodes of one student (module docstring); returns ``greedy``, ``sampled`` and
-    their ``summary``, and the greedy trajectories (one per task)."""
+    their ``summary``, and the greedy trajectories (one per task). ``greedy_trajs``: this policy's greedy
+    episodes of ``tasks`` already played in this run with the same settings (the teacher's, when the teacher is
+    also a student), used instead of playing them again."""
     from lightning_opd.evaluation.teacher_kl import play_greedy
 
     s = settings
-    greedy_trajs = play_greedy(loop, list(tasks), s.max_turns, s.max_new_tokens, s.batch_size)
+    if greedy_trajs is None:
+        greedy_trajs = play_greedy(loop, list(tasks), s.max_turns, s.max_new_tokens, s.batch_size)
     replies = [[m["content"] for m in t.messages if m["role"] == "assistant"] for t in greedy_trajs]
     greedy = [episode_record(t, seed) | {"replies": r} for seed in s.seeds for t, r in zip(greedy_trajs, replies)]
     sampled: list[dict] = []
@@ -378,7 +405,7 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
             student/teacher tokenizer mismatch (F01), a model whose head path differs from its own
             forward (F20, ``UnsupportedArchitectureError``), or a bad setting (names the flag).
     """
-    from lightning_opd.evaluation.teacher_kl import kl_by_outcome, teacher_trajectories, trajectory_kl
+    from lightning_opd.evaluation.teacher_kl import kl_by_outcome, teacher_trajectories, trajectory_kl, zero_kl
     from lightning_opd.models.loading import load_causal_lm, load_tokenizer
     from lightning_opd.models.logits import check_head_path
     from lightning_opd.models.tokenizers import check_tokenizers_compatible
@@ -410,6 +437,8 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
               "dtype": settings.dtype, "teacher": teacher, "base": base}
     result: dict = {"format": FORMAT, "config": config, "tasks": list(tasks), "teacher": None, "students": []}
     teacher_model = teacher_tok = teacher_trajs = None
+    teacher_states: dict = {}  # the teacher's hidden states on its own trajectories, computed once for all students
+    played: list = []  # non-empty once the teacher's episodes were played here (not read from the cache)
     teacher_checked = False
     try:
         if teacher is not None:
@@ -417,8 +446,13 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
             teacher_tok = load_tokenizer(teacher)
             teacher_model = load_causal_lm(teacher, settings.dtype).to(device).eval()
             handle = PolicyHandle(teacher_tok, teacher_model, str(teacher))
+
+            def teacher_loop():
+                played.append(True)
+                return backends.loop(env, handle, str(teacher))
+
             teacher_trajs, path = teacher_trajectories(
-                lambda: backends.loop(env, handle, str(teacher)), teacher, env_id, tasks,
+                teacher_loop, teacher, env_id, tasks,
                 max_turns=settings.max_turns, max_new_tokens=settings.max_new_tokens,
                 max_context_tokens=settings.max_context_tokens, cache_dir=cache_dir, batch_size=settings.batch_size)
             result["teacher"] = {"path": str(teacher), "cache": None if path is None else str(path),
@@ -432,7 +466,9 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
             entry = {"name": name, "path": student.path, "kind": student.kind,
                      "policy_version": student.policy_version, "global_step": student.global_step,
                      "train_seconds": student.train_seconds, "rollouts": student.rollouts}
-            records, own_trajs = evaluate_student(backends.loop(env, handle, student.engine_path), tasks, settings)
+            is_teacher = teacher is not None and student.kind == "hf" and Path(path).resolve() == Path(teacher).resolve()
+            reuse = teacher_trajs if is_teacher and played else None  # the same greedy episodes: not played twice
+            records, own_trajs = evaluate_student(backends.loop(env, handle, student.engine_path), tasks, settings, reuse)
             entry |= records
             if teacher_trajs is not None:
                 vocab = check_tokenizers_compatible(student.tokenizer, teacher_tok, path, teacher)
@@ -442,7 +478,11 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
                     teacher_checked = True
                 pad = student.tokenizer.pad_token_id
                 pad_id = int(pad if pad is not None else student.tokenizer.eos_token_id)
-                kl = trajectory_kl(student.model, teacher_model, teacher_trajs, vocab, pad_id)
+                if is_teacher:  # KL(teacher || teacher) = 0 on every token: counted, not computed
+                    kl = zero_kl(teacher_trajs)
+                else:
+                    kl = trajectory_kl(student.model, teacher_model, teacher_trajs, vocab, pad_id,
+                                       teacher_states=teacher_states)
                 entry["teacher_traj_kl"] = [
                     {"task_id": t, "seed": seed, "kl": v["kl_sum"] / v["tokens"], "tokens": v["tokens"]}
                     for seed in settings.seeds for t, v in kl.per_task.items() if v["tokens"]]
@@ -455,6 +495,7 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
             del student
     finally:
         backends.close()
+    result["engine_starts"] = backends.engine_starts
     if out is not None:
         write_json_atomic(out, result)
     return result

@@ -153,7 +153,7 @@ def teacher_trajectories(loop_factory, teacher: str | os.PathLike, env_id: dict,
 
 @torch.no_grad()
 def trajectory_kl(student, teacher, trajectories: Sequence[Trajectory], vocab_size: int, pad_id: int = 0,
-                  micro_batch_size: int = 1, chunk_size: int = 256) -> TrajectoryKL:
+                  micro_batch_size: int = 1, chunk_size: int = 256, teacher_states: dict | None = None) -> TrajectoryKL:
     """Teacher-forced reverse KL(student || teacher) on the assistant tokens of ``trajectories``
     (module docstring), through :class:`FullVocabReverseKL`.
 
@@ -166,6 +166,10 @@ def trajectory_kl(student, teacher, trajectories: Sequence[Trajectory], vocab_si
         pad_id: padding id (masks come from lengths, F03).
         micro_batch_size: trajectories per forward pass.
         chunk_size: tokens per LM-head chunk.
+        teacher_states: a dict kept by the caller across calls on the same ``trajectories`` and ``teacher``
+            (several students scored on the teacher's episodes): the teacher's trunk hidden states at the scored
+            positions, ``(N, D_T)`` per micro-batch, stored on the first call and reused, so the teacher's
+            forward runs once instead of once per student. ``None``: computed every call.
 
     Returns:
         :class:`TrajectoryKL` (nats/token).
@@ -188,7 +192,12 @@ def trajectory_kl(student, teacher, trajectories: Sequence[Trajectory], vocab_si
             rows, cols = (batch.loss_mask[:, 1:] > 0).nonzero(as_tuple=True)  # (N,), (N,): predicting token cols+1
             ids, mask = batch.input_ids, batch.attention_mask  # (b, T)
             targets = ids[:, 1:][rows, cols]  # (N,)
-            h_t = trunk_hidden_states(teacher, ids.to(t_device), mask.to(t_device))[rows, cols]  # (N, D_T)
+            key = (micro_batch_size, start, tuple(t.task_id for t in chunk), ids.shape)
+            h_t = None if teacher_states is None else teacher_states.get(key)
+            if h_t is None:
+                h_t = trunk_hidden_states(teacher, ids.to(t_device), mask.to(t_device))[rows, cols]  # (N, D_T)
+                if teacher_states is not None:
+                    teacher_states[key] = h_t
 
             def student_side():
                 h_s = trunk_hidden_states(student, ids.to(device), mask.to(device))[rows.to(device), cols.to(device)]
@@ -215,6 +224,26 @@ def trajectory_kl(student, teacher, trajectories: Sequence[Trajectory], vocab_si
     total = sum(counts)
     return TrajectoryKL(mean=sum(kl_sums) / total if total else math.nan,
                         per_turn=[s / c if c else math.nan for s, c in zip(kl_sums, counts)],
+                        tokens_per_turn=counts, per_task=per_task, tokens=total)
+
+
+def zero_kl(trajectories: Sequence[Trajectory]) -> TrajectoryKL:
+    """The teacher's own KL on its trajectories: 0 nats on every assistant token, with the same token counts
+    (per turn and per task) as :func:`trajectory_kl` reports, without a forward pass."""
+    per_task: dict[str, dict[str, float]] = {}
+    counts: list[int] = []
+    for traj in trajectories:
+        if traj.num_assistant_tokens == 0:
+            continue
+        entry = per_task.setdefault(traj.task_id, {"kl_sum": 0.0, "tokens": 0})
+        for mask, turn in zip(traj.assistant_mask[1:], traj.turn_index[1:]):  # the positions trajectory_kl scores
+            if mask > 0:
+                while len(counts) <= turn:
+                    counts.append(0)
+                counts[turn] += 1
+                entry["tokens"] += 1
+    total = sum(counts)
+    return TrajectoryKL(mean=0.0 if total else math.nan, per_turn=[0.0 if c else math.nan for c in counts],
                         tokens_per_turn=counts, per_task=per_task, tokens=total)
 
 

