@@ -142,7 +142,7 @@ teacher-sciworld-train: install install-benchmarks model
 demo-sciworld: install install-vllm install-benchmarks model teacher-sciworld
 	rm -rf runs/sciworld
 	$(LOPD) fit --config conf/scienceworld/opd.yaml --trainer.logger.init_args.save_dir=runs/sciworld
-	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(SCIWORLD_TEACHER)" "student after (OPD)=$(SCIWORLD_STUDENT)" --env lightning_opd.envs.scienceworld_env.ScienceWorldEnvFactory --env-args '{"num_train": 25, "num_eval": 7, "max_observation_chars": 1000}' --max-turns 16 --max-context-tokens 4096 --batch-size 28 --teacher $(SCIWORLD_TEACHER) --avg-k 0 --no-own-traj-kl --cache-dir runs/sciworld/teacher_trajectories --out runs/sciworld/evaluation.json
+	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(SCIWORLD_TEACHER)" "student after (OPD)=$(SCIWORLD_STUDENT)" --env lightning_opd.envs.scienceworld_env.ScienceWorldEnvFactory --env-args '{"num_train": 25, "num_eval": 7, "max_observation_chars": 1000}' --max-turns 16 --max-context-tokens 4096 --batch-size 28 --avg-k 0 --out runs/sciworld/evaluation.json
 	$(LOPD) compare runs/sciworld/evaluation.json --json runs/sciworld/comparison.json
 
 prepare: model games

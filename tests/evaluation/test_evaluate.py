@@ -152,6 +152,8 @@ def test_limit_and_flags(model_dirs, tmp_path):
         run(tmp_path, "--students", model_dirs["student"], "--avg-k", "-1")
     with pytest.raises(ValueError, match="--temperature 0.0 must be > 0"):
         run(tmp_path, "--students", model_dirs["student"], "--temperature", "0")
+    with pytest.raises(ValueError, match="--vllm-block-size 20: use a positive multiple of 16"):
+        run(tmp_path, "--students", model_dirs["student"], "--vllm-block-size", "20")
     with pytest.raises(ValueError, match="--seeds"):
         run(tmp_path, "--students", model_dirs["student"], "--seeds", "1", "1")
     with pytest.raises(ValueError, match="labels .* repeat"):
