@@ -17,7 +17,9 @@ KL, ``--avg-k 0 --no-own-traj-kl``) and counts, in the same run, the work it mus
 The roofline is their sum; the achieved fraction is roofline seconds / the wall seconds of the whole
 ``evaluate`` (model loads, engine starts and weight pushes included: they are overhead, not work). Printed too:
 the fraction without the environment seconds, and each part's measured seconds. The machine's ceilings
-(:func:`benchmarks.roofline.measure_machine`) are measured in the same process first.
+(:func:`benchmarks.roofline.measure_machine`) are measured in the same process before and after the evaluation,
+and the higher of each is used (the matmul probe varied 268-311 GFLOP/s between runs; the higher peak gives the
+lower, conservative fraction).
 
 Run: .venv/bin/python -m benchmarks.eval_throughput   (needs `make prepare teacher student-opd install-vllm`;
 ``--students`` to evaluate others, ``--limit N`` for the first N games only).
@@ -125,8 +127,17 @@ class EvalRecorder:
                 "roofline_s": generation["roofline_s"] + kl_s + self.env_seconds}
 
 
+def rescore(out: dict, machine: Machine, shape: ModelShape) -> dict:
+    """``out`` of :func:`run` with its roofline and fractions recomputed at ``machine``'s ceilings."""
+    roof = out["recorder"].roofline(shape, machine)
+    model_s = roof["generation"]["roofline_s"] + roof["kl_roofline_s"]
+    return out | {"roofline": roof, "fraction": fraction(roof["roofline_s"], out["seconds"]),
+                  "fraction_without_env": fraction(model_s, out["seconds"] - out["env_s"])}
+
+
 def run(args, machine: Machine, shape: ModelShape) -> dict:
-    """One ``evaluate`` of ``args.students`` recorded; returns its seconds, counts, roofline and results."""
+    """One ``evaluate`` of ``args.students`` recorded; returns its seconds, counts, roofline at ``machine``,
+    results, and the ``recorder`` (for :func:`rescore`)."""
     settings = evaluate_mod.EvalSettings(avg_k=0, own_traj_kl=False, max_turns=args.max_turns,
                                          max_context_tokens=args.max_context_tokens, batch_size=args.batch_size,
                                          backend=args.backend, vllm_block_size=args.vllm_block_size or None)
@@ -136,17 +147,14 @@ def run(args, machine: Machine, shape: ModelShape) -> dict:
         result = evaluate_mod.evaluate(args.students, games=args.games, limit=args.limit, settings=settings,
                                        teacher=args.teacher, cache_dir=None)
         seconds = time.perf_counter() - t0
-    roof = recorder.roofline(shape, machine)
-    model_s = roof["generation"]["roofline_s"] + roof["kl_roofline_s"]
     generate_s = sum(log.seconds for log in recorder.logs)
-    return {"seconds": seconds, "generate_s": generate_s, "kl_s": recorder.kl_seconds, "env_s": recorder.env_seconds,
-            "other_s": seconds - generate_s - recorder.kl_seconds - recorder.env_seconds,
-            "engine_starts": result["engine_starts"], "roofline": roof, "fraction": fraction(roof["roofline_s"], seconds),
-            "fraction_without_env": fraction(model_s, seconds - recorder.env_seconds),
-            "tasks": len(result["tasks"]),
+    out = {"seconds": seconds, "generate_s": generate_s, "kl_s": recorder.kl_seconds, "env_s": recorder.env_seconds,
+           "other_s": seconds - generate_s - recorder.kl_seconds - recorder.env_seconds, "recorder": recorder,
+           "engine_starts": result["engine_starts"], "tasks": len(result["tasks"]),
             "success": {s["name"]: s["summary"]["greedy"]["success"] for s in result["students"]},
             "teacher_traj_kl": {s["name"]: s["summary"].get("teacher_traj_kl", {}).get("mean") for s in result["students"]},
             "turns": {s["name"]: s["summary"]["greedy"]["turns"] for s in result["students"]}}
+    return rescore(out, machine, shape)
 
 
 def report(r: dict) -> str:
@@ -189,18 +197,23 @@ def main(argv=None) -> dict:
 
     model = load_causal_lm(args.model)
     shape = ModelShape.of(model)
-    ceilings = measure_machine(model)
-    del model
-    machine = Machine(ceilings["matmul_flops"], ceilings["bandwidth"])
-    out = run(args, machine, shape) | {"machine": {k: ceilings[k] for k in ("matmul_flops", "bandwidth", "threads")},
-                                       "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    before = measure_machine(model)
+    machine = Machine(before["matmul_flops"], before["bandwidth"])  # placeholder until the second probe
+    out = run(args, machine, shape)
+    after = measure_machine(model)  # the ceilings vary from probe to probe (10-15% seen): the higher of the two
+    machine = Machine(max(before["matmul_flops"], after["matmul_flops"]), max(before["bandwidth"], after["bandwidth"]))
+    out = rescore(out, machine, shape) | {
+        "machine": {"matmul_flops": machine.matmul_flops, "bandwidth": machine.bandwidth, "threads": after["threads"],
+                    "probes": [{k: c[k] for k in ("matmul_flops", "bandwidth")} for c in (before, after)]},
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     print(f"{out['tasks']} held-out games x {len(args.students)} policies, greedy, <= {args.max_turns} turns; "
           f"matmul peak {machine.matmul_flops / 1e9:.0f} GFLOP/s, bandwidth {machine.bandwidth / 1e9:.1f} GB/s")
     print(report(out))
     print("success:", {k: round(v, 2) for k, v in out["success"].items()})
+    del model
     if not args.no_save:
         key = f"{args.backend}_bs{args.vllm_block_size or None}_limit{args.limit}_turns{args.max_turns}_policies{len(args.students)}"
-        ResultFile("eval_throughput").put(key, out)
+        ResultFile("eval_throughput").put(key, {k: v for k, v in out.items() if k != "recorder"})
     return out
 
 
