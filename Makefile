@@ -128,7 +128,8 @@ demo-twx: install install-vllm install-benchmarks model teacher-twx
 # ScienceWorld (issue 45): the 8 default task types (gold paths <= 16 steps; docs/usage.md), 25 training and 7 test
 # variations per type, 16 turns; the teacher is the committed LoRA adapter merged (teacher-sciworld-train redoes it on
 # the 200 gold paths); demo-sciworld: OPD, then the three policies greedily on the held-out test variations. Evaluation
-# plays 28 episodes at a time: each is a JVM of about 300 MB.
+# plays 28 episodes at a time (each is a JVM of about 300 MB) and leaves out the teacher-trajectory KL (16-turn
+# contexts of up to 4096 tokens: three more forwards over ~200k tokens).
 SCIWORLD_ADAPTER := assets/teacher-sciworld-lora
 SCIWORLD_TEACHER := artifacts/models/teacher-sciworld
 SCIWORLD_STUDENT := artifacts/models/student-sciworld
