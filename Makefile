@@ -124,6 +124,7 @@ demo-twx: install install-vllm install-benchmarks model teacher-twx
 	$(LOPD) fit --config conf/textworldexpress/opd.yaml $(TWX_ARGS) --model.init_args.teacher=$(TWX_TEACHER) --model.init_args.export_dir=$(TWX_STUDENT) --trainer.logger.init_args.save_dir=runs/twx_$(GAME)
 	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(TWX_TEACHER)" "student after (OPD)=$(TWX_STUDENT)" --env lightning_opd.envs.textworld_express.TextWorldExpressEnvFactory --env-args '{"game_name": "$(GAME)", "num_train": 200, "num_eval": 50}' --max-turns $(TWX_TURNS) --max-context-tokens 3072 --teacher $(TWX_TEACHER) --avg-k 0 --no-own-traj-kl --cache-dir runs/twx_$(GAME)/teacher_trajectories --out runs/twx_$(GAME)/evaluation.json
 	$(LOPD) compare runs/twx_$(GAME)/evaluation.json --json runs/twx_$(GAME)/comparison.json
+	$(BIN)/python -m benchmarks.task_types runs/twx_$(GAME)/evaluation.json --json runs/twx_$(GAME)/task_types.json
 
 # ScienceWorld (issue 45): the 8 default task types (gold paths <= 16 steps; docs/usage.md), 25 training and 7 test
 # variations per type, 16 turns; the teacher is the committed LoRA adapter merged (teacher-sciworld-train redoes it on
@@ -145,6 +146,7 @@ demo-sciworld: install install-vllm install-benchmarks model teacher-sciworld
 	$(LOPD) fit --config conf/scienceworld/opd.yaml --trainer.logger.init_args.save_dir=runs/sciworld
 	$(LOPD) evaluate --students "student before=$(MODEL)" "teacher=$(SCIWORLD_TEACHER)" "student after (OPD)=$(SCIWORLD_STUDENT)" --env lightning_opd.envs.scienceworld_env.ScienceWorldEnvFactory --env-args '{"num_train": 25, "num_eval": 7, "max_observation_chars": 1000}' --max-turns 16 --max-context-tokens 4096 --batch-size 28 --avg-k 0 --out runs/sciworld/evaluation.json
 	$(LOPD) compare runs/sciworld/evaluation.json --json runs/sciworld/comparison.json
+	$(BIN)/python -m benchmarks.task_types runs/sciworld/evaluation.json --scale 100 --json runs/sciworld/task_types.json
 
 prepare: model games
 
