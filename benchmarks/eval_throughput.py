@@ -128,16 +128,16 @@ class EvalRecorder:
 
 
 def rescore(out: dict, machine: Machine, shape: ModelShape) -> dict:
-    """``out`` of :func:`run` with its roofline and fractions recomputed at ``machine``'s ceilings."""
+    """``out`` of :func:`run` with its roofline (seconds) and fractions at ``machine``'s ceilings."""
     roof = out["recorder"].roofline(shape, machine)
     model_s = roof["generation"]["roofline_s"] + roof["kl_roofline_s"]
     return out | {"roofline": roof, "fraction": fraction(roof["roofline_s"], out["seconds"]),
                   "fraction_without_env": fraction(model_s, out["seconds"] - out["env_s"])}
 
 
-def run(args, machine: Machine, shape: ModelShape) -> dict:
-    """One ``evaluate`` of ``args.students`` recorded; returns its seconds, counts, roofline at ``machine``,
-    results, and the ``recorder`` (for :func:`rescore`)."""
+def run(args) -> dict:
+    """One ``evaluate`` of ``args.students`` recorded; returns its seconds, counts, results, and the ``recorder``
+    (:func:`rescore` adds the roofline)."""
     settings = evaluate_mod.EvalSettings(avg_k=0, own_traj_kl=False, max_turns=args.max_turns,
                                          max_context_tokens=args.max_context_tokens, batch_size=args.batch_size,
                                          backend=args.backend, vllm_block_size=args.vllm_block_size or None)
@@ -154,7 +154,7 @@ def run(args, machine: Machine, shape: ModelShape) -> dict:
             "success": {s["name"]: s["summary"]["greedy"]["success"] for s in result["students"]},
             "teacher_traj_kl": {s["name"]: s["summary"].get("teacher_traj_kl", {}).get("mean") for s in result["students"]},
             "turns": {s["name"]: s["summary"]["greedy"]["turns"] for s in result["students"]}}
-    return rescore(out, machine, shape)
+    return out
 
 
 def report(r: dict) -> str:
@@ -198,8 +198,7 @@ def main(argv=None) -> dict:
     model = load_causal_lm(args.model)
     shape = ModelShape.of(model)
     before = measure_machine(model)
-    machine = Machine(before["matmul_flops"], before["bandwidth"])  # placeholder until the second probe
-    out = run(args, machine, shape)
+    out = run(args)
     after = measure_machine(model)  # the ceilings vary from probe to probe (10-15% seen): the higher of the two
     machine = Machine(max(before["matmul_flops"], after["matmul_flops"]), max(before["bandwidth"], after["bandwidth"]))
     out = rescore(out, machine, shape) | {

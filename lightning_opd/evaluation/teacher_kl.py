@@ -178,9 +178,7 @@ def trajectory_kl(student, teacher, trajectories: Sequence[Trajectory], vocab_si
     device = next(student.parameters()).device
     t_device = next(teacher.parameters()).device
     head_s, head_t = output_head(student, vocab_size), output_head(teacher, vocab_size)
-    kl_sums: list[float] = []
-    counts: list[int] = []
-    per_task: dict[str, dict[str, float]] = {}
+    tally = _Tally()
     modes = (student.training, teacher.training)
     student.eval()
     teacher.eval()
@@ -188,8 +186,7 @@ def trajectory_kl(student, teacher, trajectories: Sequence[Trajectory], vocab_si
         rows_with_tokens = [t for t in trajectories if t.num_assistant_tokens > 0]
         for start in range(0, len(rows_with_tokens), micro_batch_size):
             chunk = rows_with_tokens[start:start + micro_batch_size]
-            batch = collate_trajectories(chunk, SamplingParams(temperature=1.0), pad_id)
-            rows, cols = (batch.loss_mask[:, 1:] > 0).nonzero(as_tuple=True)  # (N,), (N,): predicting token cols+1
+            batch, rows, cols, turns = _scored_positions(chunk, pad_id)
             ids, mask = batch.input_ids, batch.attention_mask  # (b, T)
             targets = ids[:, 1:][rows, cols]  # (N,)
             key = (micro_batch_size, start, tuple(t.task_id for t in chunk), ids.shape)
@@ -204,47 +201,61 @@ def trajectory_kl(student, teacher, trajectories: Sequence[Trajectory], vocab_si
                 return loss(h_s, h_t.to(device), targets.to(device), head_s,
                             lambda h: head_t(h.to(t_device)).to(device), temperature=1.0)
 
-            kl = with_root_params(student, student_side).kl.double().cpu()  # (N,) nats
-            turns = batch.turn_index[:, 1:][rows, cols]  # (N,)
-            for n in range(int(turns.max()) + 1):
-                sel = turns == n
-                while len(kl_sums) <= n:
-                    kl_sums.append(0.0)
-                    counts.append(0)
-                kl_sums[n] += float(kl[sel].sum())
-                counts[n] += int(sel.sum())
-            for i, traj in enumerate(chunk):
-                sel = rows == i
-                entry = per_task.setdefault(traj.task_id, {"kl_sum": 0.0, "tokens": 0})
-                entry["kl_sum"] += float(kl[sel].sum())
-                entry["tokens"] += int(sel.sum())
+            tally.add(chunk, rows, turns, with_root_params(student, student_side).kl.double().cpu())
     finally:
         student.train(modes[0])
         teacher.train(modes[1])
-    total = sum(counts)
-    return TrajectoryKL(mean=sum(kl_sums) / total if total else math.nan,
-                        per_turn=[s / c if c else math.nan for s, c in zip(kl_sums, counts)],
-                        tokens_per_turn=counts, per_task=per_task, tokens=total)
+    return tally.result()
+
+
+def _scored_positions(chunk: Sequence[Trajectory], pad_id: int):
+    """``(batch, rows, cols, turns)``: ``chunk`` collated and its scored positions, each ``(N,)``: row, column
+    (predicting token ``cols + 1``, an assistant token) and that token's zero-based turn."""
+    batch = collate_trajectories(list(chunk), SamplingParams(temperature=1.0), pad_id)
+    rows, cols = (batch.loss_mask[:, 1:] > 0).nonzero(as_tuple=True)  # (N,), (N,)
+    return batch, rows, cols, batch.turn_index[:, 1:][rows, cols]
+
+
+class _Tally:
+    """Sums of KL (nats) and token counts per turn and per task, over micro-batches; :meth:`result` gives the
+    :class:`TrajectoryKL`."""
+
+    def __init__(self) -> None:
+        self.kl_sums: list[float] = []
+        self.counts: list[int] = []
+        self.per_task: dict[str, dict[str, float]] = {}
+
+    def add(self, chunk: Sequence[Trajectory], rows: torch.Tensor, turns: torch.Tensor, kl: torch.Tensor) -> None:
+        """``kl``: ``(N,)`` nats at the scored positions of ``chunk`` (their ``rows`` and ``turns``, ``(N,)``)."""
+        for n in range(int(turns.max()) + 1 if len(turns) else 0):
+            sel = turns == n
+            while len(self.kl_sums) <= n:
+                self.kl_sums.append(0.0)
+                self.counts.append(0)
+            self.kl_sums[n] += float(kl[sel].sum())
+            self.counts[n] += int(sel.sum())
+        for i, traj in enumerate(chunk):
+            sel = rows == i
+            entry = self.per_task.setdefault(traj.task_id, {"kl_sum": 0.0, "tokens": 0})
+            entry["kl_sum"] += float(kl[sel].sum())
+            entry["tokens"] += int(sel.sum())
+
+    def result(self) -> TrajectoryKL:
+        total = sum(self.counts)
+        return TrajectoryKL(mean=sum(self.kl_sums) / total if total else math.nan,
+                            per_turn=[s / c if c else math.nan for s, c in zip(self.kl_sums, self.counts)],
+                            tokens_per_turn=self.counts, per_task=self.per_task, tokens=total)
 
 
 def zero_kl(trajectories: Sequence[Trajectory]) -> TrajectoryKL:
-    """The teacher's own KL on its trajectories: 0 nats on every assistant token, with the same token counts
-    (per turn and per task) as :func:`trajectory_kl` reports, without a forward pass."""
-    per_task: dict[str, dict[str, float]] = {}
-    counts: list[int] = []
+    """The teacher's own KL on its trajectories: 0 nats at every position :func:`trajectory_kl` scores, counted by
+    the same code (per turn and per task), without a forward pass."""
+    tally = _Tally()
     for traj in trajectories:
-        if traj.num_assistant_tokens == 0:
-            continue
-        entry = per_task.setdefault(traj.task_id, {"kl_sum": 0.0, "tokens": 0})
-        for mask, turn in zip(traj.assistant_mask[1:], traj.turn_index[1:]):  # the positions trajectory_kl scores
-            if mask > 0:
-                while len(counts) <= turn:
-                    counts.append(0)
-                counts[turn] += 1
-                entry["tokens"] += 1
-    total = sum(counts)
-    return TrajectoryKL(mean=0.0 if total else math.nan, per_turn=[0.0 if c else math.nan for c in counts],
-                        tokens_per_turn=counts, per_task=per_task, tokens=total)
+        if traj.num_assistant_tokens > 0:
+            _, rows, _, turns = _scored_positions([traj], 0)
+            tally.add([traj], rows, turns, torch.zeros(len(rows), dtype=torch.float64))
+    return tally.result()
 
 
 def split_by_outcome(trajectories: Sequence[Trajectory]) -> dict[str, list[Trajectory]]:
