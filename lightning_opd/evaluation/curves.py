@@ -34,6 +34,11 @@ A *run* is one (arm, seed); a *point* one evaluated checkpoint of a run (:class:
 * **start**: with the runner's ``evaluate_start``, the arms' common starting student evaluated once per seed
   (``<root>/start/seed<k>/eval/step=0.json``) is every run's first point, iteration 0 at 0 s (in the curves,
   Same-Step, Least-Time and time to target: a target the start already meets is reached "at the start").
+* **at a mark** ``m`` (the runner's ``evaluate_at_seconds``, training seconds): each run's point whose evaluation
+  the runner marked as standing for ``m`` (``"at_seconds"`` in its JSON): the checkpoint of the first optimizer
+  step whose training seconds reached ``m``, or, for a run that ended before ``m`` (its ``max_steps``), its final
+  (flagged "not reached"); the tables show each point's true iteration and seconds. Compared like Same-Step
+  (each arm minus the first, and the named contrasts).
 * **final**: each run's last point; **best**: each run's trained point (not the start) with the highest greedy
   success (earliest on ties). Best is selected on the same held-out games it is scored on, so it is optimistic.
 * **own-trajectory KL by outcome**: the student's reverse KL to the teacher (nats/token) per turn on its
@@ -73,6 +78,8 @@ class Point:
         rollouts: ``{"generated", "used"}`` episodes up to the checkpoint (``OPDModule.log_rollout_counts``),
             or ``None`` (a file without them).
         start: the experiment's starting student (iteration 0, 0 s; module docstring), not a checkpoint.
+        at_seconds: ``{mark: reached}``: the training-second marks (seconds) this checkpoint stands for (module
+            docstring; ``reached`` False: the run's final, which ended before the mark), or ``None`` (no marks).
     """
 
     arm: str
@@ -87,6 +94,7 @@ class Point:
     path: str = ""
     rollouts: dict[str, int] | None = None
     start: bool = False
+    at_seconds: dict[float, bool] | None = None
 
     @property
     def success(self) -> float:
@@ -123,10 +131,12 @@ def point_from_evaluation(data: dict, arm: str, seed: int, step: int, updates_pe
         return {k: sum(v) / len(v) for k, v in rows.items()}
 
     teacher = (data.get("teacher") or {}).get("episodes")
+    marks = data.get("at_seconds")  # written by the experiment runner (lightning_opd/experiments/marks.py)
     return Point(arm=arm, seed=seed, step=step, iteration=step // updates_per_batch, seconds=s.get("train_seconds"),
                  greedy=table(s["greedy"]), sampled=table(s.get("sampled")),
                  own_kl=(s.get("summary") or {}).get("own_traj_kl"), teacher=table(teacher), path=path,
-                 rollouts=s.get("rollouts"))
+                 rollouts=s.get("rollouts"),
+                 at_seconds=None if marks is None else {float(m["mark"]): bool(m["reached"]) for m in marks})
 
 
 def updates_per_batch(config: dict) -> int:
@@ -219,6 +229,22 @@ def least_time(runs: Runs, budget: float | None = None) -> tuple[float, dict[str
 def time_to_target(points: list[Point], target: float) -> Point | None:
     """The first point (by step) whose greedy success is ``>= target``; ``None``: not reached."""
     return next((p for p in points if p.success >= target - 1e-12), None)
+
+
+def at_mark(runs: Runs, mark: float) -> dict[str, dict[int, Point]]:
+    """Each run's point standing for the training-second mark ``mark`` (module docstring).
+
+    Raises:
+        ValueError: a run without one (named: not yet evaluated, or the arm does not have the mark).
+    """
+    out: dict[str, dict[int, Point]] = {}
+    for arm, seeds in runs.items():
+        for seed, points in seeds.items():
+            chosen = [p for p in points if p.at_seconds and mark in p.at_seconds]
+            if not chosen:
+                raise ValueError(f"{arm} seed {seed} has no checkpoint evaluated for the {mark:g} s mark")
+            out.setdefault(arm, {})[seed] = chosen[-1]
+    return out
 
 
 def final(runs: Runs) -> dict[str, dict[int, Point]]:
@@ -410,8 +436,8 @@ class Summary:
 
 
 def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = None,
-              targets: Sequence[float] = (), contrasts: Sequence[Sequence[str]] = (), resamples: int = 10_000,
-              seed: int = 0) -> Summary:
+              targets: Sequence[float] = (), contrasts: Sequence[Sequence[str]] = (), marks: Sequence[float] = (),
+              resamples: int = 10_000, seed: int = 0) -> Summary:
     """The experiment's summary (module docstring) over the seeds every arm has evaluated.
 
     Args:
@@ -419,7 +445,10 @@ def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = No
         name: title.
         budget: the experiment's training time budget (seconds) or ``None``.
         targets: greedy success rates for the time-to-target table.
-        contrasts: pairs of arm names ``(a, b)``: ``a - b`` at the final checkpoints (:func:`contrast_table`).
+        contrasts: pairs of arm names ``(a, b)``: ``a - b`` at the final checkpoints (:func:`contrast_table`) and
+            at each mark.
+        marks: training-second marks (seconds): a section per mark comparing the arms there (:func:`at_mark`;
+            "not available" while a run has no evaluation for it).
         resamples, seed: of the bootstrap.
 
     Raises:
@@ -488,6 +517,28 @@ def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = No
                "its final checkpoint") if budget else ""
         md += ["", f"### Least-Time: {t:.0f} training s (the largest every run reached; each run's checkpoint at or "
                    f"before it{how})", "", text]
+
+    if marks:
+        data["at_seconds"] = {}
+    for m in marks:
+        try:
+            chosen = at_mark(runs, m)
+        except ValueError as err:
+            md += ["", f"### At {m:g} training s: not available ({err})"]
+            continue
+        text, d = selection_table(chosen, **kw)
+        late = [f"{arm} seed {sd} ({_fmt(p.seconds, 0)} s)" for arm, ps in chosen.items() for sd, p in ps.items()
+                if not p.at_seconds[m]]
+        d["not_reached"] = late
+        md += ["", f"### At {m:g} training s (each run's checkpoint at the first optimizer step whose training seconds "
+                   f"reached {m:g} s; its true iteration and seconds shown)", "", text]
+        if late:
+            md += ["", f"Not reached (the fit ended at max_steps first; its final checkpoint stands for {m:g} s): "
+                       + ", ".join(late) + "."]
+        if contrasts:
+            text, d["contrasts"] = contrast_table(chosen, contrasts, **kw)
+            md += ["", f"At {m:g} training s, named contrasts (paired on the same (task, seed) episodes):", "", text]
+        data["at_seconds"][f"{m:g}"] = d
 
     if targets:
         md += ["", "### Time to target (first checkpoint whose greedy success >= target; the target was crossed between "

@@ -19,10 +19,13 @@ An experiment (a YAML file, see :func:`load_experiment`)::
         checkpoint_every: 10         # optional, per arm (e.g. 2 optimizer updates per rollout batch)
         evaluate_final: []           # optional, per arm (e.g. Avg@4 on the main arms' finals only)
         evaluate_checkpoints: last   # optional, per arm (e.g. finals only for an ablation)
+        evaluate_at_seconds: [600]   # optional, per arm ([]: none)
     evaluate: [--avg-k, "4", --temperature, "0.7"]   # extra `lightning-opd evaluate` flags
     evaluate_final: []               # flags for the final checkpoint only, after `evaluate` (e.g. Avg@4 there only)
     keep_checkpoints: true           # false: delete a pair's checkpoints/ and student/ once it is evaluated
     evaluate_start: false            # true: evaluate the arms' common starting student once per seed (iteration 0)
+    evaluate_at_seconds: []          # training seconds, e.g. [600, 1200]: also evaluate the checkpoints that reach them
+    validity_max_cap: null           # turns: the TurnOPD validity check's bound on the mean non-probe rollout cap
 
 Run it with ``python -m benchmarks.experiment EXPERIMENT.yaml``; it can be stopped at any moment (Ctrl-C,
 ``kill -9``, a reboot) and run again with the same command to continue.
@@ -41,10 +44,16 @@ Per (arm, seed), in ``<results>/<name>/<arm>/seed<k>/``:
    rollouts, not only in their initial random state). An unfinished fit resumes from
    ``checkpoints/last.ckpt`` (``--ckpt_path``; Lightning writes checkpoints atomically), its Timer restored
    from it: the training seconds continue and a time budget is not renewed. ``fit.done`` is written when it
-   exits with 0;
+   exits with 0. With ``evaluate_at_seconds`` the ``StepCheckpoint`` also saves the first optimizer step whose
+   training seconds reach each mark and records it in ``at_seconds.json`` (:mod:`.marks`; once per mark, a
+   resumed fit included);
 3. ``lightning-opd evaluate`` in a separate process per evaluated checkpoint, ``--seeds k`` (episodes
    keyed by the training seed, so arms pair by (task, seed) in ``compare``), written to
-   ``eval/step=N.json`` (atomically; an existing file is not redone);
+   ``eval/step=N.json`` (atomically; an existing file is not redone): the final checkpoint, every checkpoint
+   with ``evaluate_checkpoints: all``, and the checkpoints of the ``evaluate_at_seconds`` marks (a mark the fit
+   did not reach, because ``max_steps`` ended it first, is stood for by the final), each of their files with
+   ``"at_seconds": [{"mark": s, "reached": bool}]`` (its step and training seconds are in ``students[0]``:
+   ``global_step``, ``train_seconds``);
 4. ``done.json``, written last and atomically: a pair with it is never run again.
 
 With ``evaluate_start: true`` (every arm continues one trained student, ``model.init_args.student``), that
@@ -70,7 +79,9 @@ root (training seconds are only comparable on cores nothing else uses). At the e
 last evaluated checkpoint of every arm (all seeds merged, paired by (task, seed)) and writes it to
 ``<results>/<name>/compare.json``, then the summary over every evaluated checkpoint
 (:mod:`lightning_opd.evaluation.curves`: success vs rollout iterations and training seconds, Same-Step, Least-Time,
-time to target, final and best) to ``summary.md`` and ``summary.json``. ``--summary`` writes that summary from what is evaluated so far.
+time to target, final and best, the arms at each ``evaluate_at_seconds`` mark) to ``summary.md`` and
+``summary.json``, with, for runs with TurnOPD's rollout-depth controller, its validity checks read from the fits'
+TensorBoard logs (:mod:`lightning_opd.evaluation.rollout_validity`). ``--summary`` writes that summary from what is evaluated so far.
 """
 
 from __future__ import annotations
@@ -94,6 +105,7 @@ import yaml
 
 from lightning_opd.cpu_isa import cpu_name  # imports torch only to pin
 from lightning_opd.evaluation.curves import check_contrasts  # numpy and yaml only, no torch
+from lightning_opd.experiments.marks import MARKS_FILE, check_at_seconds, mark_steps, read_marks  # pure Python
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RESULTS = ROOT / "benchmarks" / "results"
@@ -111,6 +123,7 @@ class Arm:
     checkpoint_every: int | None = None  # optimizer steps; None: the experiment's
     evaluate_final: list[str] | None = None  # flags for this arm's final checkpoint; None: the experiment's
     evaluate_checkpoints: str | None = None  # "last" or "all"; None: the experiment's
+    evaluate_at_seconds: list[float] | None = None  # training-second marks; None: the experiment's
 
 
 @dataclass
@@ -142,6 +155,14 @@ class Experiment:
             each); the evaluations, logs and configs stay.
         evaluate_start: evaluate the arms' common starting student (``model.init_args.student``) once per seed
             as iteration 0 (module docstring); fits refuse a starting student that differs from the recorded one.
+        evaluate_at_seconds: training-second marks (seconds, increasing, none above ``max_time``): each fit also
+            saves the first optimizer step whose training seconds reach each mark, and that checkpoint is evaluated
+            besides the final (a mark not reached is stood for by the final; :mod:`.marks`); the summary compares
+            the arms at each mark. An arm's own ``evaluate_at_seconds`` wins (``[]``: none). ``[]`` (default):
+            none, the overlay unchanged.
+        validity_max_cap: turns: the bound of the rollout-depth validity check "mean cap over non-probe steps
+            <= this" (TurnOPD runs; :mod:`lightning_opd.evaluation.rollout_validity`); ``None``: the mean is
+            reported without a verdict.
         seed_keys: config keys set to the seed besides ``--seed_everything``.
         results: results root (default ``benchmarks/results``).
         fit_command, evaluate_command: how to launch ``fit`` / ``evaluate`` (tests swap in fakes).
@@ -149,7 +170,9 @@ class Experiment:
     Raises:
         ValueError: no arms or seeds, a repeated arm name or seed, a name that is not a plain folder
             name, ``checkpoint_every < 1``, ``max_time <= 0``, a target outside [0, 1] or an unknown
-            ``evaluate_checkpoints``, or a contrast that is not two different arm names.
+            ``evaluate_checkpoints``, or a contrast that is not two different arm names; a bad
+            ``evaluate_at_seconds`` (not a list of positive, increasing seconds within ``max_time``; the message
+            names the value) or ``validity_max_cap`` (not an integer >= 1).
     """
 
     name: str
@@ -165,6 +188,8 @@ class Experiment:
     teacher_kl: bool = True
     keep_checkpoints: bool = True
     evaluate_start: bool = False
+    evaluate_at_seconds: list[float] = field(default_factory=list)
+    validity_max_cap: int | None = None
     seed_keys: list[str] = field(default_factory=lambda: ["data.init_args.seed"])
     results: Path = DEFAULT_RESULTS
     fit_command: list[str] = field(default_factory=lambda: LOPD + ["fit"])
@@ -193,6 +218,14 @@ class Experiment:
                                                                 for a in self.arms if a.evaluate_checkpoints is not None]:
             if how not in ("last", "all"):
                 raise ValueError(f"{where}evaluate_checkpoints={how!r}: use 'last' or 'all'")
+        self.evaluate_at_seconds = check_at_seconds([] if self.evaluate_at_seconds is None else self.evaluate_at_seconds,
+                                                    budget=self.max_time)
+        for a in self.arms:
+            if a.evaluate_at_seconds is not None:
+                a.evaluate_at_seconds = check_at_seconds(a.evaluate_at_seconds, f"arm {a.name!r}: ", self.max_time)
+        cap = self.validity_max_cap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"validity_max_cap={cap!r} must be a whole number of turns >= 1 (or null: no verdict)")
 
     @property
     def root(self) -> Path:
@@ -209,6 +242,10 @@ class Experiment:
         """Which of ``arm``'s checkpoints are evaluated: ``"last"`` or ``"all"`` (the arm's own setting wins)."""
         return arm.evaluate_checkpoints if arm.evaluate_checkpoints is not None else self.evaluate_checkpoints
 
+    def at_seconds(self, arm: Arm) -> list[float]:
+        """``arm``'s training-second marks (seconds; the arm's own ``evaluate_at_seconds`` wins; ``[]``: none)."""
+        return list(arm.evaluate_at_seconds if arm.evaluate_at_seconds is not None else self.evaluate_at_seconds)
+
     def final_flags(self, arm: Arm) -> list[str]:
         """``evaluate`` flags for ``arm``'s final checkpoint only (the arm's own ``evaluate_final`` wins)."""
         return list(arm.evaluate_final if arm.evaluate_final is not None else self.evaluate_final)
@@ -222,7 +259,8 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
     """
     data = yaml.safe_load(Path(path).read_text()) or {}
     known = {"name", "arms", "seeds", "checkpoint_every", "evaluate_checkpoints", "max_time", "targets", "contrasts",
-             "evaluate", "evaluate_final", "teacher_kl", "keep_checkpoints", "evaluate_start", "seed_keys", "results", "fit_command", "evaluate_command"}
+             "evaluate", "evaluate_final", "teacher_kl", "keep_checkpoints", "evaluate_start", "evaluate_at_seconds",
+             "validity_max_cap", "seed_keys", "results", "fit_command", "evaluate_command"}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -232,17 +270,18 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
     arms = []
     for name, spec in data.pop("arms").items():
         spec = spec or {}
-        bad = set(spec) - {"configs", "overrides", "checkpoint_every", "evaluate_final", "evaluate_checkpoints"}
+        bad = set(spec) - {"configs", "overrides", "checkpoint_every", "evaluate_final", "evaluate_checkpoints",
+                           "evaluate_at_seconds"}
         if bad:
             raise ValueError(f"{path}: arm {name!r}: unknown key(s) {sorted(bad)}; use configs, overrides, "
-                             "checkpoint_every, evaluate_final and evaluate_checkpoints")
+                             "checkpoint_every, evaluate_final, evaluate_checkpoints and evaluate_at_seconds")
         final = spec.get("evaluate_final")
         if final is not None and not isinstance(final, list):
             raise ValueError(f"{path}: arm {name!r}: evaluate_final={final!r} must be a list of flags "
                              "(e.g. [--avg-k, \"4\"]; [] for none)")
         arms.append(Arm(str(name), [str(c) for c in spec.get("configs", [])], [str(o) for o in spec.get("overrides", [])],
                         spec.get("checkpoint_every"), None if final is None else [str(f) for f in final],
-                        spec.get("evaluate_checkpoints")))
+                        spec.get("evaluate_checkpoints"), spec.get("evaluate_at_seconds")))
     if results is not None:
         data["results"] = results
     return Experiment(arms=arms, **data)
@@ -419,6 +458,8 @@ class Runner:
         evals = self._evaluate(arm, seed, d, config)
         record = {"arm": arm.name, "seed": seed, "run_dir": str(d), "evaluations": [str(p) for p in evals],
                   "fit": json.loads((d / "fit.done").read_text()), "seconds_this_session": round(time.time() - t0, 1)}
+        if self.exp.at_seconds(arm):
+            record["at_seconds"] = read_marks(d)  # kept after keep_checkpoints: false (also in the eval files)
         if start_sha256 is not None:
             record["start_sha256"] = start_sha256
         write_atomic(marker, json.dumps(record, indent=1))
@@ -432,6 +473,8 @@ class Runner:
         budget = self.exp.max_time
         duration = None if budget is None else (f"{budget // 86400:02d}:{budget // 3600 % 24:02d}:"
                                                 f"{budget // 60 % 60:02d}:{budget % 60:02d}")  # DD:HH:MM:SS
+        marks = self.exp.at_seconds(arm)
+        at = {"at_seconds": marks, "marks_file": str(d / MARKS_FILE)} if marks else {}
         overlay = {"trainer": {
             "enable_checkpointing": True, "default_root_dir": str(d),
             "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -442,7 +485,8 @@ class Runner:
                             "init_args": {"dirpath": str(d / "checkpoints"), "filename": "step={step}",
                                           "auto_insert_metric_name": False,
                                           "every_n_train_steps": self.exp.every(arm),
-                                          "save_top_k": -1, "save_last": "link", "enable_version_counter": False}}]},
+                                          "save_top_k": -1, "save_last": "link", "enable_version_counter": False,
+                                          **at}}]},
             "model": {"init_args": {"export_dir": str(d / "student")}}}
         path = d / "runner_overlay.yaml"
         header = "# written by lightning_opd.experiments.runner: logs, checkpoints and export of this (arm, seed)\n"
@@ -549,24 +593,44 @@ class Runner:
                 raise RuntimeError(f"[start seed {seed}] evaluate failed; see {folder / f'seed{seed}' / 'eval.log'}")
         return out, digest
 
+    def marks_of(self, arm: Arm, d: Path, found: list[tuple[int, Path]]) -> dict[int, list[dict]] | None:
+        """The checkpoints standing for ``arm``'s training-second marks after its fit, ``{step: [{"mark",
+        "reached"}]}`` (:func:`~.marks.mark_steps`), or ``None`` when the arm has no marks.
+
+        Raises:
+            RuntimeError: the fit's ``at_seconds.json`` is missing or disagrees with the marks (names the file).
+        """
+        marks = self.exp.at_seconds(arm)
+        if not marks:
+            return None
+        try:
+            return mark_steps(marks, read_marks(d), [s for s, _ in found])
+        except (FileNotFoundError, ValueError) as err:
+            raise RuntimeError(f"[{arm.name}] {d / MARKS_FILE}: {err}") from None
+
     def _evaluate(self, arm: Arm, seed: int, d: Path, config: dict) -> list[Path]:
         found = checkpoints(d)
         if not found:
             raise RuntimeError(f"[{arm.name} seed {seed}] fit finished without checkpoints in {d / 'checkpoints'}")
-        chosen = found if self.exp.evaluated(arm) == "all" else found[-1:]
+        at = self.marks_of(arm, d, found)
+        chosen = [c for c in found if self.exp.evaluated(arm) == "all" or c == found[-1] or (at and c[0] in at)]
         final_flags = self.exp.final_flags(arm)
         outs = []
         for step, ckpt in chosen:
             extra = final_flags if step == found[-1][0] else []  # the fit is done: the last is final
             out = d / "eval" / f"step={step}.json"
             outs.append(out)
-            if out.is_file():
-                continue
-            self.echo(f"[{arm.name} seed {seed}] evaluate step {step}")
-            cmd = (self.exp.evaluate_command + ["--students", f"{arm.name}={ckpt}", "--out", str(out)]
-                   + self.evaluate_args(config, seed) + extra)
-            if _run(cmd, d / "eval.log", self.cwd) != 0:
-                raise RuntimeError(f"[{arm.name} seed {seed}] evaluate failed; see {d / 'eval.log'}")
+            if not out.is_file():
+                self.echo(f"[{arm.name} seed {seed}] evaluate step {step}")
+                cmd = (self.exp.evaluate_command + ["--students", f"{arm.name}={ckpt}", "--out", str(out)]
+                       + self.evaluate_args(config, seed) + extra)
+                if _run(cmd, d / "eval.log", self.cwd) != 0:
+                    raise RuntimeError(f"[{arm.name} seed {seed}] evaluate failed; see {d / 'eval.log'}")
+            if at is not None:  # which marks this checkpoint stands for (again if the runner died before)
+                data = json.loads(out.read_text())
+                if data.get("at_seconds") != at.get(step, []):
+                    data["at_seconds"] = at.get(step, [])
+                    write_atomic(out, json.dumps(data, indent=1))
         return outs
 
     def summarise(self, done: dict) -> str | None:
@@ -602,7 +666,8 @@ class Runner:
         Raises:
             ValueError: an arm name the experiment does not have.
         """
-        from lightning_opd.evaluation.curves import load_runs, summarise  # numpy and yaml only, no torch
+        from lightning_opd.evaluation.curves import Summary, load_runs, summarise  # numpy and yaml only, no torch
+        from lightning_opd.evaluation.rollout_validity import validity_table  # tensorboard's reader, no torch
 
         names = [a.name for a in self.exp.arms]
         stem = "summary"
@@ -617,12 +682,16 @@ class Runner:
         if waiting:  # an arm with nothing evaluated yet (e.g. a run with --arms): its contrasts wait for it
             self.echo(f"contrasts {waiting} left out: an arm of each has no evaluated checkpoint yet")
             contrasts = [c for c in contrasts if c not in waiting]
+        marks = sorted({m for a in self.exp.arms if a.name in names for m in self.exp.at_seconds(a)})
         try:
             summary = summarise(runs, name=self.exp.name, budget=self.exp.max_time, targets=self.exp.targets,
-                                contrasts=contrasts)
+                                contrasts=contrasts, marks=marks)
         except ValueError as err:
             self.echo(f"no summary: {err}")
             return None
+        checks = validity_table(self.exp.root, names, self.exp.seeds, max_cap=self.exp.validity_max_cap)
+        if checks is not None:  # runs with the rollout-depth controller: its validity checks beside the tables
+            summary = Summary(summary.markdown + "\n\n" + checks[0], {**summary.data, "rollout_validity": checks[1]})
         write_atomic(self.exp.root / f"{stem}.md", summary.markdown + "\n")
         write_atomic(self.exp.root / f"{stem}.json", summary.to_json())
         self.echo(summary.markdown)

@@ -256,6 +256,8 @@ def rollout_sums(trajs: list[Trajectory]) -> dict[str, float]:
         "reward": float(sum(t.total_reward for t in trajs)),
         "prefill_tokens": float(sum(t.prefill_tokens for t in trajs)),
         "cached_prompt_tokens": float(sum(t.cached_prompt_tokens for t in trajs)),
+        "cap": float(sum(t.rollout_cap for t in trajs)),
+        "is_probe": float(sum(t.is_probe for t in trajs)),
     }
 
 
@@ -267,7 +269,10 @@ def rollout_stats(trajs: list[Trajectory]) -> dict[str, float]:
     tokens per episode), ``invalid_actions`` (mean per episode), ``cut_replies`` (mean per episode),
     ``truncated`` (fraction), ``env_errors`` (count), ``reward`` (mean total reward, points),
     ``prefill_tokens`` and ``cached_prompt_tokens`` (mean per episode over its turns: prompt tokens the generator
-    prefilled, and those it served from a cache: HF's KV cache kept between turns, vLLM's prefix cache).
+    prefilled, and those it served from a cache: HF's KV cache kept between turns, vLLM's prefix cache),
+    ``cap`` (mean turn cap the episodes were played at, turns: a training batch shares one, so its cap; TurnOPD's
+    rollout-depth controller moves it) and ``is_probe`` (fraction of the episodes that were full-depth probes:
+    1 in a TurnOPD probe batch, else 0).
     These are this batch's values; ``OPDModule`` logs them over all ranks' episodes (:func:`rollout_sums`).
     """
     n = max(1, len(trajs))

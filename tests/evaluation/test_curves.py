@@ -265,3 +265,24 @@ def test_final_table_sums_rollouts_generated_and_used_over_seeds(tmp_path):
     assert "| fopd | 2, 2 | 10, 10 | 16 / 12 | 0.50 [" in s.markdown
     assert "| old | 2, 2 | 10, 10 | - | 0.00 [" in s.markdown
     assert s.data["final"]["points"]["fopd"]["1"]["rollouts"] == {"generated": 8, "used": 7}
+
+
+def test_the_arms_at_each_training_second_mark():
+    """Each run's point marked for 600 s and 1200 s (the runner's evaluate_at_seconds), whatever its iteration:
+    at 600 s a (step 5, 610 s) wins t0, b (step 12, 604 s) t0-t2: b - a = +0.50 (per task 0, 1, 1, 0); at 1200 s
+    a (1205 s) wins t0, t1 and b's final (1100 s: max_steps ended it first) all four: +0.50 again, b flagged."""
+    def marked(arm, step, seconds, wins, at):
+        return Point(arm, 0, step, step, seconds, {(f"t{i}", 0): float(w) for i, w in enumerate(wins)}, at_seconds=at)
+
+    runs = {"a": {0: [marked("a", 5, 610, [1, 0, 0, 0], {600.0: True}), marked("a", 9, 1205, [1, 1, 0, 0], {1200.0: True})]},
+            "b": {0: [marked("b", 12, 604, [1, 1, 1, 0], {600.0: True}),
+                      marked("b", 20, 1100, [1, 1, 1, 1], {1200.0: False})]}}
+    s = summarise(runs, marks=[600, 1200, 900], contrasts=[["b", "a"]], resamples=200)
+    at600, at1200 = s.data["at_seconds"]["600"], s.data["at_seconds"]["1200"]
+    assert {arm: p["0"]["step"] for arm, p in at600["points"].items()} == {"a": 5, "b": 12}
+    assert at600["contrasts"]["b - a"]["difference"] == 0.5 and at600["not_reached"] == []
+    assert at1200["contrasts"]["b - a"]["per_seed"] == {"0": 0.5} and at1200["not_reached"] == ["b seed 0 (1100 s)"]
+    assert "900" not in s.data["at_seconds"]
+    md = s.markdown
+    assert "| b | 12 | 604 | - | 0.75 [" in md.split("### At 600 training s")[1]
+    assert "### At 900 training s: not available (a seed 0 has no checkpoint evaluated for the 900 s mark)" in md

@@ -10,7 +10,9 @@ Fit: one step every ``$FAKE_STEP_SECONDS`` seconds up to ``trainer.max_steps`` (
 (JSON text ``{"step": N, "train_seconds": s}``) and ``last.ckpt`` every ``every_n_train_steps`` and at the
 last step, each written atomically. Training seconds are counted, not measured: ``$FAKE_SECONDS_PER_STEP``
 (default 10) per step, continued from the resumed checkpoint; the overlay's Timer ``duration`` (DD:HH:MM:SS)
-stops the fit at the first step whose count reaches it, like Lightning's Timer.
+stops the fit at the first step whose count reaches it, like Lightning's Timer. With the overlay's
+``at_seconds`` (``evaluate_at_seconds``) the first step whose count reaches each mark is checkpointed too (once)
+and the marks reached are kept in the checkpoints and written to ``marks_file``, like ``StepCheckpoint``.
 """
 
 from __future__ import annotations
@@ -55,17 +57,32 @@ def fit(argv: list[str]) -> None:
     folder, every = Path(ckpt["dirpath"]), int(ckpt["every_n_train_steps"])
     resumed = json.loads(Path(opts["ckpt_path"]).read_text()) if "ckpt_path" in opts else {"step": 0, "train_seconds": 0}
     start, seconds = resumed["step"], resumed["train_seconds"]
+    marks, reached = [float(m) for m in ckpt.get("at_seconds") or []], dict(resumed.get("reached", []))
+
+    def write_marks():
+        if ckpt.get("marks_file"):
+            write(Path(ckpt["marks_file"]), json.dumps({"marks": [
+                {"mark": m, "step": reached[m][0] if m in reached else None,
+                 "seconds": reached[m][1] if m in reached else None} for m in marks]}))
     log_call({"cmd": "fit", "dir": str(folder.parent), "seed": opts["seed_everything"], "data_seed":
               opts.get("data.init_args.seed"), "ckpt_path": opts.get("ckpt_path"), "start": start, "seconds": seconds})
     folder.mkdir(parents=True, exist_ok=True)
+    write_marks()
     step = start
     while step < steps and (budget is None or seconds < budget):
         time.sleep(float(os.environ.get("FAKE_STEP_SECONDS", "0")))
         step, seconds = step + 1, seconds + float(os.environ.get("FAKE_SECONDS_PER_STEP", "10"))
         last = step == steps or (budget is not None and seconds >= budget)
-        if step % every == 0 or last:
-            write(folder / f"step={step}.ckpt", json.dumps({"step": step, "train_seconds": seconds}))
-            write(folder / "last.ckpt", json.dumps({"step": step, "train_seconds": seconds}))
+        new = [m for m in marks if m not in reached and seconds >= m]
+        reached.update({m: (step, seconds) for m in new})
+        if step % every == 0 or last or new:
+            state = json.dumps({"step": step, "train_seconds": seconds, "reached": list(reached.items())})
+            write(folder / f"step={step}.ckpt", state)
+            write(folder / "last.ckpt", state)
+            log_call({"cmd": "save", "dir": str(folder.parent), "step": step})
+        if new:
+            write_marks()
+    write_marks()
 
 
 def evaluate(argv: list[str]) -> None:

@@ -79,10 +79,12 @@ def test_weights_change_and_logs_reach_tensorboard(model_dirs, tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     series = read_scalars(logger.log_dir)  # {tag: (steps, values)}
     for tag in ("kl/turn_00", "train/loss", "train/kl", "train/entropy", "train/grad_norm", "rollout/success",
-                "rollout/turns", "rollout/tokens", "rollout/invalid_actions", "timing/rollout_s", "val/success"):
+                "rollout/turns", "rollout/tokens", "rollout/invalid_actions", "rollout/cap", "rollout/is_probe",
+                "timing/rollout_s", "val/success"):
         assert tag in series, tag
     assert series["val/episodes"][1][-1] == 2.0  # both held-out tasks, once
     assert series["train/policy_version"][1][-1] == 2.0
+    assert series["rollout/cap"][1] == [2.0, 2.0] and series["rollout/is_probe"][1] == [0.0, 0.0]  # max_turns 2, no probes
 
 
 class CutTurnsAfterFirstStep(L.Callback):

@@ -63,6 +63,18 @@ def test_rollout_stats_report_prefilled_and_cached_prompt_tokens_per_episode():
     assert stats["prefill_tokens"] == pytest.approx(9 / 3) and stats["cached_prompt_tokens"] == pytest.approx(5 / 3)
 
 
+def test_rollout_stats_report_the_batch_cap_and_probe_share():
+    """TurnOPD's validity checks read the cap a batch was played at and whether it was a probe batch: a capped
+    batch of 2 episodes at 5 turns, and a probe batch of 2 at the full 12 (one of them an environment error, which
+    still ran under the batch's cap)."""
+    capped = [Trajectory(task_id="a", rollout_cap=5), Trajectory(task_id="b", rollout_cap=5)]
+    probe = [Trajectory(task_id="a", rollout_cap=12, is_probe=True),
+             Trajectory(task_id="b", rollout_cap=12, is_probe=True, env_error=True)]
+    assert (rollout_stats(capped)["cap"], rollout_stats(capped)["is_probe"]) == (5.0, 0.0)
+    assert (rollout_stats(probe)["cap"], rollout_stats(probe)["is_probe"]) == (12.0, 1.0)
+    assert rollout_stats(capped + probe)["cap"] == pytest.approx((5 + 5 + 12 + 12) / 4)
+
+
 def test_split_trims_each_micro_batch_to_its_longest_row():
     batch = collate_trajectories([_traj([2]), _traj([2, 5, 5])], SamplingParams(), pad_id=PAD)
     short, long = batch.split(1)
