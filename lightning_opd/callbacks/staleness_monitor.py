@@ -44,8 +44,10 @@ Logged (``staleness/``, per step): ``lag_mean``, ``lag_max`` (versions), ``delta
 :class:`~lightning_opd.losses.freshness.FreshnessReport`), ``lag_bound_dropped_tokens``, ``would_drop_samples``,
 ``lag_bound`` (Δ_max, versions), ``skipped_steps`` and ``skipped_steps_by_lag_bound`` (cumulative), with M3
 ``ratio_mean``, ``ratio_clip_frac``, and async with producer-side control (§1.5.1: Δ_max caps the producer's
-lead; synchronous fallback) ``producer_lead`` (versions) and ``sync_fallback`` (1 while generating
-synchronously). Every mean over samples or tokens and every count is over
+lead; synchronous fallback) ``producer_lead`` (versions), ``sync_fallback`` (1 while generating
+synchronously from the next step on), ``sync_fallback_step`` (1 when this step ran in the fallback: the producer
+was held at lead 0 while the step waited for its batch) and ``sync_fallback_steps`` (cumulative count of such
+steps). Every mean over samples or tokens and every count is over
 all data-parallel ranks' samples and tokens (sums and counts reduced, then divided: :func:`all_rank_stats`, F27).
 """
 
@@ -178,6 +180,10 @@ class StalenessMonitor(Callback):
                               if self.producer_control and fallback_freshness is not None else None)
         self.controls_producer = False
         self.producer_lead: int | None = None
+        #: steps (rollout iterations) so far that ran in the synchronous fallback (persisted)
+        self.sync_fallback_steps = 0
+        #: whether the last step ran in the synchronous fallback
+        self.in_sync_fallback = False
 
     @property
     def lag_bound(self) -> int | None:
@@ -225,7 +231,9 @@ class StalenessMonitor(Callback):
                 self.skipped_steps_by_lag_bound += 1
         freshness_mean = report.stats.get("freshness_mean")
         fallback = self.sync_fallback if self.controls_producer else None
-        was_synchronous = fallback is not None and fallback.active
+        was_synchronous = fallback is not None and fallback.active  # the state the whole step ran in
+        self.in_sync_fallback = was_synchronous
+        self.sync_fallback_steps += int(was_synchronous)
         if fallback is not None and (fallback.update(freshness_mean) or was_synchronous):
             # §1.5.1: entering, during and on leaving the fallback Δ_max is held at 1 (lag-0 batches say nothing
             # about lag >= 1); the adaptive rule moves it again from the next step
@@ -249,6 +257,7 @@ class StalenessMonitor(Callback):
                  "skipped_steps": self.skipped_steps, "skipped_steps_by_lag_bound": self.skipped_steps_by_lag_bound}
         if self.sync_fallback is not None:
             state["sync_fallback"] = self.sync_fallback.state_dict()
+            state["sync_fallback_steps"] = self.sync_fallback_steps
         return state
 
     @override
@@ -262,6 +271,7 @@ class StalenessMonitor(Callback):
         self.skipped_steps_by_lag_bound = int(state_dict.get("skipped_steps_by_lag_bound", 0))
         if self.sync_fallback is not None:
             self.sync_fallback.load_state_dict(state_dict.get("sync_fallback", {}))
+            self.sync_fallback_steps = int(state_dict.get("sync_fallback_steps", 0))
         self.freshness.set_lag_bound(bound)
 
     # ------------------------------------------------------------------------------------- the decision
@@ -336,6 +346,8 @@ class StalenessMonitor(Callback):
         if self.controls_producer:
             values["producer_lead"] = float(self.producer_lead if self.producer_lead is not None else -1)
             values["sync_fallback"] = float(self.sync_fallback is not None and self.sync_fallback.active)
+            values["sync_fallback_step"] = float(self.in_sync_fallback)
+            values["sync_fallback_steps"] = float(self.sync_fallback_steps)
         values.update({k: v for k, v in report.stats.items() if k.startswith("ratio_")})
         for key, value in values.items():
             pl_module.log(f"staleness/{key}", value, batch_size=1)

@@ -182,6 +182,9 @@ class OPDModule(PolicyModule):
         self.turn_blend: TurnBlendWeighting | None = None
         #: episodes generated for / used by (reached the loss) the steps so far, all ranks (log_rollout_counts)
         self.rollout_totals = {"generated": 0, "used": 0}
+        #: an async DataModule (``data.init_args.mode=async``), whose ``producer_lead`` each step logs
+        #: (``rollout/producer_lead``; bound by :meth:`connect_data`); ``None`` otherwise
+        self._async_data = None
         #: ``(2, n_teachers)`` fp64 sums of the step with a routing teacher: per teacher, KL over its supervised
         #: tokens and the token count (this rank; :meth:`teacher_step_metrics` reduces and resets them)
         self._teacher_sums: torch.Tensor | None = None
@@ -353,8 +356,11 @@ class OPDModule(PolicyModule):
     def connect_data(self, datamodule) -> None:
         """:meth:`PolicyModule.connect_data`, then hand the DataModule's environment factory (``env``) to the teacher
         (:meth:`~lightning_opd.teachers.base.Teacher.attach_envs`: a privileged teacher reads its texts there and
-        refuses an environment without them)."""
+        refuses an environment without them), and keep an async DataModule (``mode == "async"``) for
+        :meth:`producer_lead`."""
         super().connect_data(datamodule)
+        async_data = getattr(datamodule, "mode", None) == "async" and hasattr(datamodule, "producer_lead")
+        self._async_data = datamodule if async_data else None
         envs = getattr(datamodule, "env", None)
         if envs is not None:
             self.teacher_scorer.attach_envs(envs)
@@ -538,6 +544,12 @@ class OPDModule(PolicyModule):
         if plan.sample_weight is not None:
             weight = weight * plan.sample_weight.to(weight)
         return replace(batch, loss_mask=batch.loss_mask * keep[:, None].to(batch.loss_mask), sample_weight=weight)
+
+    def producer_lead(self) -> int | None:
+        """The producer lead in use now (versions: how far the background producer may run ahead of the pushed
+        weights; lowered by the staleness monitor's producer-side control, 0 during its synchronous fallback), read
+        from an async DataModule bound by :meth:`connect_data`; ``None`` without one (sync, ``forced_lag``)."""
+        return int(self._async_data.producer_lead) if self._async_data is not None else None
 
     def sample_lags(self, batch: RolloutBatch) -> torch.Tensor:
         """``(B,)`` long: ``policy_version`` − behaviour version of each row (versions, >= 0), ``NO_LAG`` (-1) for a
@@ -802,12 +814,14 @@ class OPDModule(PolicyModule):
             weighting's FreshnessReport of the step (``None`` without it)}``, what callbacks get as ``outputs``
             in ``on_train_batch_end``.
         """
+        lead = self.producer_lead()  # in force while the step waits for its batch (async only)
         t0 = time.perf_counter()
         with record_function("opd.rollout"):
             batch, _, _ = next(dataloader_iter)  # generated now, with the current weights
         batch = batch.to(self.device)
         t1 = time.perf_counter()
         lag_max = self._check_on_policy(batch)
+        lags = self.sample_lags(batch)  # before the version moves: the lags this step trains at
 
         opt = self.optimizers()
         lp = self.student_logprobs(batch) if self.needs_learner_logprobs else None  # one pass, shared
@@ -845,7 +859,7 @@ class OPDModule(PolicyModule):
                                                     stats, {**self.step_extras(), **self.teacher_step_metrics(),
                                                      **self.sampler_step_metrics()},
                                                     self.nonfinite.skipped,
-                                                    self.kl_metric))
+                                                    self.kl_metric, lags, lead))
         self.log_rollout_counts(batch)
         measured = self.nonfinite.skipped == nonfinite_before  # F28: a NaN step's per-turn KL is no measurement
         return {"loss": sums["loss"], "turn_stats": stats if measured else None, "skipped_update": skipped == n_updates,

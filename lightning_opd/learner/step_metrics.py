@@ -17,6 +17,8 @@ Metric glossary (logged every step):
 | ``train/nonfinite_steps_skipped`` | optimizer updates | updates skipped so far in this fit (resumed runs included) because the loss or a gradient was not finite (F28) |
 | ``rollout/*`` | see ``lightning_opd.rollout.batch.rollout_stats`` | per batch: means over all ranks' episodes (sums and counts reduced, F27); ``env_errors`` summed |
 | ``rollout/lag_max`` | policy versions | max over all ranks' batches of learner version - behaviour version |
+| ``rollout/lag_mean``, ``rollout/lag_min`` | policy versions | mean / min over all ranks' episodes with a reply of the lag the step trains them at (learner version - the oldest version that played the episode); NaN when no episode has a reply |
+| ``rollout/producer_lead`` | policy versions | async only (``data.init_args.mode=async``): the producer lead in force when the step asked for its batch (the staleness monitor's producer-side control lowers it; 0 = synchronous fallback) |
 | ``timing/rollout_s``, ``timing/update_s`` | seconds | per step |
 | ``turn/survivors_NN`` | episodes | episodes of the step (all ranks) still running at turn NN (TurnOPD §4); 0 once none reach it |
 | ``turn/token_share_NN``, ``turn/loss_share_NN`` | fraction | turn NN's share of supervised tokens / of ``sum m w l`` |
@@ -42,6 +44,7 @@ With several updates per batch, ``train/loss`` and ``train/grad_norm`` are means
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import lightning as L
@@ -49,7 +52,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_opd.metrics.per_turn import PerTurnMean
-from lightning_opd.metrics.rank_stats import Max, Mean, RankStat, Sum, all_ranks
+from lightning_opd.metrics.rank_stats import Max, Mean, Min, RankStat, Sum, all_ranks
 from lightning_opd.metrics.turn_stats import TurnStats
 from lightning_opd.rollout.batch import ROLLOUT_COUNTS, RolloutBatch, rollout_sums
 
@@ -71,6 +74,10 @@ class StepRecord:
         nonfinite_skipped: optimizer updates skipped so far because the loss or a gradient was not finite (F28).
         kl_name: what ``sums["kl"]`` holds, the metric's name: ``"kl"`` (exact reverse KL) or ``"kl_sampled"`` (its
             k1 estimate, a teacher without ``FULL_VOCAB``), logged as ``train/<kl_name>`` and ``<kl_name>/turn_NN``.
+        lags: ``(B,)`` lag of each row on this rank at this step (policy versions; ``-1``: a row without a reply),
+            logged as ``rollout/lag_mean`` and ``rollout/lag_min``; ``None``: not logged.
+        producer_lead: the producer lead in force when the step asked for its batch (policy versions; async only),
+            logged as ``rollout/producer_lead``; ``None``: not logged.
     """
 
     batch: RolloutBatch
@@ -84,6 +91,8 @@ class StepRecord:
     extra: dict[str, float] = field(default_factory=dict)
     nonfinite_skipped: int = 0
     kl_name: str = "kl"
+    lags: torch.Tensor | None = None
+    producer_lead: int | None = None
 
 
 class StepMetrics(torch.nn.Module):
@@ -150,12 +159,21 @@ class StepMetrics(torch.nn.Module):
     def _rollout_values(module: L.LightningModule, record: StepRecord) -> dict[str, float]:
         """``rollout/*`` over all ranks' episodes (F27): this rank's sums and episode count reduced, then
         divided (0 when no rank has an episode, as :func:`~lightning_opd.rollout.batch.rollout_stats`);
-        ``rollout/env_errors`` summed, ``rollout/lag_max`` the maximum. Collectives every rank reaches."""
+        ``rollout/env_errors`` summed, ``rollout/lag_max`` the maximum; with ``record.lags``, ``rollout/lag_mean`` and
+        ``rollout/lag_min`` over the episodes with a reply (NaN when no rank has one); with ``record.producer_lead``,
+        ``rollout/producer_lead``. Collectives every rank reaches."""
         trajs = record.batch.trajectories
         stats: dict[str, RankStat] = {f"rollout/{k}": Sum(v) if k in ROLLOUT_COUNTS else Mean(v, len(trajs), empty=0.0)
                                       for k, v in rollout_sums(trajs).items()}
         stats["rollout/lag_max"] = Max(float(record.lag_max))
-        return all_ranks(stats, module.reduce_sum, module.reduce_max, module.device)
+        if record.lags is not None:  # the rows with a reply (lag >= 0): the same keys on every rank
+            lags = record.lags[record.lags >= 0].double()
+            stats["rollout/lag_mean"] = Mean(float(lags.sum()), float(lags.numel()))
+            stats["rollout/lag_min"] = Min(float(lags.min()) if lags.numel() else math.inf)
+        values = all_ranks(stats, module.reduce_sum, module.reduce_max, module.device)
+        if record.producer_lead is not None:  # the DataModule's setting, the same on every rank
+            values["rollout/producer_lead"] = float(record.producer_lead)
+        return values
 
     def _log_turn_shares(self, module: L.LightningModule, stats: TurnStats, n: int) -> None:
         """TurnOPD §4 diagnostics, summed over ranks: ``turn/survivors_NN`` (episodes still running at

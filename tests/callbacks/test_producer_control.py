@@ -92,3 +92,43 @@ def test_fallback_state_survives_a_checkpoint():
     other = StalenessMonitor(initial_lag_bound=4, patience=2, fallback_freshness=0.2)
     other.load_state_dict(state)
     assert other.sync_fallback.state_dict() == {"active": True, "streak": 1} and other.lag_bound == 1
+
+
+def test_steps_run_in_the_fallback_are_counted_and_the_count_survives_a_checkpoint():
+    """MEANS: the fallback is on after steps 2 and 3 (fallback == [0, 0, 1, 1, 0, 0, 0]), so the steps that RAN in it
+    (it was on when they began) are 3 and 4: sync_fallback_step [0, 0, 0, 1, 1, 0, 0], cumulative
+    [0, 0, 0, 1, 2, 2, 2]."""
+    monitor = StalenessMonitor(initial_lag_bound=4, patience=2, low_freshness=0.5, high_freshness=0.8,
+                               fallback_freshness=0.2)
+    dm, module = FakeDataModule("async"), FakeModule()
+    trainer = SimpleNamespace(datamodule=dm, log_dir=None, global_step=0, global_rank=0, world_size=1)
+    monitor.setup(trainer, module, "fit")
+    monitor.on_train_start(trainer, module)
+    ran, count = [], []
+    for f in MEANS:
+        report = FreshnessReport(stats={"freshness_mean": f})
+        monitor.on_train_batch_end(trainer, module, {"freshness": report}, None, 0)
+        ran.append(module.logged["staleness/sync_fallback_step"])
+        count.append(module.logged["staleness/sync_fallback_steps"])
+    assert ran == [0, 0, 0, 1, 1, 0, 0] and count == [0, 0, 0, 1, 2, 2, 2]
+    other = StalenessMonitor(initial_lag_bound=4, patience=2, fallback_freshness=0.2)
+    other.load_state_dict(monitor.state_dict())
+    assert other.sync_fallback_steps == 2
+
+
+def test_no_fallback_no_count():
+    """A synchronous run logs no fallback keys; an async one whose fallback is off logs a count that stays 0."""
+    monitor, _, _, _, _ = _run("sync", MEANS)
+    assert monitor.sync_fallback_steps == 0
+    assert not any(k.startswith("staleness/sync_fallback") for k in monitor_logged(monitor, "sync"))
+    monitor, _, _, _, _ = _run("async", MEANS, fallback_freshness=None)
+    assert monitor.sync_fallback_steps == 0 and monitor_logged(monitor, "async")["staleness/sync_fallback_steps"] == 0
+
+
+def monitor_logged(monitor, dm_mode: str) -> dict[str, float]:
+    """What ``monitor`` logs for one more step (freshness 0.9) in a run of ``dm_mode``."""
+    module = FakeModule()
+    trainer = SimpleNamespace(datamodule=FakeDataModule(dm_mode), log_dir=None, global_step=0, global_rank=0,
+                              world_size=1)
+    monitor.on_train_batch_end(trainer, module, {"freshness": FreshnessReport(stats={"freshness_mean": 0.9})}, None, 0)
+    return module.logged
