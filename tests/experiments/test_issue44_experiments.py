@@ -14,7 +14,8 @@ import yaml
 
 from lightning_opd.callbacks.annealing import AnnealingSchedule
 from lightning_opd.evaluation.curves import updates_per_batch
-from lightning_opd.experiments.runner import Runner, load_experiment
+from lightning_opd.experiments.runner import load_experiment
+from tests.experiments.arm_configs import resolved_arms
 from lightning_opd.losses import EpisodeReward
 from lightning_opd.rollout.batch import collate_trajectories
 from lightning_opd.rollout.generator import SamplingParams
@@ -81,18 +82,7 @@ def test_the_atod_reward_is_success_plus_half_the_progress():
 # ------------------------------------------------------------------------------- resolved configurations
 def resolved(name: str, tmp_path: Path) -> tuple:
     """Each arm's ``fit --print_config`` with the runner's overlay, for seed 0 (as the runner resolves it)."""
-    exp = load_experiment(EXPERIMENTS / f"{name}.yaml", results=tmp_path)
-    runner = Runner(exp, cwd=ROOT, echo=lambda *_: None)
-    configs = {}
-    for arm in exp.arms:
-        d = exp.run_dir(arm, 0)
-        d.mkdir(parents=True)
-        cmd = (exp.fit_command + [a for c in arm.configs for a in ("--config", c)]
-               + ["--config", str(runner._write_overlay(d, arm))] + arm.overrides
-               + ["--seed_everything=0", "--data.init_args.seed=0"])
-        configs[arm.name] = runner._resolved_config(d, cmd)
-        runner._check_steps(configs[arm.name], arm)
-    return exp, configs
+    return resolved_arms(EXPERIMENTS / f"{name}.yaml", tmp_path)
 
 
 def without_run_paths(config: dict) -> dict:

@@ -19,6 +19,7 @@ import yaml
 
 from lightning_opd.cpu_isa import cpu_name
 from lightning_opd.experiments.runner import Arm, Experiment, Runner, files_sha256, load_experiment
+from tests.experiments.arm_configs import resolved_arms
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_lopd.py"))]
@@ -455,16 +456,7 @@ def test_shipped_experiments_parse(path):
 def test_shipped_experiment_arms_build(path, tmp_path):
     """Each arm's fit configuration parses with the runner's overlay (``fit ... --print_config``) and passes the
     runner's checks; turnopd_quest3's arms differ only in their controllers (same loss, games, turns)."""
-    exp = load_experiment(path, results=tmp_path)
-    runner = Runner(exp, cwd=ROOT, echo=lambda *_: None)
-    configs = {}
-    for arm in exp.arms:
-        d = exp.run_dir(arm, exp.seeds[0])
-        d.mkdir(parents=True)
-        cmd = (exp.fit_command + [a for c in arm.configs for a in ("--config", c)]
-               + ["--config", str(runner._write_overlay(d, arm))] + arm.overrides + [f"--seed_everything={exp.seeds[0]}"])
-        configs[arm.name] = runner._resolved_config(d, cmd)
-        runner._check_steps(configs[arm.name], arm)
+    exp, configs = resolved_arms(path, tmp_path)
     if path.stem == "fopd_lag2":  # one loss and step size for every arm; lag 2 in all but sync; the recipe's tolerances
         for name, c in configs.items():
             init = c["model"]["init_args"]

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_opd.experiments.runner import Runner, load_experiment
+from lightning_opd.experiments.runner import load_experiment
+from tests.experiments.arm_configs import resolved_arms
 
 ROOT = Path(__file__).resolve().parents[2]
 PATH = ROOT / "benchmarks" / "experiments" / "turnopd_cold.yaml"
@@ -51,16 +52,7 @@ def test_the_arms_resolve_to_one_recipe_but_the_controllers(tmp_path):
     """Each arm's fit configuration with the runner's overlay: same student, loss, lr, games, turns, context and
     episodes; the Timer's duration (the blend's horizon) is 1200 s; the checkpoints are asked to mark 600 s and
     1200 s; only the controllers differ."""
-    exp = load_experiment(PATH, results=tmp_path)
-    runner = Runner(exp, cwd=ROOT, echo=lambda *_: None)
-    configs = {}
-    for arm in exp.arms:
-        d = exp.run_dir(arm, exp.seeds[0])
-        d.mkdir(parents=True)
-        cmd = (exp.fit_command + [a for c in arm.configs for a in ("--config", c)]
-               + ["--config", str(runner._write_overlay(d, arm))] + arm.overrides + [f"--seed_everything={exp.seeds[0]}"])
-        configs[arm.name] = runner._resolved_config(d, cmd)
-        runner._check_steps(configs[arm.name], arm)
+    exp, configs = resolved_arms(PATH, tmp_path)
 
     def callbacks(config):
         return {c["class_path"].rsplit(".", 1)[-1]: c["init_args"] for c in config["trainer"]["callbacks"]}
