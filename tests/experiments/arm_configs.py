@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from lightning_opd.experiments.runner import Experiment, Runner, load_experiment
@@ -28,3 +29,20 @@ def resolved_arms(path: Path, results: Path) -> tuple[Experiment, dict[str, dict
         configs[arm.name] = runner._resolved_config(d, cmd)
         runner._check_steps(configs[arm.name], arm)
     return exp, configs
+
+
+def without_controllers(config: dict) -> dict:
+    """A copy of a resolved fit config with what legitimately differs between an experiment's arms removed: every
+    trainer callback but the runner's ``Timer`` and ``StepCheckpoint`` (the arms' controllers), the run's own paths
+    (``default_root_dir``, ``logger``, the callbacks' ``dirpath`` and ``marks_file``, the model's ``export_dir``).
+    Two arms with equal results share one recipe."""
+    config = json.loads(json.dumps(config))
+    config["trainer"]["callbacks"] = [c for c in config["trainer"]["callbacks"]
+                                      if c["class_path"].rsplit(".", 1)[-1] in ("Timer", "StepCheckpoint")]
+    for key in ("default_root_dir", "logger"):
+        config["trainer"].pop(key)
+    for c in config["trainer"]["callbacks"]:
+        for key in ("dirpath", "marks_file"):
+            c["init_args"].pop(key, None)
+    config["model"]["init_args"].pop("export_dir")
+    return config

@@ -19,7 +19,7 @@ import yaml
 
 from lightning_opd.cpu_isa import cpu_name
 from lightning_opd.experiments.runner import Arm, Experiment, Runner, files_sha256, load_experiment
-from tests.experiments.arm_configs import resolved_arms
+from tests.experiments.arm_configs import resolved_arms, without_controllers
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_lopd.py"))]
@@ -470,16 +470,6 @@ def test_shipped_experiment_arms_build(path, tmp_path):
                 assert (m["tau_rho"], m["tau_chi"], m["score"]) == (0.2036, 0.176, "age_only" if "age" in name else "full")
         assert configs["lag2_vanilla"]["model"]["init_args"]["loss"]["init_args"]["signal"] == "behaviour"
     if path.stem == "turnopd_quest3":
-        def without_controllers(config):
-            config = json.loads(json.dumps(config))
-            config["trainer"]["callbacks"] = [c for c in config["trainer"]["callbacks"]
-                                              if c["class_path"].rsplit(".", 1)[-1] in ("Timer", "StepCheckpoint")]
-            for key in ("default_root_dir", "logger"):
-                config["trainer"].pop(key)
-            for c in config["trainer"]["callbacks"]:
-                c["init_args"].pop("dirpath", None)
-            config["model"]["init_args"].pop("export_dir")
-            return config
         stripped = {name: without_controllers(c) for name, c in configs.items()}
         assert all(c == stripped["vanilla"] for c in stripped.values())
         assert configs["vanilla"]["model"]["init_args"]["loss"]["class_path"] == \

@@ -4,14 +4,13 @@ horizon is the experiment's 1200 s budget."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import yaml
 
 from lightning_opd.experiments.runner import load_experiment
-from tests.experiments.arm_configs import resolved_arms
+from tests.experiments.arm_configs import resolved_arms, without_controllers
 
 ROOT = Path(__file__).resolve().parents[2]
 PATH = ROOT / "benchmarks" / "experiments" / "turnopd_cold.yaml"
@@ -57,19 +56,8 @@ def test_the_arms_resolve_to_one_recipe_but_the_controllers(tmp_path):
     def callbacks(config):
         return {c["class_path"].rsplit(".", 1)[-1]: c["init_args"] for c in config["trainer"]["callbacks"]}
 
-    def recipe(config):
-        config = json.loads(json.dumps(config))
-        config["trainer"]["callbacks"] = [c for c in config["trainer"]["callbacks"]
-                                          if c["class_path"].rsplit(".", 1)[-1] in ("Timer", "StepCheckpoint")]
-        for key in ("default_root_dir", "logger"):
-            config["trainer"].pop(key)
-        for c in config["trainer"]["callbacks"]:
-            for key in ("dirpath", "marks_file"):
-                c["init_args"].pop(key, None)
-        config["model"]["init_args"].pop("export_dir")
-        return config
 
-    assert all(recipe(c) == recipe(configs["vanilla"]) for c in configs.values())
+    assert all(without_controllers(c) == without_controllers(configs["vanilla"]) for c in configs.values())
     init, data = configs["vanilla"]["model"]["init_args"], configs["vanilla"]["data"]["init_args"]
     assert init["student"] == "artifacts/models/smollm2-135m" and init["teacher"] == "artifacts/models/teacher-textworld"
     assert init["loss"] == {"class_path": "lightning_opd.losses.TeacherTopKRenormalizedReverseKL",
