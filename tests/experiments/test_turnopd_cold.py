@@ -56,7 +56,6 @@ def test_the_arms_resolve_to_one_recipe_but_the_controllers(tmp_path):
     def callbacks(config):
         return {c["class_path"].rsplit(".", 1)[-1]: c["init_args"] for c in config["trainer"]["callbacks"]}
 
-
     assert all(without_controllers(c) == without_controllers(configs["vanilla"]) for c in configs.values())
     init, data = configs["vanilla"]["model"]["init_args"], configs["vanilla"]["data"]["init_args"]
     assert init["student"] == "artifacts/models/smollm2-135m" and init["teacher"] == "artifacts/models/teacher-textworld"
