@@ -1,11 +1,11 @@
 """HTTP to one ``vllm serve`` endpoint: bounded timeouts, retries with backoff, a heartbeat, errors naming the URL.
 
-Every request has a timeout (``timeout_s``); a transient failure (connection refused or reset, a timeout, HTTP
-5xx / 429) is retried ``retries`` times with exponential backoff (``backoff_s * 2**i``) and counted
-(:attr:`ServerClient.retry_count`, logged by the callers); what still fails raises :class:`ServerError` naming
-the URL, the route and what failed, so a dead or stuck server ends the run within
-``timeout_s * (retries + 1) + sum(backoffs)`` seconds instead of hanging it. A 4xx answer (a malformed request,
-e.g. a top-k above the server's ``--max-logprobs``) is not retried. :class:`Heartbeat` polls ``/health`` in a
+Every request has a timeout (``timeout_s``); a transient failure (connection refused or reset, a timeout, an
+answer that broke off mid-body, HTTP 5xx / 429) is retried ``retries`` times with exponential backoff
+(``backoff_s * 2**i``) and counted (:attr:`ServerClient.retry_count`, logged by the callers); what still fails
+raises :class:`ServerError` naming the URL, the route and what failed, so a dead or stuck server ends the run
+within ``timeout_s * (retries + 1) + sum(backoffs)`` seconds instead of hanging it. A 4xx answer (a malformed
+request, e.g. a top-k above the server's ``--max-logprobs``) is not retried. :class:`Heartbeat` polls ``/health`` in a
 thread for long runs and reports the first failure to the next request.
 """
 
@@ -105,6 +105,9 @@ class ServerClient:
                 continue
             except requests.ConnectionError as e:
                 last = f"{method} {route}: cannot connect ({type(e).__name__}: {e}); is the server running?"
+                continue
+            except requests.RequestException as e:  # e.g. ChunkedEncodingError: the server died mid-answer
+                last = f"{method} {route}: the answer broke off ({type(e).__name__}: {e}); did the server die?"
                 continue
             if r.status_code in TRANSIENT_STATUS:
                 last = f"{method} {route} answered HTTP {r.status_code}: {r.text[:500]}"

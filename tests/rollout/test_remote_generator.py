@@ -320,7 +320,7 @@ def test_several_servers_and_a_killed_one(server, served_model_dirs, tokenizer, 
             try:
                 gen.generate(requests_for(ps * 4), SamplingParams(max_new_tokens=900, temperature=0.0))
                 result["error"] = None
-            except ServerError as err:
+            except Exception as err:  # kept whatever its type, so a wrong type shows in the assertion below
                 result["error"] = err
 
         thread = threading.Thread(target=play)
