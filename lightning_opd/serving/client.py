@@ -132,8 +132,16 @@ class ServerClient:
         return self.request("GET", route, None, timeout_s)
 
     def metrics(self) -> dict[str, float]:
-        """The server's Prometheus ``/metrics``, summed over label sets: ``{metric name: value}``."""
-        r = self.session.get(self.url + "/metrics", timeout=self.timeout_s)
+        """The server's Prometheus ``/metrics``, summed over label sets: ``{metric name: value}``.
+
+        Raises:
+            ServerError: naming the URL, when ``/metrics`` cannot be read (no retries: a monitoring read).
+        """
+        try:
+            r = self.session.get(self.url + "/metrics", timeout=self.timeout_s)
+            r.raise_for_status()
+        except requests.RequestException as e:
+            raise ServerError(self.url, f"GET /metrics failed ({type(e).__name__}: {e})") from e
         out: dict[str, float] = {}
         for line in r.text.splitlines():
             if not line or line.startswith("#"):

@@ -67,3 +67,14 @@ def test_one_truncated_answer_is_retried_and_the_next_one_used(breaks_off):
     client = ServerClient(breaks_off, timeout_s=5, retries=1, backoff_s=0.01)
     assert client.post("/v1/completions", {"prompt": [1]}) == {"ok": True}
     assert (client.retry_count, client.request_count, _BreaksOff.seen) == (1, 1, 2)
+
+
+def test_metrics_of_a_server_that_is_down_is_a_server_error_naming_the_url():
+    """Nothing listens on the port: metrics() raises ServerError naming the URL and /metrics, not requests' error."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ServerError, match=url.replace(".", r"\.") + r": GET /metrics failed \(ConnectionError"):
+        ServerClient(url, timeout_s=2).metrics()
