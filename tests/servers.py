@@ -4,12 +4,17 @@
 port), started the first time a module asks for it and stopped when that module ends (``tests/conftest.py``'s
 ``_stop_vllm_servers``: kept for the session, they added up past the CI machine's 24 GB). A test that kills its
 server (fault cases) starts its own instead. Every server runs with ``OMP_NUM_THREADS=1`` and a 256 MiB KV cache,
-so two of them and the learner fit on the 2-core CI machine.
+so two of them and the learner fit on the 2-core CI machine. :func:`http_server` runs a plain
+``http.server`` handler instead, for answers a real server gives only by accident (truncated, malformed, slow).
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
+import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -36,3 +41,16 @@ def stop_all() -> None:
     for server in _SERVERS.values():
         server.stop()
     _SERVERS.clear()
+
+
+@contextlib.contextmanager
+def http_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A ``ThreadingHTTPServer`` with ``handler`` on 127.0.0.1 (a free port) in a daemon thread; yields its base URL
+    (``http://127.0.0.1:PORT``) and shuts it down on exit."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

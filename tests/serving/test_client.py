@@ -2,11 +2,12 @@
 
 import http.server
 import json
-import threading
 
 import pytest
 
+from lightning_opd.serving import free_port
 from lightning_opd.serving.client import ServerClient, ServerError
+from tests.servers import http_server
 
 
 class _BreaksOff(http.server.BaseHTTPRequestHandler):
@@ -40,12 +41,9 @@ class _BreaksOff(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def breaks_off():
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BreaksOff)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
     _BreaksOff.seen = 0
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with http_server(_BreaksOff) as url:
+        yield url
     _BreaksOff.broken = 0
 
 
@@ -71,10 +69,6 @@ def test_one_truncated_answer_is_retried_and_the_next_one_used(breaks_off):
 
 def test_metrics_of_a_server_that_is_down_is_a_server_error_naming_the_url():
     """Nothing listens on the port: metrics() raises ServerError naming the URL and /metrics, not requests' error."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerError, match=url.replace(".", r"\.") + r": GET /metrics failed \(ConnectionError"):
         ServerClient(url, timeout_s=2).metrics()

