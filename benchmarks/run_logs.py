@@ -8,9 +8,14 @@ refutes)::
 
     python -m benchmarks.run_logs validity benchmarks/results/fopd_async --arms async_plain async_fopd
 
-A step is "at lag >= 1" when every episode it trained on was played by a policy at least one version older than the
-learner: ``rollout/lag_min >= 1`` (policy versions). Runs logged before ``rollout/lag_min`` existed fall back to the
-step's largest lag (``rollout/lag_max``, before that ``rollout/lag``), said in the output. Fallback steps: the last
+A step is "at lag >= 1" when its update was applied and every episode it trained on was played by a policy at least
+one version older than the learner: ``rollout/lag_min >= 1`` (policy versions). Runs logged before ``rollout/lag_min``
+existed fall back to the step's largest lag (``rollout/lag_max``, before that ``rollout/lag``), said in the output.
+A step whose update was skipped (non-finite loss or gradient, every sample dropped by the lag bound or the freshness
+filter, an empty step) trained on nothing and is not a step at lag >= 1 (issue 58, ../shared/docs/algorithms.md §7.2: a
+version is an applied update): ``train/applied_updates`` (optimizer updates applied in the step, 0 when skipped)
+tells it where logged; older runs fall back to the cumulative counters ``staleness/skipped_steps`` and
+``train/nonfinite_steps_skipped`` (the step skipped when either rose at it). Fallback steps: the last
 ``staleness/sync_fallback_steps`` (a run without the staleness monitor has no fallback: 0).
 
 ``iterations``: one row per rollout iteration of a run (TensorBoard step + 1), e.g. ATOD's T-DUR mean weight
@@ -30,6 +35,10 @@ from typing import Sequence
 #: the step's lag tags, the preferred first: the smallest lag of the step's episodes, then (older runs) the largest
 LAG_TAGS = ("rollout/lag_min", "rollout/lag_max", "rollout/lag")
 #: ``iterations``' default columns
+#: optimizer updates applied in the step (0: its update was skipped); logged per step by the learner from issue 58 on
+APPLIED_TAG = "train/applied_updates"
+#: cumulative counts of skipped updates, read when a step has no :data:`APPLIED_TAG`: the step skipped when one rose
+SKIP_COUNTERS = ("staleness/skipped_steps", "train/nonfinite_steps_skipped")
 ITERATION_TAGS = ("tdur/mean_weight", "schedule/kappa", "schedule/rho", "grpo/equal_reward_share", "grpo/reward_mean",
                   "rollout/success", "train/kl", "train/lr")
 
@@ -42,7 +51,10 @@ class RunValidity:
         run: the run directory.
         steps: training steps logged (rollout iterations = optimizer steps here).
         lag_tag: the tag the per-step lag was read from (:data:`LAG_TAGS`).
-        at_lag: steps whose lag (``lag_tag``) is >= 1 (policy versions).
+        at_lag: steps with an applied update whose lag (``lag_tag``) is >= 1 (policy versions).
+        skipped: steps whose update was skipped (:func:`skipped_steps`).
+        skip_source: where ``skipped`` was read from: :data:`APPLIED_TAG`, the counters (:data:`SKIP_COUNTERS`),
+            both (older steps from the counters), or ``"none logged"`` (every step counted as applied).
         no_lag: steps without a lag (no episode had a reply: NaN).
         mean_lag: mean over steps of ``rollout/lag_mean`` (policy versions), ``None`` when not logged.
         fallback_steps: steps run in the synchronous fallback (``staleness/sync_fallback_steps``); ``None``: the run
@@ -61,6 +73,8 @@ class RunValidity:
     mean_lead: float | None
     generated: int
     used: int
+    skipped: int = 0
+    skip_source: str = "none logged"
 
     @property
     def share_at_lag(self) -> float:
@@ -77,6 +91,37 @@ def _mean(series, tag: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _rises(series, tag: str) -> set[int]:
+    """Steps at which the cumulative counter ``tag`` rose above its previous value (0 before the first)."""
+    steps, values = series.get(tag, ((), ()))
+    rose, last = set(), 0.0
+    for step, v in zip(steps, values):
+        if v > last:
+            rose.add(step)
+        last = v
+    return rose
+
+
+def skipped_steps(series, steps: Sequence[int]) -> tuple[set[int], str]:
+    """Which of ``steps`` (TensorBoard steps) made no optimizer update, and what said so.
+
+    A step with a :data:`APPLIED_TAG` value is skipped when that value is 0 (updates applied in the step); a step
+    without one is skipped when a counter of :data:`SKIP_COUNTERS` (cumulative skipped updates) rose at it.
+
+    Returns:
+        ``(skipped steps, source)``; source :data:`APPLIED_TAG`, ``"counters"``, ``"<APPLIED_TAG> and counters"``
+        or ``"none logged"``.
+    """
+    applied = dict(zip(*series.get(APPLIED_TAG, ((), ()))))
+    rose = set().union(*(_rises(series, t) for t in SKIP_COUNTERS))
+    skipped = {s for s in steps if (applied[s] <= 0 if s in applied else s in rose)}
+    by_tag = any(s in applied for s in steps)
+    by_counters = any(s not in applied for s in steps) and any(t in series for t in SKIP_COUNTERS)
+    source = ({(True, False): APPLIED_TAG, (False, True): "counters", (True, True): f"{APPLIED_TAG} and counters"}
+              .get((by_tag, by_counters), "none logged"))
+    return skipped, source
+
+
 def run_validity(run_dir: str | Path) -> RunValidity:
     """:class:`RunValidity` of one run from its TensorBoard event files (anywhere under ``run_dir``).
 
@@ -91,25 +136,28 @@ def run_validity(run_dir: str | Path) -> RunValidity:
     if tag is None or "rollouts/generated_total" not in series:
         raise KeyError(f"{run_dir}: no per-step lag ({', '.join(LAG_TAGS)}) or no rollouts/generated_total in its "
                        "TensorBoard logs; is it an OPD training run?")
-    lags = series[tag][1]
+    steps, lags = series[tag]
+    skipped, source = skipped_steps(series, steps)
     fallback = _last(series, "staleness/sync_fallback_steps")
     return RunValidity(run=str(run_dir), steps=len(lags), lag_tag=tag,
-                       at_lag=sum(1 for v in lags if not math.isnan(v) and v >= 1),
+                       at_lag=sum(1 for s, v in zip(steps, lags) if not math.isnan(v) and v >= 1 and s not in skipped),
                        no_lag=sum(1 for v in lags if math.isnan(v)), mean_lag=_mean(series, "rollout/lag_mean"),
                        fallback_steps=None if fallback is None else int(fallback),
                        mean_lead=_mean(series, "rollout/producer_lead"),
                        generated=int(_last(series, "rollouts/generated_total")),
-                       used=int(_last(series, "rollouts/used_total") or 0))
+                       used=int(_last(series, "rollouts/used_total") or 0), skipped=len(skipped), skip_source=source)
 
 
 def verdict(runs: Sequence[RunValidity]) -> str:
-    """The validity line over ``runs`` (one arm's seeds): valid when at least half of all their steps were trained at
-    lag >= 1, with the steps run in the synchronous fallback named either way."""
+    """The validity line over ``runs`` (one arm's seeds): valid when at least half of all their steps applied an update
+    trained at lag >= 1, with the skipped steps (no update) and the steps run in the synchronous fallback named."""
     steps = sum(r.steps for r in runs)
     at_lag = sum(r.at_lag for r in runs)
+    skipped = sum(r.skipped for r in runs)
     fallback = sum(r.fallback_steps or 0 for r in runs)
     share = at_lag / steps if steps else 0.0
-    head = (f"{at_lag} of {steps} steps ({share:.0%}) at lag >= 1, {fallback} of {steps} in the synchronous fallback")
+    head = (f"{at_lag} of {steps} steps ({share:.0%}) at lag >= 1 with an update applied, {skipped} of {steps} "
+            f"skipped (no update), {fallback} of {steps} in the synchronous fallback")
     if steps and 2 * at_lag >= steps:
         return f"valid: {head} (at least half at lag >= 1)"
     return f"NOT valid: {head}: it ran mostly at lag 0, so parity with sync says nothing about async"
@@ -119,8 +167,9 @@ def _row(name: str, r: RunValidity) -> str:
     opt = (lambda x, d=2: "-" if x is None else f"{x:.{d}f}")
     fallback = "- (not logged)" if r.fallback_steps is None else str(r.fallback_steps)
     note = "" if r.lag_tag == LAG_TAGS[0] else f" (lag from {r.lag_tag}: the step's largest)"
-    return (f"| {name} | {r.steps} | {r.at_lag} ({r.share_at_lag:.0%}){note} | {opt(r.mean_lag)} | {fallback} | "
-            f"{opt(r.mean_lead)} | {r.generated} / {r.used} |")
+    skipped = f"{r.skipped}" + ("" if r.skip_source == APPLIED_TAG else f" ({r.skip_source})")
+    return (f"| {name} | {r.steps} | {skipped} | {r.at_lag} ({r.share_at_lag:.0%}){note} | {opt(r.mean_lag)} | "
+            f"{fallback} | {opt(r.mean_lead)} | {r.generated} / {r.used} |")
 
 
 def validity_report(root: str | Path, arms: Sequence[str], seeds: Sequence[int] | None = None) -> str:
@@ -130,8 +179,9 @@ def validity_report(root: str | Path, arms: Sequence[str], seeds: Sequence[int] 
     Raises:
         FileNotFoundError: an arm has no run with TensorBoard logs.
     """
-    lines = ["| run | steps | steps at lag >= 1 | mean lag (versions) | fallback steps | mean producer lead "
-             "(versions) | rollouts generated / used |", "|---|---|---|---|---|---|---|"]
+    lines = ["| run | steps | steps skipped (no update) | steps at lag >= 1, update applied | mean lag (versions) | "
+             "fallback steps | mean producer lead (versions) | rollouts generated / used |",
+             "|---|---|---|---|---|---|---|---|"]
     verdicts = []
     for arm in arms:
         folders = ([Path(root) / arm / f"seed{s}" for s in seeds] if seeds is not None
@@ -177,7 +227,8 @@ def main(argv: list[str] | None = None) -> str:
     prints and returns the markdown."""
     p = argparse.ArgumentParser(prog="benchmarks.run_logs", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("validity", help="steps at lag >= 1, fallback steps, rollouts generated/used per run and arm")
+    v = sub.add_parser("validity", help="steps at lag >= 1 with an update applied, skipped and fallback steps, "
+                                        "rollouts generated/used per run and arm")
     v.add_argument("root", help="an experiment's results folder, e.g. benchmarks/results/fopd_async")
     v.add_argument("--arms", nargs="+", required=True)
     v.add_argument("--seeds", nargs="+", type=int, default=None, help="default: every seed* folder")
