@@ -121,12 +121,12 @@ class Record(L.Callback):
             self.handle = None
         self.unchanged.append(_same(self.before, _local_state(pl_module, trainer)))
         self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
-        report, weighting = outputs.get("freshness"), pl_module.freshness
+        report, ratio = outputs.get("freshness"), pl_module.truncated_ratio
         if report is not None and report.diagnostics is not None:
             d = report.diagnostics
             self.samples.append({"lag": d.lag.tolist(), "delta": d.delta.tolist(), "rho": d.rho.tolist(),
                                  "chi": d.chi.tolist(), "score": report.score.tolist(),
-                                 "freshness": report.freshness.tolist(), "ratio": list(weighting._ratio)})
+                                 "freshness": report.freshness.tolist(), "ratio": list(ratio.sums[:3])})
 
 
 def _trainer(steps: int, callbacks) -> L.Trainer:
@@ -200,8 +200,8 @@ def test_f27_staleness_means_are_over_both_ranks_samples(ranks):
         assert _logged(ranks, "opd", step, "staleness/lag_max") == 0.0
         ratio = [sum(r["opd"]["samples"][step]["ratio"][i] for r in ranks) for i in range(3)]  # sum, clipped, tokens
         assert ratio[2] > 0 and [r["opd"]["samples"][step]["ratio"][2] for r in ranks] != [ratio[2] / 2] * 2
-        assert _logged(ranks, "opd", step, "staleness/ratio_mean") == pytest.approx(ratio[0] / ratio[2], rel=1e-6)
-        assert _logged(ranks, "opd", step, "staleness/ratio_clip_frac") == pytest.approx(ratio[1] / ratio[2], abs=1e-7)
+        assert _logged(ranks, "opd", step, "train/ratio_mean") == pytest.approx(ratio[0] / ratio[2], rel=1e-6)
+        assert _logged(ranks, "opd", step, "train/ratio_clip_frac") == pytest.approx(ratio[1] / ratio[2], abs=1e-7)
 
 
 def test_f27_atod_means_are_over_both_ranks_episodes_and_tokens(ranks):

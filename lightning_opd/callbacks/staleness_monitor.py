@@ -11,7 +11,10 @@ diagnostics on absolute scales (version lag δ, rollout drift ρ, supervision dr
 * M2 ``filtering``: drop samples with ``f_i < min_freshness`` or lag ``> Δ_max``; a group (GRPO) is
   dropped whole if any member fails, never in part (PROPOSED: "any member" rule);
 * M3 ``truncated_ratio``: per-token ``sg(min(π_old/π_b, C))`` multiplied into the loss (π_old: the learner before
-  the step's first update, §6.2; off with the analytic full-vocabulary loss unless measured to help, §1.5), and
+  the step's first update, §6.2). The learner applies it (``model.init_args.off_policy``, on by default for a
+  sampled-token loss at lag >= 1, off for the analytic and top-k losses, §7.1); ``freshness.truncated_ratio``
+  ``true``/``false`` replaces that setting (``OPDModule.configure_freshness`` hands it over; ``false`` with a sampled-token
+  loss is refused unless ``model.init_args.off_policy.allow_uncorrected=true``), ``null`` (default) leaves it; and
   ``adaptive_lag``: ``Δ_max ← max(Δ_min, Δ_max − 1)`` after ``patience`` consecutive steps with
   ``f̄ < low_freshness``, ``Δ_max ← min(Δ_cap, Δ_max + 1)`` when ``f̄ > high_freshness``, where f̄ is the
   token-weighted mean freshness of **all** the step's samples before filtering, all ranks (§1.5), and the floor
@@ -42,8 +45,8 @@ Logged (``staleness/``, per step): ``lag_mean``, ``lag_max`` (versions), ``delta
 (nats), ``score``, ``freshness_mean``, ``freshness_kept_mean``, ``freshness_min``, ``kept_tokens``,
 ``dropped_samples``, ``dropped_groups``, ``dropped_by_lag_bound``, ``dropped_by_freshness`` (samples, see
 :class:`~lightning_opd.losses.freshness.FreshnessReport`), ``lag_bound_dropped_tokens``, ``would_drop_samples``,
-``lag_bound`` (Δ_max, versions), ``skipped_steps`` and ``skipped_steps_by_lag_bound`` (cumulative), with M3
-``ratio_mean``, ``ratio_clip_frac``, and async with producer-side control (§1.5.1: Δ_max caps the producer's
+``lag_bound`` (Δ_max, versions), ``skipped_steps`` and ``skipped_steps_by_lag_bound`` (cumulative) (M3's
+statistics are the learner's ``train/ratio_mean``, ``train/ratio_clip_frac``), and async with producer-side control (§1.5.1: Δ_max caps the producer's
 lead; synchronous fallback) ``producer_lead`` (versions), ``sync_fallback`` (1 while generating
 synchronously from the next step on), ``sync_fallback_step`` (1 when this step ran in the fallback: the producer
 was held at lead 0 while the step waited for its batch) and ``sync_fallback_steps`` (cumulative count of such
@@ -75,21 +78,18 @@ _RANK_COUNTS = ("dropped_samples", "dropped_groups", "dropped_by_lag_bound", "dr
                 "would_drop_samples")
 
 
-def all_rank_stats(report: FreshnessReport, ratio_sums: tuple[float, float, float] | None, reduce_sum, reduce_max,
-                   device) -> dict[str, float]:
+def all_rank_stats(report: FreshnessReport, reduce_sum, reduce_max, device) -> dict[str, float]:
     """``report.stats`` with this rank's statistics replaced by their values over all ranks' samples and tokens
     (F27; collectives every rank reaches): the per-sample means (``lag_mean``, ``delta``, ``rho``, ``chi``,
-    ``score``) and M3's ``ratio_mean``, ``ratio_clip_frac`` as reduced sums over reduced counts (``ratio_*`` left
-    out when no rank had a supervised token), ``lag_max`` and ``freshness_min`` as the extremes, the sample and
+    ``score``) as reduced sums over reduced counts, ``lag_max`` and ``freshness_min`` as the extremes, the sample and
     group counts summed; the statistics that are already over all ranks (``freshness_mean``, ...) as reported.
     The samples are those with a lag (``lag >= 0``; a row without a reply has none).
 
     Args:
         report: this rank's report of the step (the same keys on every rank).
-        ratio_sums: :attr:`FreshnessWeighting.ratio_sums` with M3 on, else ``None``.
         reduce_sum, reduce_max, device: see :func:`~lightning_opd.metrics.rank_stats.all_ranks`.
     """
-    stats = {k: v for k, v in report.stats.items() if not k.startswith("ratio_")}
+    stats = dict(report.stats)
     ranked: dict[str, RankStat] = {}
     if report.diagnostics is not None and stats:
         has = report.diagnostics.lag >= 0
@@ -99,12 +99,7 @@ def all_rank_stats(report: FreshnessReport, ratio_sums: tuple[float, float, floa
         ranked["lag_max"] = Max(float(lags.max()) if lags.numel() else float("-inf"))
         ranked["freshness_min"] = Min(float(fresh.min()) if fresh.numel() else float("inf"))
         ranked.update({k: Sum(stats[k]) for k in _RANK_COUNTS if k in stats})
-    if ratio_sums is not None:
-        total, clipped, n = ratio_sums
-        ranked.update({"ratio_mean": Mean(total, n), "ratio_clip_frac": Mean(clipped, n)})
-    reduced = all_ranks(ranked, reduce_sum, reduce_max, device)
-    stats.update({k: v for k, v in reduced.items() if not k.startswith("ratio_")})
-    stats.update({k: v for k, v in reduced.items() if k.startswith("ratio_") and not math.isnan(v)})
+    stats.update(all_ranks(ranked, reduce_sum, reduce_max, device))
     return stats
 
 
@@ -116,7 +111,8 @@ class StalenessMonitor(Callback):
             ``init_args.freshness: {tau_rho: 0.15, ...}``), applied by the ``FreshnessWeighting`` this callback
             installs (:attr:`freshness`).
         initial_lag_bound: the lag bound Δ_max at the start (versions, in ``[1, freshness.lag_cap]``); default
-            ``min(lag_cap, max(4, DataModule.max_allowed_lag))``. Not the DataModule's ``producer_lead`` (how far
+            ``min(lag_cap, max(1, DataModule.max_allowed_lag))``: the configured producer lead async (with weights
+            pushed every version), so the producer-side control acts from the first step (docs/algorithms.md §7.2). Not the DataModule's ``producer_lead`` (how far
             the async producer runs ahead) nor its ``max_allowed_lag`` (the largest lag a batch can have).
         adaptive_lag: move Δ_max with the step's mean freshness f̄ (M3), never below :attr:`lag_bound_floor` (the
             DataModule's ``forced_lag``, or 1).
@@ -127,7 +123,7 @@ class StalenessMonitor(Callback):
         patience: consecutive steps (>= 1) of the adaptive rule and of the synchronous fallback.
         mode: ``"control"`` (the mechanisms as configured) or ``"measure"`` (every diagnostic logged and
             per-sample records written, nothing applied: ``freshness.weighting``, ``freshness.filtering``,
-            ``freshness.truncated_ratio`` and ``adaptive_lag`` are ignored).
+            ``freshness.truncated_ratio`` and ``adaptive_lag`` are ignored: the learner's own ratio setting stays).
         sample_records: write the per-sample JSON lines also in ``control`` mode (``None``: only in ``measure``).
         producer_control: async (``data.init_args.mode=async``): hand Δ_max to the producer's lag gate after
             every step (``RolloutDataModule.set_lag_bound``: lead ``min(producer_lead, max(0, Δ_max -
@@ -135,7 +131,9 @@ class StalenessMonitor(Callback):
         fallback_freshness: async with ``producer_control``: after ``patience`` consecutive steps with f̄ below
             it, generate synchronously (producer lag bound 0, Δ_max held at 1) until ``patience`` consecutive steps
             reach ``low_freshness`` (:class:`~lightning_opd.callbacks.lag_control.SyncFallback`, §1.5.1); ``None``:
-            never.
+            never. While it lasts, the batches already buffered are weighed by their freshness (M1/M2) like any
+            others: the lag bound Δ_max is held at ``max(Δ_max, DataModule.max_allowed_lag)`` so that no buffered
+            batch is dropped for its lag alone, and set to 1 when the fallback ends (docs/algorithms.md §7.2).
 
     Raises:
         ValueError: ``initial_lag_bound`` outside ``[1, freshness.lag_cap]``, ``patience < 1``, an unknown ``mode``
@@ -160,7 +158,7 @@ class StalenessMonitor(Callback):
                              "measure (log the diagnostics, change nothing)")
         measure = mode == "measure"
         if measure:
-            freshness = replace(freshness, weighting=False, filtering=False, truncated_ratio=False)
+            freshness = replace(freshness, weighting=False, filtering=False, truncated_ratio=None)
         #: the loss-side component this callback installs and steers; it holds the lag bound Δ_max (``lag_bound``)
         self.freshness = FreshnessWeighting(freshness, lag_bound=initial_lag_bound, measure=adaptive_lag or measure)
         self.initial_lag_bound, self.mode = initial_lag_bound, mode
@@ -174,6 +172,7 @@ class StalenessMonitor(Callback):
         self.skipped_steps_by_lag_bound = 0
         #: Δ_min, the adaptive bound's floor (versions): the DataModule's forced_lag when set (setup), else 1
         self.lag_bound_floor = 1
+        self.data_max_lag = 1  # set at setup: the DataModule's max_allowed_lag within [1, lag_cap]
         #: producer-side control (§1.5.1); acts only when setup finds an async DataModule with set_lag_bound
         self.producer_control = producer_control and not measure
         self.sync_fallback = (SyncFallback(fallback_freshness, low_freshness, patience)
@@ -204,9 +203,11 @@ class StalenessMonitor(Callback):
             raise TypeError(f"StalenessMonitor needs an OPDModule-like module with configure_freshness(), got "
                             f"{type(pl_module).__name__}")
         bound = self.lag_bound
-        if bound is None:
-            allowed = int(getattr(trainer.datamodule, "max_allowed_lag", 0)) if trainer.datamodule is not None else 0
-            bound = min(self.freshness.config.lag_cap, max(4, allowed))
+        allowed = int(getattr(trainer.datamodule, "max_allowed_lag", 0)) if trainer.datamodule is not None else 0
+        #: the largest lag a batch of the data configuration can have, within the lag cap (versions)
+        self.data_max_lag = min(self.freshness.config.lag_cap, max(1, allowed))
+        if bound is None:  # §7.2: the configured lead (async, pushes every version), not max(4, lead)
+            bound = self.data_max_lag
         self.lag_bound_floor = self.lag_bound_floor_for(int(getattr(trainer.datamodule, "forced_lag", 0) or 0))
         self.freshness.set_lag_bound(max(self.lag_bound_floor, int(bound)))
         pl_module.configure_freshness(self.freshness)
@@ -235,10 +236,12 @@ class StalenessMonitor(Callback):
         self.in_sync_fallback = was_synchronous
         self.sync_fallback_steps += int(was_synchronous)
         if fallback is not None and (fallback.update(freshness_mean) or was_synchronous):
-            # §1.5.1: entering, during and on leaving the fallback Δ_max is held at 1 (lag-0 batches say nothing
-            # about lag >= 1); the adaptive rule moves it again from the next step
             self.low_streak = 0
-            self.freshness.set_lag_bound(1)
+            if fallback.active:  # entering and during (§7.2): the producer waits (lead 0); the batches already
+                # buffered are weighed by their freshness (M1/M2), never dropped for their lag alone
+                self.freshness.set_lag_bound(max(int(self.lag_bound), self.data_max_lag))
+            else:  # leaving (§1.5.1): from 1, lag-0 batches say nothing about lag >= 1; the adaptive rule moves it next
+                self.freshness.set_lag_bound(1)
         else:
             self.update_bound(freshness_mean)
         self.hand_over_lag_bound(trainer)
@@ -334,12 +337,11 @@ class StalenessMonitor(Callback):
         ``report`` itself."""
         if trainer is None or int(getattr(trainer, "world_size", 1)) <= 1:
             return report
-        ratio = self.freshness.ratio_sums if self.freshness.config.truncated_ratio else None
-        return replace(report, stats=all_rank_stats(report, ratio, pl_module.reduce_sum, pl_module.reduce_max,
+        return replace(report, stats=all_rank_stats(report, pl_module.reduce_sum, pl_module.reduce_max,
                                                     pl_module.device))
 
     def _log(self, pl_module, report: FreshnessReport) -> None:
-        values = {k: v for k, v in report.stats.items() if not k.startswith("ratio_")}
+        values = dict(report.stats)
         values["lag_bound"] = float(self.lag_bound or 0)
         values["skipped_steps"] = float(self.skipped_steps)
         values["skipped_steps_by_lag_bound"] = float(self.skipped_steps_by_lag_bound)
@@ -348,7 +350,6 @@ class StalenessMonitor(Callback):
             values["sync_fallback"] = float(self.sync_fallback is not None and self.sync_fallback.active)
             values["sync_fallback_step"] = float(self.in_sync_fallback)
             values["sync_fallback_steps"] = float(self.sync_fallback_steps)
-        values.update({k: v for k, v in report.stats.items() if k.startswith("ratio_")})
         for key, value in values.items():
             pl_module.log(f"staleness/{key}", value, batch_size=1)
 

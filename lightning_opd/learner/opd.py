@@ -59,6 +59,7 @@ from lightning_opd.losses.chunked import chunked_sampled_logprobs
 from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss
 from lightning_opd.losses.grpo import ClippedSurrogate
 from lightning_opd.losses.freshness import NO_LAG, FreshnessWeighting
+from lightning_opd.losses.off_policy import OffPolicyConfig, TruncatedRatio, resolve_truncated_ratio
 from lightning_opd.losses.turn_blend import TurnBlendWeighting
 from lightning_opd.metrics.turn_stats import TurnStats, per_turn_sums
 from lightning_opd.models.fsdp import with_root_params
@@ -138,9 +139,17 @@ class OPDModule(PolicyModule):
         max_nonfinite_steps: an optimizer update whose loss or gradient is NaN/inf (on any rank) is skipped, weights
             and optimizer state unchanged, and counted (``train/nonfinite_steps_skipped``); this many in a row stop
             the run with :class:`~lightning_opd.learner.nonfinite.NonFiniteUpdateError` (optimizer updates, >= 1; F28).
+        off_policy: the off-policy correction of a sampled-token loss (:class:`~lightning_opd.losses.off_policy.
+            OffPolicyConfig`, YAML ``off_policy: {truncated_ratio: null, ratio_cap: 2.0, allow_uncorrected: false}``;
+            PROPOSED, docs/algorithms.md §7.1): by default the truncated ratio ``sg(min(π_old/π_b, C))`` multiplies
+            the per-token loss exactly when the loss is a sampled-token estimator and the data configuration can
+            produce a lag >= 1 (async, ``forced_lag``); decided at setup (:meth:`resolve_off_policy`).
 
     Raises:
         TokenizerMismatchError: at setup, when the teacher's tokenizer differs from the student's.
+        UncorrectedOffPolicyError: at setup, ``off_policy.truncated_ratio=false`` (or the staleness monitor's
+            ``freshness.truncated_ratio=false``) for a sampled-token loss on batches that can be stale, without
+            ``off_policy.allow_uncorrected=true`` (:func:`~lightning_opd.losses.off_policy.resolve_truncated_ratio`).
         UnsupportedArchitectureError: in ``configure_model``, a student or teacher whose log-probs the
             chunked head path cannot reproduce (F20, :mod:`lightning_opd.models.logits`).
         ValueError: a non-positive ``micro_batch_size``, ``micro_batch_tokens``, ``max_logged_turns`` or learning
@@ -157,7 +166,8 @@ class OPDModule(PolicyModule):
                  teacher_dtype: str | None = None, max_logged_turns: int = 16, log_text_every_n_steps: int = 10,
                  strict_on_policy: bool = True, trust_remote_code: bool = False, export_dir: str | None = None,
                  gradient_checkpointing: bool = False, fsdp_mixed_precision: str | None = None,
-                 micro_batch_tokens: int | None = None, aggregation: str = "token", max_nonfinite_steps: int = 3) -> None:
+                 micro_batch_tokens: int | None = None, aggregation: str = "token", max_nonfinite_steps: int = 3,
+                 off_policy: OffPolicyConfig | None = None) -> None:
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"model.init_args.aggregation={aggregation!r}: use one of {AGGREGATIONS} (token: the "
                              "mean over the step's supervised tokens, docs/algorithms.md §0.5; sequence: the mean "
@@ -180,6 +190,14 @@ class OPDModule(PolicyModule):
         #: loss-side token weightings, applied in this order (:mod:`lightning_opd.losses.weighting`)
         self.freshness: FreshnessWeighting | None = None
         self.turn_blend: TurnBlendWeighting | None = None
+        #: the off-policy correction as configured, and a controller's override (``configure_truncated_ratio``)
+        self.off_policy = off_policy if off_policy is not None else OffPolicyConfig()
+        self._ratio_override: tuple[bool, float, str] | None = None
+        #: the truncated ratio applied to every micro-batch's tokens (``None``: off); decided at setup
+        self.truncated_ratio: TruncatedRatio | None = None
+        #: policy versions published by a step whose every update was skipped (the same weights as the version
+        #: before): not counted in lags (:meth:`applied_lag`, §7.2); saved in checkpoints
+        self.skipped_versions: list[int] = []
         #: episodes generated for / used by (reached the loss) the steps so far, all ranks (log_rollout_counts)
         self.rollout_totals = {"generated": 0, "used": 0}
         #: an async DataModule (``data.init_args.mode=async``), whose ``producer_lead`` each step logs
@@ -267,6 +285,43 @@ class OPDModule(PolicyModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         self.check_behaviour_signal()
+        self.resolve_off_policy()
+
+    def configure_truncated_ratio(self, truncated_ratio: bool | None, ratio_cap: float = 2.0,
+                                  key: str = "StalenessMonitor init_args.freshness.truncated_ratio") -> None:
+        """A controller's setting of the truncated ratio (the ``StalenessMonitor``'s ``freshness.truncated_ratio``,
+        handed over by :meth:`configure_freshness`): ``None`` leaves ``model.init_args.off_policy`` in force; ``True``/``False`` replace its
+        ``truncated_ratio`` (and ``ratio_cap``), still checked by :meth:`resolve_off_policy` (``key`` names it)."""
+        self._ratio_override = None if truncated_ratio is None else (bool(truncated_ratio), float(ratio_cap), key)
+        self.resolve_off_policy()  # now (a module used without a trainer), and again at setup with the data's lag
+
+    def resolve_off_policy(self) -> None:
+        """Decide the truncated ratio for this fit (PROPOSED, docs/algorithms.md §7.1): from the override of
+        :meth:`configure_truncated_ratio` or ``model.init_args.off_policy``, the loss and the largest lag the data
+        configuration can produce (:attr:`max_allowed_lag`). Sets :attr:`truncated_ratio`; warns when the explicit
+        opt-out leaves a sampled-token loss uncorrected.
+
+        Raises:
+            UncorrectedOffPolicyError: the ratio turned off for a sampled-token loss at lag >= 1 without
+                ``model.init_args.off_policy.allow_uncorrected=true`` (naming the key that turned it off).
+        """
+        cfg = self.off_policy
+        requested, cap, key = cfg.truncated_ratio, cfg.ratio_cap, "model.init_args.off_policy.truncated_ratio"
+        if self._ratio_override is not None:
+            requested, cap, key = self._ratio_override
+        on = resolve_truncated_ratio(self.loss_fn, self.max_allowed_lag, requested, cfg.allow_uncorrected, key)
+        self.truncated_ratio = TruncatedRatio(cap) if on else None
+        if self.uncorrected_off_policy:
+            warnings.warn(f"{type(self.loss_fn).__name__} trains on batches up to {self.max_allowed_lag} versions old "
+                          "WITHOUT the importance ratio (model.init_args.off_policy.allow_uncorrected=true): the "
+                          "sampled-token estimate is biased on stale tokens (docs/algorithms.md §7.1); logged as "
+                          "train/uncorrected_off_policy", stacklevel=2)
+
+    @property
+    def uncorrected_off_policy(self) -> bool:
+        """A sampled-token loss trains on possibly stale tokens without the ratio (the explicit opt-out)."""
+        return (self.truncated_ratio is None and getattr(self.loss_fn, "sampled_token_estimator", False)
+                and self.max_allowed_lag >= 1)
 
     def check_behaviour_signal(self) -> None:
         """Refuse the stale (behaviour) signal where it has no meaning: a connected DataModule whose every batch
@@ -317,6 +372,7 @@ class OPDModule(PolicyModule):
         teacher's state where it has one (``teacher_state``: e.g. a privileged teacher's EMA weights)."""
         super().on_save_checkpoint(checkpoint)
         checkpoint["rollout_totals"] = dict(self.rollout_totals)
+        checkpoint["skipped_versions"] = list(self.skipped_versions)
         teacher_state = self.teacher_scorer.state_dict()
         if teacher_state:
             checkpoint["teacher_state"] = teacher_state
@@ -325,6 +381,7 @@ class OPDModule(PolicyModule):
         super().on_load_checkpoint(checkpoint)
         totals = checkpoint.get("rollout_totals", {})
         self.rollout_totals = {k: int(totals.get(k, 0)) for k in ("generated", "used")}
+        self.skipped_versions = [int(v) for v in checkpoint.get("skipped_versions", [])]
         if "teacher_state" in checkpoint:
             self.teacher_scorer.load_state_dict(checkpoint["teacher_state"])
 
@@ -448,7 +505,8 @@ class OPDModule(PolicyModule):
     # -------------------------------------------------------------------------------------- weighting
     def configure_freshness(self, weighting: FreshnessWeighting | None) -> None:
         """Install (``None``: remove) f-OPD's freshness weighting, applied first (docs/algorithms.md §1.4; the
-        ``StalenessMonitor`` callback calls this at setup).
+        ``StalenessMonitor`` callback calls this at setup). Its ``config.truncated_ratio`` (M3), when not ``None``,
+        replaces the learner's ratio setting (:meth:`configure_truncated_ratio`).
 
         Raises:
             TypeError: ``weighting`` is not a :class:`~lightning_opd.losses.freshness.FreshnessWeighting`.
@@ -456,6 +514,9 @@ class OPDModule(PolicyModule):
         if weighting is not None and not isinstance(weighting, FreshnessWeighting):
             raise TypeError(f"configure_freshness: expected a FreshnessWeighting, got {type(weighting).__name__}")
         self.freshness = weighting
+        config = weighting.config if weighting is not None else None  # M3 set there: applied here (§7.1)
+        self.configure_truncated_ratio(config.truncated_ratio if config is not None else None,
+                                       config.ratio_cap if config is not None else 2.0)
 
     def configure_turn_blend(self, weighting: TurnBlendWeighting | None) -> None:
         """Install (``None``: remove) TurnOPD's turn-blend weighting, applied after freshness (§2.4; the
@@ -552,17 +613,30 @@ class OPDModule(PolicyModule):
         return int(self._async_data.producer_lead) if self._async_data is not None else None
 
     def sample_lags(self, batch: RolloutBatch) -> torch.Tensor:
-        """``(B,)`` long: ``policy_version`` − behaviour version of each row (versions, >= 0), ``NO_LAG`` (-1) for a
-        row without a reply (behaviour version -1: the context was full before the first turn, F17)."""
+        """``(B,)`` long: the lag of each row in applied updates (:meth:`applied_lag` of its behaviour version, >= 0),
+        ``NO_LAG`` (-1) for a row without a reply (behaviour version -1: the context was full before the first turn,
+        F17)."""
         version = batch.behaviour_version
-        return torch.where(version >= 0, (self.policy_version - version).clamp(min=0), torch.full_like(version, NO_LAG))
+        return torch.where(version >= 0, self.applied_lag(version), torch.full_like(version, NO_LAG))
+
+    def applied_lag(self, behaviour_version: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` long: optimizer updates applied between the weights of ``behaviour_version`` ``(B,)`` and the
+        learner's (PROPOSED, docs/algorithms.md §7.2: a version is an applied update): ``policy_version − b`` minus
+        the steps in ``(b, policy_version]`` whose every update was skipped (:attr:`skipped_versions`: non-finite,
+        all samples filtered), which published the same weights again. Clamped at 0."""
+        lag = (self.policy_version - behaviour_version).clamp(min=0)
+        if not self.skipped_versions:
+            return lag
+        skipped = torch.tensor(self.skipped_versions, dtype=behaviour_version.dtype, device=behaviour_version.device)
+        repeats = ((skipped[None, :] > behaviour_version[:, None]) & (skipped[None, :] <= self.policy_version)).sum(1)
+        return (lag - repeats).clamp(min=0)
 
     def token_weights(self, batch: RolloutBatch, token_loss: TokenLoss) -> torch.Tensor | None:
-        """``(b, T-1)`` weights of one micro-batch: its per-sample weights times the freshness weighting's
-        (M3) and then the turn blend's per-token weights (the fixed order of
-        :mod:`lightning_opd.losses.weighting`); ``None`` when all are 1.
+        """``(b, T-1)`` weights of one micro-batch: its per-sample weights (the freshness weighting's M1) times the
+        truncated importance ratio (:attr:`truncated_ratio`, §7.1 / M3) and then the turn blend's per-token weights
+        (the fixed order of :mod:`lightning_opd.losses.weighting`); ``None`` when all are 1.
 
-        M3's ratio is ``sg(min(π_old/π_b, C))`` (docs/algorithms.md §6.2): π_old from ``batch.old_logprobs`` (the
+        The ratio is ``sg(min(π_old/π_b, C))`` (docs/algorithms.md §6.2): π_old from ``batch.old_logprobs`` (the
         learner's log-probs before the step's first update, set by ``ATODModule`` when it makes several updates
         per batch), else from ``token_loss`` (one update per batch: the current forward is π_old), so the
         surrogate's ratio π_θ/π_old is never counted twice."""
@@ -571,9 +645,10 @@ class OPDModule(PolicyModule):
             weights = batch.sample_weight[:, None].expand(-1, batch.input_ids.shape[1] - 1)
         mask = batch.loss_mask[:, 1:]
         parts = []
-        if self.freshness is not None:
+        if self.truncated_ratio is not None:
             old = batch.old_logprobs[:, 1:] if batch.old_logprobs is not None else token_loss.student_logprobs
-            parts.append(self.freshness.token_weights(old, batch.behaviour_logprobs[:, 1:], mask))
+            parts.append(self.truncated_ratio.token_weights(old, batch.behaviour_logprobs[:, 1:], mask,
+                                                            token_loss.student_logprobs - token_loss.teacher_logprobs))
         if self.turn_blend is not None:
             parts.append(self.turn_blend.token_weights(mask, batch.turn_index[:, 1:], token_loss.loss.dtype))
         for w in parts:
@@ -625,12 +700,11 @@ class OPDModule(PolicyModule):
         return self.weight_sync.max_allowed_lag if self.weight_sync is not None else 0
 
     def _check_on_policy(self, batch: RolloutBatch) -> int:
-        """Largest lag of the batch (versions, ``lag_max``); raises if a lag exceeds what the data configuration can
-        produce (0 in synchronous mode: every batch generated by exactly the weights being trained). Rows without a
+        """Largest lag of the batch in applied updates (:meth:`applied_lag`, ``lag_max``); raises if a lag in rollout
+        iterations exceeds what the data configuration can produce (0 in synchronous mode: every batch generated by exactly the weights being trained). Rows without a
         reply (behaviour version -1: the context was full before the first turn) have no lag (F17)."""
         versions = batch.behaviour_version[batch.behaviour_version >= 0]
-        lag = self.policy_version - versions
-        lag_max = int(lag.max()) if lag.numel() else 0
+        lag = self.policy_version - versions  # rollout iterations: what the data configuration bounds
         allowed = self.max_allowed_lag
         if self.strict_on_policy and ((lag > allowed) | (lag < 0)).any():
             raise OffPolicyBatchError(
@@ -638,7 +712,7 @@ class OPDModule(PolicyModule):
                 f"while the learner is at version {self.policy_version} (allowed lag {allowed}); in synchronous "
                 "mode the batch must be generated inside the step"
             )
-        return lag_max
+        return int(self.applied_lag(versions).max()) if versions.numel() else 0
 
     def _notify_policy_update(self) -> None:
         """Report the current ``policy_version`` to the connected weight sync (snapshots, pushes)."""
@@ -668,11 +742,12 @@ class OPDModule(PolicyModule):
         fewer rows, or none, adds fully masked padding micro-batches.
 
         Returns:
-            ``(sums, turn_stats)``: detached sums on this rank, ``loss`` (the step loss share, nats), ``kl``
-            and ``entropy`` (summed over supervised tokens, nats); and the batch's per-sample, per-turn sums
+            ``(sums, turn_stats)``: detached sums on this rank, ``loss`` (the step loss share, nats), ``kl``,
+            ``entropy`` and ``k1`` (the sampled-token estimate ``log p_S(a_t) - log p_T(a_t)`` at learner time; all
+            summed over supervised tokens, nats); and the batch's per-sample, per-turn sums
             on this rank (:class:`~lightning_opd.metrics.turn_stats.TurnStats`, padding rows left out).
         """
-        sums = {k: torch.zeros((), device=self.device) for k in ("loss", "kl", "entropy")}
+        sums = {k: torch.zeros((), device=self.device) for k in ("loss", "kl", "entropy", "k1")}
         parts: dict[str, list[torch.Tensor]] = {"kl_sum": [], "loss_sum": [], "tokens": []}
         turn_kl = self.step_metrics.turn_kl
         h = turn_kl.num_turns
@@ -691,6 +766,7 @@ class OPDModule(PolicyModule):
             sums["loss"] += loss.detach() / world_size
             sums["kl"] += torch.where(keep, out.kl, 0.0).sum()
             sums["entropy"] += torch.where(keep, out.entropy, 0.0).sum()
+            sums["k1"] += torch.where(keep, out.student_logprobs - out.teacher_logprobs, 0.0).sum()
             turn_kl.update(out.kl[keep], turns[keep])
             self.after_micro_batch(mb, out, keep)
             if i < n_real:
@@ -739,6 +815,47 @@ class OPDModule(PolicyModule):
                 out[f"teacher/{name}/{self.kl_metric}"] = float(sums[0, i]) / tokens if tokens else float("nan")
             self._teacher_sums = None
         out.update({f"teacher/{k}": float(v) for k, v in getattr(self.teacher_scorer, "stats", {}).items()})
+        return out
+
+    def off_policy_step_metrics(self, sums: dict[str, torch.Tensor], step_tokens: torch.Tensor, epochs: int,
+                                applied: int, used: int) -> dict[str, float]:
+        """The step's off-policy indicator and update counts (PROPOSED, docs/algorithms.md §7.1), over all ranks
+        (collectives every rank reaches):
+
+        * ``train/kl_k1``: mean over supervised tokens of the sampled-token estimate ``log p_S(a_t) − log p_T(a_t)``
+          at learner time (nats/token; what a sampled-token loss estimates the KL with);
+        * ``train/off_policy_gap``: ``train/kl − train/kl_k1`` with a teacher that provides the exact KL
+          (``FULL_VOCAB``): about 0 on-policy, it grows with the drift between the sampling and the learning policy;
+        * with the truncated ratio on, ``train/off_policy_gap_corrected`` (``train/kl`` − the ratio-weighted estimate
+          ``Σ r_t k1_t / N``), ``train/ratio_mean`` and ``train/ratio_clip_frac`` (share of tokens at the cap C);
+        * ``train/truncated_ratio`` (1 on, 0 off), ``train/uncorrected_off_policy`` (1: the explicit opt-out of
+          ``model.init_args.off_policy.allow_uncorrected`` is in force);
+        * ``train/applied_updates`` (optimizer updates applied this step, 0 when every update was skipped) and
+          ``train/samples_per_update`` (samples with supervised tokens that reached an applied update's loss, per
+          applied update; 0 when none was applied).
+
+        Args:
+            sums: :meth:`backward_step`'s sums averaged over the epochs (``kl``, ``k1`` summed over supervised tokens).
+            step_tokens: supervised tokens of the step, all ranks. epochs: passes over the batch (the ratio's sums
+                cover all of them, as ``sums`` averages over them).
+            applied: optimizer updates applied. used: samples summed over the applied updates, all ranks.
+        """
+        tokens = float(step_tokens.clamp(min=1))
+        out = {"train/kl_k1": float(self.reduce_sum(sums["k1"])) / tokens,
+               "train/truncated_ratio": float(self.truncated_ratio is not None),
+               "train/uncorrected_off_policy": float(self.uncorrected_off_policy),
+               "train/applied_updates": float(applied),
+               "train/samples_per_update": used / applied if applied else 0.0}
+        kl = float(self.reduce_sum(sums["kl"])) / tokens
+        if self.kl_metric == "kl":
+            out["train/off_policy_gap"] = kl - out["train/kl_k1"]
+        if self.truncated_ratio is not None:
+            total, clipped, n, weighted = (float(x) for x in self.reduce_sum(
+                torch.tensor(self.truncated_ratio.sums, dtype=torch.float64, device=self.device)))
+            n_step = max(n, 1.0)
+            out.update({"train/ratio_mean": total / n_step, "train/ratio_clip_frac": clipped / n_step})
+            if self.kl_metric == "kl":
+                out["train/off_policy_gap_corrected"] = kl - weighted / n_step
         return out
 
     def sampler_step_metrics(self) -> dict[str, float]:
@@ -806,6 +923,8 @@ class OPDModule(PolicyModule):
         ``policy_version`` still moves by 1 (a rollout iteration; the weights equal the previous version's). So is an
         update whose loss or gradient is not finite on any rank (F28, :meth:`apply_update`), which is also counted;
         ``max_nonfinite_steps`` of them in a row raise :class:`~lightning_opd.learner.nonfinite.NonFiniteUpdateError`.
+        A step with no applied update is recorded in :attr:`skipped_versions`, so it ages no buffered batch: every lag
+        the step measures and logs counts applied updates (:meth:`applied_lag`, docs/algorithms.md §7.2).
 
         Returns:
             ``{"loss": the step loss (detached by Lightning), "turn_stats": the step's TurnStats on this rank
@@ -831,14 +950,21 @@ class OPDModule(PolicyModule):
         clip = self.grad_clip_norm if self.grad_clip_norm is not None else float("inf")
         step_tokens = self.reduce_sum(batch.loss_mask[:, 1:].sum().to(self.device))
         totals, norms, turn_stats, epochs, skipped = None, [], [], 0, 0
+        applied, used = 0, 0  # optimizer updates applied this step; samples that reached their loss
         nonfinite_before = self.nonfinite.skipped
+        if self.truncated_ratio is not None:
+            self.truncated_ratio.start_step()
         for epoch, part in self.updates(batch):
             part_tokens = step_tokens if part is batch else self.reduce_sum(
                 part.loss_mask[:, 1:].sum().to(self.device))  # §0.5 per update: its own tokens
             sums, stats = self.backward_step(part, self.loss_denominator(part, part_tokens), self.manual_backward,
                                              self.trainer.world_size)
             filtered = self.freshness is not None and self.freshness.config.filtering and int(part_tokens) == 0
+            nonfinite = self.nonfinite.skipped
             norms.append(self.apply_update(opt, sched, sums["loss"], clip, filtered))
+            if not filtered and self.nonfinite.skipped == nonfinite:
+                applied += 1
+                used += int(self.reduce_sum(supervised_sequences(part.loss_mask[:, 1:]).to(self.device)))
             skipped += filtered
             opt.zero_grad(set_to_none=True)
             totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
@@ -846,19 +972,23 @@ class OPDModule(PolicyModule):
                 turn_stats.append(stats)
             epochs = max(epochs, epoch + 1)
         n_updates = len(norms)
-        sums = {"loss": totals["loss"] / n_updates, "kl": totals["kl"] / epochs, "entropy": totals["entropy"] / epochs}
+        sums = {"loss": totals["loss"] / n_updates, "kl": totals["kl"] / epochs, "entropy": totals["entropy"] / epochs,
+                "k1": totals["k1"] / epochs}
         grad_norm = norms[0] if n_updates == 1 else torch.stack(norms).mean()
         stats = turn_stats[0] if len(turn_stats) == 1 else TurnStats.cat(turn_stats)  # first epoch
-        # one rollout iteration, however many updates (§3.1 note), also when all were skipped (§1.5: the producer's
-        # batch index and the forced-lag copies stay in step with the version; its weights equal the last version's)
+        # one rollout iteration, however many updates (§3.1 note), also when all were skipped (the producer's batch
+        # index and the forced-lag copies stay in step with the iteration counter); a step without an applied update
+        # publishes no new weights, so it is recorded and ages no batch (lags count applied updates, §7.2)
         self.policy_version += 1
+        if applied == 0:
+            self.skipped_versions.append(int(self.policy_version))
         with record_function("opd.policy_push"):
             self._notify_policy_update()
         t2 = time.perf_counter()
+        extras = {**self.step_extras(), **self.teacher_step_metrics(), **self.sampler_step_metrics(),
+                  **self.off_policy_step_metrics(sums, step_tokens, epochs, applied, used)}
         self.step_metrics.log_step(self, StepRecord(batch, sums, step_tokens, grad_norm, lag_max, t1 - t0, t2 - t1,
-                                                    stats, {**self.step_extras(), **self.teacher_step_metrics(),
-                                                     **self.sampler_step_metrics()},
-                                                    self.nonfinite.skipped,
+                                                    stats, extras, self.nonfinite.skipped,
                                                     self.kl_metric, lags, lead))
         self.log_rollout_counts(batch)
         measured = self.nonfinite.skipped == nonfinite_before  # F28: a NaN step's per-turn KL is no measurement

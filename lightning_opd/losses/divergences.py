@@ -48,6 +48,10 @@ class TokenDivergence(nn.Module):
         teacher_signal: what the loss's objective needs of the teacher (:class:`~lightning_opd.losses.base.
             TeacherSignal`); ``OPDModule`` refuses a teacher that does not provide it, naming both. A subclass
             that does not set it needs ``FULL_VOCAB`` (the most a teacher gives).
+        sampled_token_estimator: the per-token term is a sampled-token (policy-gradient) estimate, unbiased only on
+            tokens drawn by the policy being trained: on stale tokens (lag >= 1) the learner applies the truncated
+            importance ratio by default (:mod:`lightning_opd.losses.off_policy`, docs/algorithms.md §7.1). ``False``
+            for a loss that sums over the vocabulary or a top-k set at each visited state.
 
     Two paths, the same objective:
 
@@ -68,6 +72,7 @@ class TokenDivergence(nn.Module):
     """
 
     teacher_signal: ClassVar[TeacherSignal] = TeacherSignal.FULL_VOCAB
+    sampled_token_estimator: ClassVar[bool] = False
 
     def __init__(self, chunk_size: int = 256) -> None:
         super().__init__()
@@ -203,6 +208,7 @@ class SampledTokenReverseKL(TokenDivergence):
 
     SIGNALS = ("recomputed", "behaviour")
     teacher_signal = TeacherSignal.SAMPLED_TOKEN
+    sampled_token_estimator = True
 
     def __init__(self, signal: str = "recomputed", chunk_size: int = 256) -> None:
         super().__init__(chunk_size)

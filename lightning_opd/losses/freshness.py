@@ -1,9 +1,9 @@
-"""f-OPD freshness: per-sample staleness diagnostics, the freshness score and the truncated
-importance ratio. PROPOSED in docs/algorithms.md §1.4, not from the paper (its text was not
+"""f-OPD freshness: per-sample staleness diagnostics and the freshness score (the truncated importance
+ratio, M3, is the learner's: :mod:`lightning_opd.losses.off_policy`). PROPOSED in docs/algorithms.md §1.4, not from the paper (its text was not
 available); the decomposition into rollout drift and supervision drift follows the f-OPD abstract.
 
 The functions are pure and batched: ``B`` samples (episodes), ``T`` token positions. Log-probs are in
-nats, lags in policy versions (rollout iterations, §3.1 note). :class:`FreshnessWeighting` is the loss-side
+nats, lags in policy versions (applied optimizer updates, docs/algorithms.md §7.2). :class:`FreshnessWeighting` is the loss-side
 component ``OPDModule`` applies (first of its weightings, :mod:`lightning_opd.losses.weighting`), configured by
 :class:`FreshnessConfig`; the ``StalenessMonitor`` callback builds and installs it and decides its lag bound
 ``lag_bound`` (Δ_max).
@@ -156,9 +156,13 @@ class FreshnessConfig:
         filtering: M2: drop samples with ``f_i < min_freshness`` or lag above the lag bound Δ_max, GRPO groups
             whole.
         min_freshness: M2's threshold f_min (in [0, 1)).
-        truncated_ratio: M3: multiply the per-token loss by ``sg(min(π_old/π_b, ratio_cap))`` (off with the
-            analytic full-vocabulary loss unless measured to help, §1.5).
-        ratio_cap: M3's cap C (> 0).
+        truncated_ratio: M3, the truncated ratio ``sg(min(π_old/π_b, ratio_cap))`` per token, applied by the learner
+            (:mod:`lightning_opd.losses.off_policy`; the monitor hands it over with
+            ``OPDModule.configure_truncated_ratio``): ``None`` (default) leaves the learner's setting
+            (``model.init_args.off_policy``: on for a sampled-token loss at lag >= 1, off for the analytic and top-k
+            losses, §7.1); ``True`` turns it on for any loss; ``False`` turns it off (refused for a sampled-token loss
+            at lag >= 1 unless ``model.init_args.off_policy.allow_uncorrected=true``).
+        ratio_cap: M3's cap C (> 0), used when ``truncated_ratio`` is set here.
 
     Raises:
         ValueError: a bad value, naming its ``freshness.<key>``.
@@ -176,7 +180,7 @@ class FreshnessConfig:
     weighting: bool = True
     filtering: bool = True
     min_freshness: float = 0.05
-    truncated_ratio: bool = False
+    truncated_ratio: bool | None = None
     ratio_cap: float = 2.0
 
     def __post_init__(self) -> None:
@@ -187,14 +191,6 @@ class FreshnessConfig:
             raise ValueError(f"freshness.min_freshness={self.min_freshness} must be in [0, 1)")
         if self.ratio_cap <= 0:
             raise ValueError(f"freshness.ratio_cap={self.ratio_cap} must be > 0")
-
-
-def truncated_importance_ratio(student_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
-                               cap: float = 2.0) -> torch.Tensor:
-    """``sg(min(π/π_b, C))`` per token, ``(B, T)`` (TIS-style, §1.4 M3, PROPOSED), π from ``student_logprobs``
-    (M3 passes π_old, the policy before the step's first update, §6.2): reweights the per-token loss, carries no
-    gradient."""
-    return torch.exp(student_logprobs.detach() - behaviour_logprobs.detach()).clamp(max=cap)
 
 
 @dataclass
@@ -214,9 +210,8 @@ class FreshnessReport:
             sample has a supervised token, NaN without samples), ``freshness_kept_mean`` (M1's f̄ over the kept
             samples; NaN when none is kept), ``kept_tokens`` (supervised tokens kept, all ranks; 0: the step
             has nothing to learn from), ``lag_bound_dropped_tokens`` (supervised tokens, all ranks, that the
-            freshness test alone would have kept: > 0 with ``kept_tokens`` 0 means the lag bound emptied the step),
-            and with M3 ``ratio_mean``, ``ratio_clip_frac`` over the step's
-            supervised tokens; empty when no diagnostic was computed.
+            freshness test alone would have kept: > 0 with ``kept_tokens`` 0 means the lag bound emptied the step);
+            empty when no diagnostic was computed.
         freshness: ``(B,)`` f_i of this rank's samples (``None``: not computed).
         keep: ``(B,)`` bool, the M2 decision (all ``True`` without filtering; ``None``: not computed).
         diagnostics: this rank's ``(B,)`` diagnostics (``None``: not computed).
@@ -237,8 +232,9 @@ def whole_groups(group_id: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
 
 
 class FreshnessWeighting:
-    """f-OPD's token weighting (PROPOSED, docs/algorithms.md §1.4-§1.5): M1 sample weights ``f_i / f̄``, M2 group
-    filter, M3 truncated importance ratio.
+    """f-OPD's token weighting (PROPOSED, docs/algorithms.md §1.4-§1.5): M1 sample weights ``f_i / f̄`` and the M2 group
+    filter. M3's truncated ratio is the learner's (:mod:`lightning_opd.losses.off_policy`, §7.1): on by default for a
+    sampled-token loss at lag >= 1, with or without this weighting.
 
     Args:
         config: the score and the mechanisms (:class:`FreshnessConfig`; default: its defaults).
@@ -258,7 +254,6 @@ class FreshnessWeighting:
         self.lag_bound: int | None = None
         self.set_lag_bound(lag_bound)
         self._report = FreshnessReport()
-        self._ratio = [0.0, 0.0, 0.0]  # this step: sum of ratios, clipped tokens, tokens
 
     def set_lag_bound(self, lag_bound: int | None) -> None:
         """Δ_max for the next rollout batches (versions; ``None``: ``lag_cap``).
@@ -287,7 +282,6 @@ class FreshnessWeighting:
             reduce_sum: sums over data-parallel ranks; called exactly once (also with ``B = 0``, F19), so
                 ``freshness_mean``, ``freshness_kept_mean`` and ``kept_tokens`` are the same on every rank.
         """
-        self._ratio = [0.0, 0.0, 0.0]
         self._report = FreshnessReport()
         if learner_logprobs is None:  # on every rank alike: configuration
             return BatchPlan()
@@ -337,43 +331,7 @@ class FreshnessWeighting:
                                        diagnostics=diag, score=score.detach().clone())
         return BatchPlan(keep=keep if c.filtering else None, sample_weight=weight, stats=stats)
 
-    def token_weights(self, old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
-                      mask: torch.Tensor) -> torch.Tensor | None:
-        """M3: ``(b, T-1)`` truncated importance ratios ``sg(min(π_old/π_b, C))`` of one micro-batch (``None``
-        when off); their mean and clipped share over the ``mask`` tokens enter the step's report.
-
-        π_old is the policy that started the step's updates (PROPOSED, docs/algorithms.md §6.2): with K > 1 PPO
-        updates per batch the surrogate's own ratio π_θ/π_old is not counted a second time here, and at lag 0
-        (π_b = π_old) every weight is 1 on every update.
-
-        Args:
-            old_logprobs: ``(b, T-1)`` log π_old of the sampled tokens: the learner's, before the step's first
-                update (nats).
-            behaviour_logprobs: ``(b, T-1)`` log π_b recorded at rollout time (nats).
-            mask: ``(b, T-1)`` loss mask of the target positions.
-        """
-        if not self.config.truncated_ratio:
-            return None
-        ratio = truncated_importance_ratio(old_logprobs, behaviour_logprobs, self.config.ratio_cap)
-        m = mask > 0
-        self._ratio[0] += float(ratio[m].sum())
-        self._ratio[1] += float((ratio[m] >= self.config.ratio_cap).sum())
-        self._ratio[2] += float(m.sum())
-        return ratio
-
     def report(self) -> FreshnessReport:
-        """What this step measured: :meth:`plan`'s diagnostics and, with M3 and supervised tokens, the ratio
-        statistics of every :meth:`token_weights` call since."""
-        stats = dict(self._report.stats)
-        total, clipped, n = self._ratio
-        if self.config.truncated_ratio and n:
-            stats["ratio_mean"], stats["ratio_clip_frac"] = total / n, clipped / n
-        return replace(self._report, stats=stats)
-
-    @property
-    def ratio_sums(self) -> tuple[float, float, float]:
-        """This rank's M3 sums since :meth:`plan`: ``(sum of ratios, clipped tokens, tokens)`` over the supervised
-        tokens of every :meth:`token_weights` call (what ``ratio_mean`` and ``ratio_clip_frac`` divide; summed over
-        ranks when logged, F27)."""
-        total, clipped, n = self._ratio
-        return float(total), float(clipped), float(n)
+        """What this step measured: :meth:`plan`'s diagnostics (the truncated ratio's statistics are the learner's,
+        ``train/ratio_mean``, :mod:`lightning_opd.losses.off_policy`)."""
+        return replace(self._report, stats=dict(self._report.stats))

@@ -195,8 +195,8 @@ class ClippedSurrogate(TokenDivergence):
     its first optimizer update (verl's ``compute_log_prob``), at the batch's sampling temperature. With
     one update per batch and no T-DUR, the pass is skipped and sg(log π_θ) is used: the same weights,
     so the same value, without the rounding of a second forward. Staleness between the behaviour policy
-    and the learner (asynchronous rollouts) is left to f-OPD's truncated ratio (StalenessMonitor M3),
-    which composes as a weight (§0.5).
+    and the learner (asynchronous rollouts) is corrected by the truncated ratio π_old/π_b, on by default at lag >= 1
+    (:mod:`lightning_opd.losses.off_policy`, docs/algorithms.md §7.1), which composes as a weight (§0.5).
 
     Teacher signal: ``SAMPLED_TOKEN`` (the advantage reads ``log π_T(a_t)`` only): with a teacher that reports only
     that, :meth:`signal_terms` computes the same loss from ``teacher_sampled_logprobs`` ``(N,)`` and logs as ``kl``
@@ -211,6 +211,7 @@ class ClippedSurrogate(TokenDivergence):
     """
 
     teacher_signal = TeacherSignal.SAMPLED_TOKEN
+    sampled_token_estimator = True  # stale tokens (lag >= 1) take the truncated ratio pi_old/pi_b (§7.1)
 
     def __init__(self, clip_eps: float = 0.2, chunk_size: int = 256) -> None:
         super().__init__(chunk_size)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.losses.freshness import FreshnessReport
@@ -56,11 +57,13 @@ MEANS = [0.9, 0.1, 0.1, 0.95, 0.95, 0.95, 0.95]
 
 
 def test_async_bound_caps_the_producer_and_collapse_falls_back_to_synchronous_generation():
-    # 0.9: bound 4 -> 5; 0.1 twice (< floor 0.2, patience 2): fallback, bound held at 1, limit 0;
-    # 0.95 twice (>= low_freshness 0.5): back, still held at 1 on the step it leaves; then the adaptive rule: 2, 3
+    # 0.9: bound 4 -> 5; 0.1 twice (< floor 0.2, patience 2): fallback, producer limit 0, and Δ_max held at
+    # max(5, max_allowed_lag 3) = 5 while it lasts, so the buffered batches are weighed, not dropped for their lag
+    # (§7.2; before issue 58 it was set to 1); 0.95 twice (>= low_freshness 0.5): back, Δ_max 1 on the step it leaves;
+    # then the adaptive rule: 2, 3
     monitor, dm, bounds, leads, fallback = _run("async", MEANS)
     assert dm.bounds == [4, 5, 5, 0, 0, 1, 2, 3]  # the first at train start
-    assert bounds == [5, 5, 1, 1, 1, 2, 3]
+    assert bounds == [5, 5, 5, 5, 1, 2, 3]
     assert leads == [3, 3, 0, 0, 1, 2, 3]  # min(producer_lead 3, limit - (1 - 1))
     assert fallback == [0, 0, 1, 1, 0, 0, 0]
     assert monitor.state_dict()["sync_fallback"] == {"active": False, "streak": 0}
@@ -88,10 +91,28 @@ def test_fallback_off_still_caps_the_lead():
 def test_fallback_state_survives_a_checkpoint():
     monitor, _, _, _, _ = _run("async", MEANS[:4])  # in the fallback, one recovered step counted
     state = monitor.state_dict()
-    assert state["sync_fallback"] == {"active": True, "streak": 1} and state["lag_bound"] == 1
+    assert state["sync_fallback"] == {"active": True, "streak": 1} and state["lag_bound"] == 5
     other = StalenessMonitor(initial_lag_bound=4, patience=2, fallback_freshness=0.2)
     other.load_state_dict(state)
-    assert other.sync_fallback.state_dict() == {"active": True, "streak": 1} and other.lag_bound == 1
+    assert other.sync_fallback.state_dict() == {"active": True, "streak": 1} and other.lag_bound == 5
+
+
+def test_entering_the_fallback_weighs_the_buffered_batches_instead_of_dropping_them():
+    """§7.2: the batches buffered when the fallback starts (lag 2 and 3 here, producer lead 3) are weighed by their
+    freshness (M1) and filtered only by it (M2); a batch at zero drift is kept. Before issue 58 the bound fell to 1
+    on entry and M2 dropped all of them for their lag."""
+    monitor, dm, _, _, fallback = _run("async", [0.9, 0.1, 0.1])
+    assert fallback[-1] == 1 and dm.bounds[-1] == 0  # in the fallback: the producer waits for fresh weights
+    lag = torch.tensor([2, 3, 2])
+    behaviour = torch.full((3, 4), -1.0)
+    learner = behaviour.clone()
+    learner[2] += 0.02  # a little drift on the third sample, none on the first two
+    plan = monitor.freshness.plan(lag, learner, behaviour, torch.ones(3, 4), torch.zeros(3, 4, dtype=torch.long),
+                                  torch.tensor([0, 1, 2]), lambda x: x)
+    assert plan.keep.tolist() == [True, True, True] and plan.stats["dropped_samples"] == 0.0
+    # M1: f_i / f̄ (equal token counts): the lag-3 sample weighs less than the lag-2 one at zero drift
+    w = plan.sample_weight
+    assert w[1] < w[0] and w[2] < w[0] and float((w * 4).sum() / 12) == pytest.approx(1.0, rel=1e-6)
 
 
 def test_steps_run_in_the_fallback_are_counted_and_the_count_survives_a_checkpoint():

@@ -54,11 +54,11 @@ class Logs:
 
 def test_logs_the_reported_diagnostics():
     mon, module = StalenessMonitor(initial_lag_bound=4, adaptive_lag=False), Logs()
-    stats = {"lag_mean": 1.0, "freshness_mean": 0.7, "ratio_mean": 1.1}
+    stats = {"lag_mean": 1.0, "freshness_mean": 0.7}
     mon.on_train_batch_end(None, module, {"freshness": FreshnessReport(stats=stats)}, None, 0)
     assert module.logged == {"staleness/lag_mean": 1.0, "staleness/freshness_mean": 0.7,
                              "staleness/lag_bound": 4.0, "staleness/skipped_steps": 0.0,
-                             "staleness/skipped_steps_by_lag_bound": 0.0, "staleness/ratio_mean": 1.1}
+                             "staleness/skipped_steps_by_lag_bound": 0.0}
 
 
 class Installs:
@@ -84,7 +84,9 @@ def test_setup_installs_the_weighting_with_the_default_bound():
     mon.setup(Trainer(DM()), module, "fit")
     w = module.freshness
     assert w is mon.freshness and w.config is config and not w.needs_learner_logprobs
-    assert mon.lag_bound == w.lag_bound == 4  # min(lag_cap 8, max(4, max_allowed_lag 2))
+    # §7.2: the bound starts at the configured producer lead (max_allowed_lag 2 with pushes every version), so the
+    # producer-side control acts from the first step (before issue 58: max(4, 2) = 4, above the lead)
+    assert mon.lag_bound == w.lag_bound == 2
     with pytest.raises(TypeError, match="configure_freshness"):
         StalenessMonitor().setup(Trainer(DM()), object(), "fit")
 
@@ -137,7 +139,7 @@ def test_measure_mode_applies_nothing_and_moves_no_bound(tmp_path):
     mon = StalenessMonitor(FreshnessConfig(truncated_ratio=True), mode="measure", initial_lag_bound=4)
     w = mon.freshness
     c = w.config
-    assert (c.weighting, c.filtering, c.truncated_ratio, w.needs_learner_logprobs) == (False, False, False, True)
+    assert (c.weighting, c.filtering, c.truncated_ratio, w.needs_learner_logprobs) == (False, False, None, True)
     mon.setup(Trainer(DM(), log_dir=str(tmp_path)), Installs(), "fit")
     plan = _plan(w, [0, 1, 5, 0], [0, 1, 2, 3], [0.0, 0.1, 0.0, 0.8])
     assert plan.keep is None and plan.sample_weight is None
@@ -187,7 +189,7 @@ def test_lag_zero_invariant_on_a_synchronous_fit(model_dirs):
     assert len(spy.history) == 3
     for fresh, keep in spy.history:
         assert fresh.min().item() >= 0.95 and keep.all()
-    assert spy.lag_bound == 7  # f̄ > 0.8 three times: 4 -> 7
+    assert spy.lag_bound == 4  # starts at the producer lead (sync: 1, §7.2); f̄ > 0.8 three times: 1 -> 4
 
 
 class DropAt(L.Callback):
@@ -271,6 +273,11 @@ def _forced(lag: int) -> Trainer:
     return Trainer(RolloutDataModule(env=KeywordEnvFactory(need=2), episodes_per_step=4, forced_lag=lag))
 
 
+def _setup_bound(mon, trainer):
+    mon.setup(trainer, Installs(), "fit")
+    return mon.lag_bound
+
+
 def _step(mon, logs, f_mean, **outputs):
     mon.on_train_batch_end(None, logs, {"freshness": FreshnessReport(stats={"freshness_mean": f_mean}), **outputs},
                            None, 0)
@@ -278,10 +285,12 @@ def _step(mon, logs, f_mean, **outputs):
 
 
 def test_forced_lag_floors_the_adaptive_bound():
-    """forced_lag 2, lag_cap 8: Δ_max starts at min(8, max(4, 2)) = 4; nine low steps (patience 3) lower it to 3,
+    """forced_lag 2, lag_cap 8, Δ_max starting at 4 (initial_lag_bound; the default would be the forced lag, §7.2); nine
+    low steps (patience 3) lower it to 3,
     2 and then hold it at 2 (before: 1, where every lag-2 sample failed lag <= Δ_max); one high step raises it to 3.
     A checkpoint saved with a bound of 1 is raised to the floor when restored after setup."""
-    mon = StalenessMonitor(FreshnessConfig(lag_cap=8))
+    assert _setup_bound(StalenessMonitor(FreshnessConfig(lag_cap=8)), _forced(2)) == 2  # default: the forced lag
+    mon = StalenessMonitor(FreshnessConfig(lag_cap=8), initial_lag_bound=4)
     mon.setup(_forced(2), Installs(), "fit")
     assert mon.lag_bound == 4
     seen = [_step(mon, Logs(), f) for f in [0.4] * 9 + [0.9]]
@@ -352,7 +361,8 @@ def test_forced_lag_fit_with_a_falling_bound_never_drops_a_sample(model_dirs):
     above any score's 0.982), patience 1, so the bound falls one step per step from 4; no freshness threshold
     (min_freshness 0). Step v has lag min(v, 2). Before: the bound reached 1 for step 3 and its lag-2 samples were
     all dropped (no update). Now it stops at the forced lag, and nothing is dropped."""
-    mon = StalenessMonitor(FreshnessConfig(min_freshness=0.0, weighting=False), low_freshness=0.99, patience=1)
+    mon = StalenessMonitor(FreshnessConfig(min_freshness=0.0, weighting=False), low_freshness=0.99, patience=1,
+                           initial_lag_bound=4)
     spy = TrainedWith(mon)
     model = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"])
     dm = RolloutDataModule(env=KeywordEnvFactory(need=2), episodes_per_step=4, max_turns=3, max_new_tokens=4,

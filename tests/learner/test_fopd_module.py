@@ -62,8 +62,8 @@ def test_truncated_ratio_is_one_at_lag_zero_on_every_ppo_update(model_dirs):
         assert weights.numel() > 0 and torch.equal(weights, torch.ones_like(weights)), step
     moved = [not torch.equal(current, old) for step, _, current, old in model.seen if step % 4 != 0]
     assert all(moved)  # after an update of the batch, π_θ differs from π_old: the old weight was not 1
-    assert trainer.callback_metrics["staleness/ratio_mean"].item() == 1.0
-    assert trainer.callback_metrics["staleness/ratio_clip_frac"].item() == 0.0
+    assert trainer.callback_metrics["train/ratio_mean"].item() == 1.0
+    assert trainer.callback_metrics["train/ratio_clip_frac"].item() == 0.0
 
 
 def test_plan_batch_gives_a_row_without_a_reply_no_lag(model_dirs):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_opd.losses.freshness import (NO_LAG, FreshnessConfig, FreshnessWeighting, freshness_score,
-                                            staleness_diagnostics, truncated_importance_ratio)
+                                            staleness_diagnostics)
 from lightning_opd.losses.weighting import BatchPlan
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.generator import SamplingParams
@@ -106,14 +106,7 @@ def test_lag_scale_saturates_and_single_turn_has_no_supervision_drift():
     assert diag.delta.item() == 1.0 and diag.chi.item() == 0.0 and diag.rho.item() == pytest.approx(0.75)
 
 
-def test_truncated_ratio_is_capped_and_detached():
-    s = torch.tensor([[0.0, math.log(3.0), math.log(0.5)]], requires_grad=True)
-    r = truncated_importance_ratio(s, torch.zeros(1, 3), cap=2.0)
-    torch.testing.assert_close(r, torch.tensor([[1.0, 2.0, 0.5]]))
-    assert not r.requires_grad
-
-
-# ------------------------------------------------------------------ FreshnessWeighting (M1, M2, M3)
+# ------------------------------------------------------------------ FreshnessWeighting (M1, M2)
 def _batch(lags, groups, drift, version=10, tokens=4):
     """One turn of ``tokens`` sampled tokens per sample; behaviour log-prob = -1, learner = -1 + drift."""
     b = len(lags)
@@ -190,21 +183,6 @@ def test_m2_drops_whole_groups_on_lag_or_freshness():
     assert _plan(mon, batch, student).keep.tolist() == [True, True, True, True, False, False]
     with pytest.raises(ValueError, match=r"lag bound 9 must be in \[1, freshness.lag_cap=8\]"):
         mon.set_lag_bound(9)
-
-
-def test_m3_truncated_ratio_per_token():
-    mon = FreshnessWeighting(FreshnessConfig(weighting=False, filtering=False, truncated_ratio=True))
-    batch, _ = _batch(lags=[0, 0], groups=[0, 1], drift=[0, 0])
-    assert _plan(mon, batch, None) == BatchPlan() and not mon.needs_learner_logprobs  # nothing to decide
-    lp = torch.full((2, 5), -1.0)
-    lp[0, 2] = -1.0 + math.log(3.0)  # ratio 3 -> capped at 2
-    lp[1, 3] = -1.0 + math.log(0.5)
-    w = mon.token_weights(lp, batch.behaviour_logprobs[:, 1:], batch.loss_mask[:, 1:])
-    assert w[0, 2].item() == pytest.approx(2.0) and w[1, 3].item() == pytest.approx(0.5) and w[0, 4].item() == 1.0
-    # 8 supervised tokens: ratios 2, 0.5 and six 1s -> mean 8.5 / 8, one clipped
-    assert mon.report().stats == {"ratio_mean": 8.5 / 8, "ratio_clip_frac": 1 / 8}
-    _plan(mon, batch, None)  # the next step starts a new report
-    assert mon.report().stats == {}
 
 
 def test_bound_input_is_the_mean_over_all_samples_before_filtering():
