@@ -9,7 +9,7 @@
     lightning-opd results RUN_DIR...                              # table of val/success from TensorBoard
     lightning-opd report RUN_DIR [--out DIR]                      # report.png + report.html of one run
     lightning-opd evaluate --students PATH... --games DIR --out F # greedy success, Avg@k, teacher-trajectory KL
-    lightning-opd compare [LABEL=]A.json [LABEL=]B.json ...       # paired bootstrap CIs over tasks x seeds
+    lightning-opd compare [LABEL=]A.json [LABEL=]B.json ...       # paired bootstrap CIs: over runs, then tasks
     lightning-opd serve --model DIR [--port P] [-- vllm flags]    # a teacher/sampler `vllm serve`, foreground
 
 The helper commands go through a thin dispatcher in front of LightningCLI (its sub-commands are the
@@ -49,7 +49,7 @@ HELPERS = {  # name -> one-line description (the dispatcher's table is at the en
     "results": "last value of a metric (default val/success) for each run directory",
     "report": "report.png + report.html of one run (per-turn KL, success, controllers)",
     "evaluate": "greedy success, Avg@k and teacher-trajectory KL of exported students or checkpoints",
-    "compare": "paired bootstrap confidence intervals between `evaluate` outputs",
+    "compare": "paired bootstrap confidence intervals between `evaluate` outputs (training runs, then tasks)",
     "calibrate-freshness": "f-OPD tau_rho, tau_chi from a measure-only run's per-sample records (YAML lines)",
     "serve": "a teacher or sampler as stock `vllm serve` (prints the command, waits for /health, foreground)",
 }

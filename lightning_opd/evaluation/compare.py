@@ -20,9 +20,27 @@ Statistics (what the tests pin by hand):
   over the episodes it holds (``sum of values / number of episodes``), and every arm and difference
   uses the same resamples (paired). The interval is ``numpy.quantile`` (linear interpolation) of the
   resampled statistics at ``(1 - level) / 2`` and ``(1 + level) / 2``;
-* verdict of a difference: ``"better"`` or ``"worse"`` only when the interval excludes 0 (direction
-  from ``higher_is_better``), otherwise ``"no difference detected at n = N"`` with ``N`` the paired
-  episodes. This is the rule for every claim in the README and docs/.
+* intervals that count training runs (../shared/docs/algorithms.md §7.3; ``runs="seed"``, the default): when
+  the paired keys hold ``R >= 2`` seeds, each seed is one training run (the layout of the experiment runner and
+  benchmarks/demo_seeds.py: one ``evaluate`` file per training seed, its episodes keyed by that seed), and the
+  run, not the task, is the unit that varies most. Then every arm and difference also gets its value per run
+  (``per_run``: the mean over that run's paired tasks) and a **two-level** percentile bootstrap: a resample draws
+  ``R`` runs with replacement, then ``T`` tasks with replacement within the drawn runs, the same tasks in each
+  drawn run (every run played the same held-out tasks, and a task hard for one run is hard for the others:
+  drawing tasks anew in each run would treat those as independent and can give an interval narrower than the
+  one-level one), and every arm takes the same drawn (task, seed) episodes (paired). Its statistic is the mean
+  over the drawn episodes, episode ``(t, r)`` counted (times ``t`` drawn) x (times ``r`` drawn) (Owen's
+  "pigeonhole" bootstrap for a runs x tasks table, mildly conservative). Draws: ``rng =
+  numpy.random.default_rng(seed)``, ``rng.integers(0, R, size=(B, R))``, then ``rng.integers(0, T, size=(B, T))``
+  (runs and tasks in sorted order). Beside it, the **t-interval** over the
+  per-run differences, ``mean ± t_{(1+level)/2, R-1} · s / sqrt(R)`` (``s`` their standard deviation, ddof 1;
+  ``scipy.stats``). ``ci`` is then the two-level interval, and the one-level interval above stays as
+  ``task_ci``, labelled "tasks only, runs fixed": it leaves out the variance between runs and understates the
+  uncertainty. With one seed (or ``runs="none"``: the seeds are episode seeds of one trained student) ``ci`` is
+  the one-level interval;
+* verdict of a difference: ``"better"`` or ``"worse"`` only when ``ci`` excludes 0 (direction from
+  ``higher_is_better``), otherwise ``"no difference detected at n = N"``, ``N`` the paired episodes, or
+  ``"R runs x T tasks"`` with the two-level interval. This is the rule for every claim in the README and docs/.
 
 Command line: ``lightning-opd compare [LABEL=]A.json [LABEL=]B.json ...`` on ``lightning-opd evaluate``
 outputs (see :func:`main`).
@@ -53,11 +71,15 @@ class ArmResult:
     Attributes:
         label: the arm's name.
         rate: mean value over the paired episodes (success rate for 0/1 values).
-        ci: ``(low, high)`` percentile bootstrap interval of ``rate``.
+        ci: ``(low, high)`` percentile bootstrap interval of ``rate``: two-level (runs, then tasks within them)
+            with ``runs >= 2``, else over tasks.
         episodes: paired episodes the mean is over.
         tasks: distinct tasks among them.
         unpaired: keys of this arm left out because the reference arm lacks them (or, with
             ``intersect``, another arm does).
+        task_ci: the one-level interval over tasks with the runs held fixed (equal to ``ci`` with one run).
+        runs: training runs (seeds) the two-level interval resamples; 1 when it does not apply.
+        per_run: seed -> the mean over that run's paired episodes (empty with one run).
     """
 
     label: str
@@ -66,6 +88,9 @@ class ArmResult:
     episodes: int
     tasks: int
     unpaired: int = 0
+    task_ci: tuple[float, float] | None = None
+    runs: int = 1
+    per_run: dict[Hashable, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,9 +100,15 @@ class Difference:
     Attributes:
         label, reference: the two arms.
         difference: mean of the per-episode differences.
-        ci: ``(low, high)`` percentile bootstrap interval of ``difference``.
+        ci: ``(low, high)`` percentile bootstrap interval of ``difference``, the one the verdict uses: two-level
+            (runs, then tasks within them) with ``runs >= 2``, else over tasks.
         episodes, tasks: paired episodes and their distinct tasks.
-        verdict: ``"better"``/``"worse"`` when ``ci`` excludes 0, else ``"no difference detected at n = N"``.
+        verdict: ``"better"``/``"worse"`` when ``ci`` excludes 0, else ``"no difference detected at n = N"``
+            (``N``: ``"R runs x T tasks"`` with ``runs >= 2``).
+        task_ci: the one-level interval over tasks with the runs held fixed (equal to ``ci`` with one run).
+        t_ci: the t-interval over the per-run differences (``None`` with one run).
+        runs: training runs (seeds); 1 when the run-level intervals do not apply.
+        per_run: seed -> that run's paired difference (the mean over its tasks; empty with one run).
     """
 
     label: str
@@ -87,6 +118,10 @@ class Difference:
     episodes: int
     tasks: int
     verdict: str
+    task_ci: tuple[float, float] | None = None
+    t_ci: tuple[float, float] | None = None
+    runs: int = 1
+    per_run: dict[Hashable, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,12 +137,21 @@ class Comparison:
     seed: int = 0
     cluster: str = "task"
     notes: list[str] = field(default_factory=list)
+    runs: list = field(default_factory=list)
+
+    @property
+    def run_level(self) -> bool:
+        """Whether the intervals count training runs (two or more seeds; module docstring)."""
+        return len(self.runs) >= 2
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def to_markdown(self, digits: int = 2) -> str:
-        """Two markdown tables: each arm's mean with its interval, then each difference to the first arm."""
+        """Two markdown tables: each arm's mean with its interval, then each difference to the first arm (with
+        two or more training runs: :meth:`_run_level_markdown`)."""
+        if self.run_level:
+            return self._run_level_markdown(digits)
         pct = f"{self.level * 100:g}%"
         fmt = f"{{:.{digits}f}}"
         signed = f"{{:+.{digits}f}}"
@@ -130,14 +174,46 @@ class Comparison:
             lines += ["", note]
         return "\n".join(lines)
 
+    def _run_level_markdown(self, digits: int) -> str:
+        """The tables with two or more training runs: the two-level interval (the verdict's), the t-interval over
+        runs, the one-level interval labelled "tasks only, runs fixed", and each run's value."""
+        pct = f"{self.level * 100:g}%"
+        fmt, signed = f"{{:.{digits}f}}", f"{{:+.{digits}f}}"
+        span = lambda ci, f: f"[{f.format(ci[0])}, {f.format(ci[1])}]"  # noqa: E731
+        per_run = lambda values, f: ", ".join(f"{f.format(v)} (seed {r})" for r, v in values.items())  # noqa: E731
+        size = f"{len(self.runs)} runs x {self.arms[0].tasks} tasks"
+        lines = [f"{self.metric}: mean over paired (task, seed) episodes, {size} (training seeds "
+                 f"{', '.join(map(str, self.runs))}); {pct} percentile bootstrap CI over runs, then tasks within each "
+                 f"drawn run (two-level, ../shared/docs/algorithms.md §7.3), {self.resamples} resamples, generator "
+                 f"seed {self.seed}; beside it the t-interval over the per-run differences and the one-level CI over "
+                 f"tasks with the runs held fixed (understates the uncertainty)"
+                 f"{'' if self.higher_is_better else ' (lower is better)'}", "",
+                 f"| arm | {self.metric} | {pct} CI (runs, then tasks) | {pct} CI tasks only, runs fixed | per run | "
+                 "episodes (tasks) |", "|---|---|---|---|---|---|"]
+        for a in self.arms:
+            lines.append(f"| {a.label} | {fmt.format(a.rate)} | {span(a.ci, fmt)} | {span(a.task_ci, fmt)} | "
+                         f"{per_run(a.per_run, fmt)} | {a.episodes} ({a.tasks}) |")
+        if self.differences:
+            ref = self.differences[0].reference
+            lines += ["", f"| arm - {ref} | difference | {pct} CI (runs, then tasks) | {pct} t-interval over runs | "
+                          f"{pct} CI tasks only, runs fixed | per run | paired episodes (tasks) | verdict |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for d in self.differences:
+                lines.append(f"| {d.label} | {signed.format(d.difference)} | {span(d.ci, signed)} | "
+                             f"{span(d.t_ci, signed)} | {span(d.task_ci, signed)} | {per_run(d.per_run, signed)} | "
+                             f"{d.episodes} ({d.tasks}) | {d.verdict} |")
+        for note in self.notes:
+            lines += ["", note]
+        return "\n".join(lines)
 
-def verdict(ci: tuple[float, float], episodes: int, higher_is_better: bool = True) -> str:
+
+def verdict(ci: tuple[float, float], n: int | str, higher_is_better: bool = True) -> str:
     """``"better"``/``"worse"`` when ``ci`` excludes 0 (``low > 0``: the arm's value is higher), else
-    ``"no difference detected at n = {episodes}"``."""
+    ``"no difference detected at n = {n}"`` (``n``: the paired episodes, or ``"R runs x T tasks"``)."""
     low, high = ci
     if low > 0 or high < 0:
         return "better" if (low > 0) == higher_is_better else "worse"
-    return f"no difference detected at n = {episodes}"
+    return f"no difference detected at n = {n}"
 
 
 def _sort_key(key: Key) -> tuple:
@@ -167,9 +243,114 @@ def _paired_keys(tables: Mapping[str, Mapping[Key, float]], intersect: bool) -> 
     return sorted(keys, key=_sort_key)
 
 
+def task_resample_counts(rng: np.random.Generator, unit_cluster: np.ndarray, resamples: int) -> np.ndarray:
+    """One-level resamples: ``C`` clusters drawn with replacement, each with all its episodes.
+
+    Args:
+        rng: the generator (draws ``rng.integers(0, C, size=(resamples, C))``).
+        unit_cluster: ``(n,)`` cluster id of each paired episode, ids ``0 .. C-1``.
+        resamples: ``B``.
+
+    Returns:
+        ``(B, n)`` times each episode is in each resample.
+    """
+    n_clusters = int(unit_cluster.max()) + 1
+    draws = rng.integers(0, n_clusters, size=(resamples, n_clusters))  # (B, C) drawn cluster ids
+    counts = np.zeros((resamples, n_clusters))  # (B, C) times each cluster was drawn
+    np.add.at(counts, (np.arange(resamples)[:, None], draws), 1.0)
+    return counts[:, unit_cluster]
+
+
+def run_index(keys: Sequence[Key]) -> tuple[list, np.ndarray]:
+    """The training runs of paired keys: each distinct seed is one run (module docstring).
+
+    Returns:
+        ``(runs, run_of_key)``: the seeds in sorted order (``R`` of them) and ``(n,)`` each key's run, ``0 .. R-1``.
+    """
+    runs = sorted({k[1] for k in keys}, key=lambda seed: _sort_key(("", seed)))
+    index = {r: i for i, r in enumerate(runs)}
+    return runs, np.array([index[k[1]] for k in keys], dtype=np.int64)
+
+
+def two_level_resample_counts(rng: np.random.Generator, run_of_key: np.ndarray, task_of_key: np.ndarray,
+                              resamples: int) -> np.ndarray:
+    """Two-level resamples (../shared/docs/algorithms.md §7.3): ``R`` runs drawn with replacement, then ``T`` tasks
+    drawn with replacement within the drawn runs, the same tasks in each (every run played the same held-out
+    tasks: a task easy for one run is easy for the others, so the task draw is shared, paired by task; module
+    docstring). A resample holds episode ``(t, r)`` (times ``t`` drawn) x (times ``r`` drawn) times.
+
+    Args:
+        rng: the generator; draws ``rng.integers(0, R, size=(resamples, R))``, then
+            ``rng.integers(0, T, size=(resamples, T))``.
+        run_of_key: ``(n,)`` each paired episode's run, ``0 .. R-1`` (:func:`run_index`).
+        task_of_key: ``(n,)`` each paired episode's task, ``0 .. T-1`` (tasks sorted).
+        resamples: ``B``.
+
+    Returns:
+        ``(B, n)`` times each episode is in each resample.
+    """
+    n_runs, n_tasks = int(run_of_key.max()) + 1, int(task_of_key.max()) + 1
+    runs_b = rng.integers(0, n_runs, size=(resamples, n_runs))  # (B, R) drawn runs
+    tasks_b = rng.integers(0, n_tasks, size=(resamples, n_tasks))  # (B, T) drawn tasks
+    run_counts, task_counts = np.zeros((resamples, n_runs)), np.zeros((resamples, n_tasks))
+    rows = np.arange(resamples)[:, None]
+    np.add.at(run_counts, (rows, runs_b), 1.0)
+    np.add.at(task_counts, (rows, tasks_b), 1.0)
+    return run_counts[:, run_of_key] * task_counts[:, task_of_key]
+
+
+def t_interval(per_run: np.ndarray, level: float) -> tuple[float, float]:
+    """Student-t interval of the mean of per-run values (../shared/docs/algorithms.md §7.3).
+
+    Args:
+        per_run: ``(R,)`` one value per training run (e.g. its paired difference), ``R >= 2``.
+        level: confidence level.
+
+    Returns:
+        ``mean ± t_{(1+level)/2, R-1} · s / sqrt(R)``, ``s`` the standard deviation with ddof 1 (units of the values).
+    """
+    from scipy import stats
+
+    mean = float(np.mean(per_run))
+    half = float(stats.t.ppf((1 + level) / 2, df=len(per_run) - 1) * stats.sem(per_run))
+    return mean - half, mean + half
+
+
+def _intervals(counts: np.ndarray, values: np.ndarray, q: list[float]) -> tuple[list, list]:
+    """Percentile intervals of each arm's mean and of each arm's mean difference to the first.
+
+    Args:
+        counts: ``(B, n)`` times each paired episode is in each resample; a resample without episodes (a drawn run
+            lacking every drawn task: unbalanced keys only) is left out.
+        values: ``(A, n)`` the arms' values.
+        q: the two quantiles, e.g. ``[0.025, 0.975]``.
+
+    Returns:
+        ``(A)`` and ``(A-1)`` lists of ``(low, high)`` (``numpy.quantile``, linear interpolation).
+    """
+    counts = counts[counts.sum(axis=1) > 0]
+    episodes_b = counts.sum(axis=1)[:, None]  # (B, 1)
+    means_b = counts @ values.T / episodes_b  # (B, A)
+    diffs_b = counts @ (values[1:] - values[:1]).T / episodes_b  # (B, A-1)
+    span = lambda x: tuple(float(v) for v in np.quantile(x, q))  # noqa: E731
+    return [span(means_b[:, a]) for a in range(values.shape[0])], [span(diffs_b[:, a]) for a in range(diffs_b.shape[1])]
+
+
+def _paired_values(tables: Mapping[str, Mapping[Key, float]], keys: list[Key]) -> np.ndarray:
+    """``(A, n)`` the arms' values at the paired keys; raises ValueError naming a non-finite one."""
+    values = np.empty((len(tables), len(keys)), dtype=np.float64)
+    for a, label in enumerate(tables):
+        for j, key in enumerate(keys):
+            v = float(tables[label][key])
+            if not math.isfinite(v):
+                raise ValueError(f"arm {label!r}: value {v} at task {key[0]!r}, seed {key[1]!r} is not finite")
+            values[a, j] = v
+    return values
+
+
 def paired_bootstrap(tables: Mapping[str, Mapping[Key, float]], *, resamples: int = 10_000, level: float = 0.95,
                      seed: int = 0, cluster: str = "task", intersect: bool = False, higher_is_better: bool = True,
-                     metric: str = "value") -> Comparison:
+                     metric: str = "value", runs: str = "seed") -> Comparison:
     """Each arm's mean and every arm's difference to the first, with paired percentile bootstrap
     intervals (algorithm and conventions: module docstring).
 
@@ -180,10 +361,13 @@ def paired_bootstrap(tables: Mapping[str, Mapping[Key, float]], *, resamples: in
         level: confidence level of the intervals (0.95: 2.5% and 97.5% percentiles).
         seed: seed of the ``numpy.random.default_rng`` that draws the resamples (fixed: the same
             tables always give the same intervals).
-        cluster: ``"task"`` (resample tasks with all their seeds) or ``"episode"``.
+        cluster: ``"task"`` (resample tasks with all their seeds) or ``"episode"``: the one-level interval.
         intersect: pair on the keys every arm has (default: the first arm's keys, which every arm must have).
         higher_is_better: direction of the verdicts (False for turns, invalid actions, KL).
         metric: name of the value, for printing.
+        runs: ``"seed"``: each seed of the keys is a training run, and with two or more the intervals and the
+            verdict count runs (two-level bootstrap, t-interval; ../shared/docs/algorithms.md §7.3); ``"none"``:
+            the seeds are episode seeds of one trained policy per arm (one-level interval only).
 
     Returns:
         :class:`Comparison` (arms in the order given; one difference per arm after the first).
@@ -191,7 +375,7 @@ def paired_bootstrap(tables: Mapping[str, Mapping[Key, float]], *, resamples: in
     Raises:
         ValueError: no arm, an arm lacking keys of the first arm (names them; see ``intersect``), no
             shared key, a non-finite value (names the arm and key), ``resamples < 1``, ``level`` outside
-            (0, 1) or an unknown ``cluster``.
+            (0, 1), an unknown ``cluster`` or ``runs``.
     """
     if not tables:
         raise ValueError("paired_bootstrap needs at least one arm")
@@ -201,51 +385,40 @@ def paired_bootstrap(tables: Mapping[str, Mapping[Key, float]], *, resamples: in
         raise ValueError(f"level={level} must be in (0, 1), e.g. 0.95")
     if cluster not in ("task", "episode"):
         raise ValueError(f"cluster={cluster!r}: use 'task' (resample tasks with all their seeds) or 'episode'")
+    if runs not in ("seed", "none"):
+        raise ValueError(f"runs={runs!r}: use 'seed' (each seed is a training run) or 'none' (episode seeds only)")
     labels = list(tables)
     keys = _paired_keys(tables, intersect)
-    values = np.empty((len(labels), len(keys)), dtype=np.float64)  # (A, n)
-    for a, label in enumerate(labels):
-        for j, key in enumerate(keys):
-            v = float(tables[label][key])
-            if not math.isfinite(v):
-                raise ValueError(f"arm {label!r}: value {v} at task {key[0]!r}, seed {key[1]!r} is not finite")
-            values[a, j] = v
+    values = _paired_values(tables, keys)  # (A, n)
     tasks = sorted({k[0] for k in keys}, key=str)
-    if cluster == "task":
-        index = {t: i for i, t in enumerate(tasks)}
-        unit_cluster = np.array([index[k[0]] for k in keys])  # (n,)
-    else:
-        unit_cluster = np.arange(len(keys))
-    n_clusters = int(unit_cluster.max()) + 1
-    sums = np.zeros((len(labels), n_clusters))  # (A, C) per-cluster sums of values
-    np.add.at(sums.T, unit_cluster, values.T)
-    sizes = np.bincount(unit_cluster, minlength=n_clusters).astype(np.float64)  # (C,) episodes per cluster
-
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, n_clusters, size=(resamples, n_clusters))  # (B, C) drawn cluster ids
-    counts = np.zeros((resamples, n_clusters))  # (B, C) times each cluster was drawn
-    np.add.at(counts, (np.arange(resamples)[:, None], draws), 1.0)
-    episodes_b = counts @ sizes  # (B,) episodes in each resample
-    means_b = (counts @ sums.T) / episodes_b[:, None]  # (B, A)
-    # differences from the summed per-episode differences (exact when they are all equal)
-    diffs_b = (counts @ (sums[1:] - sums[:1]).T) / episodes_b[:, None]  # (B, A-1)
+    index = {t: i for i, t in enumerate(tasks)}
+    task_of_key = np.array([index[k[0]] for k in keys])  # (n,)
+    unit_cluster = task_of_key if cluster == "task" else np.arange(len(keys))
     q = [(1 - level) / 2, (1 + level) / 2]
-
-    def interval(samples: np.ndarray) -> tuple[float, float]:
-        low, high = np.quantile(samples, q)
-        return float(low), float(high)
-
-    n = len(keys)
-    arms = [ArmResult(label=label, rate=float(values[a].mean()), ci=interval(means_b[:, a]), episodes=n,
-                      tasks=len(tasks), unpaired=len(set(tables[label]) - set(keys))) for a, label in enumerate(labels)]
+    one = _intervals(task_resample_counts(np.random.default_rng(seed), unit_cluster, resamples), values, q)
+    run_ids, run_of_key = run_index(keys) if runs == "seed" else ([], np.zeros(len(keys), dtype=np.int64))
+    if len(run_ids) < 2:  # one run: the one-level interval decides
+        run_ids, run_of_key = [], np.zeros(len(keys), dtype=np.int64)
+    two = one if not run_ids else _intervals(
+        two_level_resample_counts(np.random.default_rng(seed), run_of_key, task_of_key, resamples), values, q)
+    size: int | str = f"{len(run_ids)} runs x {len(tasks)} tasks" if run_ids else len(keys)
+    per_run = np.stack([values[:, run_of_key == r].mean(axis=1) for r in range(len(run_ids))], axis=1) \
+        if run_ids else np.zeros((len(labels), 0))  # (A, R) each arm's mean per run
+    by_run = lambda row: {r: float(v) for r, v in zip(run_ids, row)}  # noqa: E731
+    common = dict(episodes=len(keys), tasks=len(tasks), runs=max(1, len(run_ids)))
+    arms = [ArmResult(label=label, rate=float(values[a].mean()), ci=two[0][a], task_ci=one[0][a],
+                      unpaired=len(set(tables[label]) - set(keys)), per_run=by_run(per_run[a]), **common)
+            for a, label in enumerate(labels)]
     differences = []
     for a, label in enumerate(labels[1:], start=1):
-        ci = interval(diffs_b[:, a - 1])
-        differences.append(Difference(label=label, reference=labels[0], difference=float((values[a] - values[0]).mean()),
-                                      ci=ci, episodes=n, tasks=len(tasks), verdict=verdict(ci, n, higher_is_better)))
+        run_diffs = per_run[a] - per_run[0]  # (R,)
+        differences.append(Difference(
+            label=label, reference=labels[0], difference=float((values[a] - values[0]).mean()), ci=two[1][a - 1],
+            verdict=verdict(two[1][a - 1], size, higher_is_better), task_ci=one[1][a - 1],
+            t_ci=t_interval(run_diffs, level) if run_ids else None, per_run=by_run(run_diffs), **common))
     notes = [f"{a.label}: {a.unpaired} episodes without a pair left out" for a in arms if a.unpaired]
     return Comparison(arms=arms, differences=differences, metric=metric, higher_is_better=higher_is_better,
-                      level=level, resamples=resamples, seed=seed, cluster=cluster, notes=notes)
+                      level=level, resamples=resamples, seed=seed, cluster=cluster, notes=notes, runs=run_ids)
 
 
 # ------------------------------------------------------------------------------------ evaluate files
@@ -337,7 +510,8 @@ def main(argv: list[str] | None = None) -> Comparison:
     p = argparse.ArgumentParser(
         prog="lightning-opd compare",
         description="Paired bootstrap comparison of `lightning-opd evaluate` outputs: each arm's mean with its 95%% "
-                    "CI over tasks x seeds and each arm's difference to the first, paired by (task, seed). A "
+                    "CI over tasks x seeds and each arm's difference to the first, paired by (task, seed); with two "
+                    "or more training seeds, each seed's difference and intervals that resample runs, then tasks. A "
                     "difference is called better/worse only when its CI excludes 0.")
     p.add_argument("arms", nargs="+", help="[LABEL=]PATH[,PATH...]: an evaluate JSON (several, comma-joined, are "
                                            "merged into one arm: e.g. one per training seed); the first is the reference")
@@ -350,6 +524,11 @@ def main(argv: list[str] | None = None) -> Comparison:
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap generator")
     p.add_argument("--cluster", default="task", choices=("task", "episode"),
                    help="resample tasks with all their seeds (default) or episodes independently")
+    p.add_argument("--runs", default="seed", choices=("seed", "none"),
+                   help="seed (default): each seed is a training run (one evaluate file per training seed, its "
+                        "episodes keyed by it); with two or more, a two-level interval (runs, then tasks within them) "
+                        "decides the verdict, the t-interval over runs and the one-level interval (tasks only, runs "
+                        "fixed) beside it; none: the seeds are episode seeds of one trained policy per arm")
     p.add_argument("--intersect", action="store_true", help="compare on the (task, seed) episodes all arms share")
     p.add_argument("--json", default=None, help="also write the comparison to this JSON file")
     p.add_argument("--force", action="store_true", help="replace an existing --json file")
@@ -359,7 +538,7 @@ def main(argv: list[str] | None = None) -> Comparison:
     metric = a.metric or ("kl" if a.table == "teacher_traj_kl" else "success")
     tables = load_arms(a.arms, a.table, metric)
     result = paired_bootstrap(tables, resamples=a.resamples, level=a.level, seed=a.seed, cluster=a.cluster,
-                              intersect=a.intersect, higher_is_better=metric not in LOWER_IS_BETTER,
+                              intersect=a.intersect, higher_is_better=metric not in LOWER_IS_BETTER, runs=a.runs,
                               metric=metric if a.table == "greedy" else f"{a.table} {metric}")
     print(result.to_markdown(digits=3 if metric == "kl" else 2))
     if a.json:

@@ -1,15 +1,17 @@
-"""Paired bootstrap (lightning_opd.evaluation.compare): hand-worked intervals, the documented resampling,
-verdict strings, pairing errors and the ``lightning-opd compare`` command."""
+"""Paired bootstrap (lightning_opd.evaluation.compare): hand-worked intervals, the documented resampling (one level
+over tasks; two levels over training runs, then tasks, ../shared/docs/algorithms.md §7.3), the t-interval over
+runs, verdict strings, pairing errors and the ``lightning-opd compare`` command."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 
 from lightning_opd.cli import main as cli_main
-from lightning_opd.evaluation.compare import load_arms, paired_bootstrap, verdict
+from lightning_opd.evaluation.compare import load_arms, paired_bootstrap, t_interval, verdict
 
 
 def table(values: dict[str, list[float]]) -> dict[tuple[str, int], float]:
@@ -53,8 +55,9 @@ def test_tasks_are_resampled_with_all_their_seeds():
     independent: K/20 with K ~ Bin(20, 0.1), P(K <= 4) = 0.957 < 97.5% <= P(K <= 5) = 0.989: [0, 0.25],
     too narrow."""
     t = table({f"t{i}": [float(i == 3)] * 2 for i in range(10)})
-    assert paired_bootstrap({"a": t}).arms[0].ci == pytest.approx((0.0, 0.3), abs=1e-12)
-    episode = paired_bootstrap({"a": t}, cluster="episode").arms[0]
+    assert paired_bootstrap({"a": t}, runs="none").arms[0].ci == pytest.approx((0.0, 0.3), abs=1e-12)
+    assert paired_bootstrap({"a": t}).arms[0].task_ci == pytest.approx((0.0, 0.3), abs=1e-12)  # seeds as runs
+    episode = paired_bootstrap({"a": t}, cluster="episode", runs="none").arms[0]
     assert episode.ci == pytest.approx((0.0, 0.25), abs=1e-12)
     assert episode.episodes == 20 and episode.tasks == 10
 
@@ -70,18 +73,22 @@ def test_fixed_generator_gives_the_documented_resamples():
     counts = np.stack([np.bincount(row, minlength=3) for row in draws])
     mean_a = counts @ sums_a / (2 * counts.sum(1))
     diff = counts @ (sums_b - sums_a) / (2 * counts.sum(1))
-    res = paired_bootstrap({"a": a, "b": b}, resamples=4, seed=7, level=0.5)
+    res = paired_bootstrap({"a": a, "b": b}, resamples=4, seed=7, level=0.5, runs="none")
     assert res.arms[0].ci == pytest.approx(tuple(np.quantile(mean_a, [0.25, 0.75])))
     assert res.differences[0].ci == pytest.approx(tuple(np.quantile(diff, [0.25, 0.75])))
     assert res.differences[0].difference == pytest.approx(1 / 6)
+    assert res.differences[0].task_ci == res.differences[0].ci and res.differences[0].t_ci is None
+    # the seeds read as training runs: the same one-level interval stays beside the two-level one
+    runs = paired_bootstrap({"a": a, "b": b}, resamples=4, seed=7, level=0.5)
+    assert runs.differences[0].task_ci == pytest.approx(tuple(np.quantile(diff, [0.25, 0.75])))
 
 
 def test_same_seed_same_interval_and_pinned_values():
     rng = np.random.default_rng(1)
     a = {(f"t{i}", s): float(rng.random() < 0.3) for i in range(20) for s in range(3)}
     b = {(f"t{i}", s): float(rng.random() < 0.6) for i in range(20) for s in range(3)}
-    first = paired_bootstrap({"a": a, "b": b}, seed=3)
-    again = paired_bootstrap({"a": a, "b": b}, seed=3)
+    first = paired_bootstrap({"a": a, "b": b}, seed=3, runs="none")
+    again = paired_bootstrap({"a": a, "b": b}, seed=3, runs="none")
     assert first.to_dict() == again.to_dict()
     # golden values of this table and generator (numpy's PCG64 stream is stable across versions)
     assert first.differences[0].difference == pytest.approx(PINNED_DIFF)
@@ -91,6 +98,91 @@ def test_same_seed_same_interval_and_pinned_values():
 
 PINNED_DIFF = 18 / 60
 PINNED_CI = (8 / 60, 28 / 60)  # every resample holds 60 episodes: its statistic is a multiple of 1/60
+
+
+# ------------------------------------------------------------------------------ intervals over training runs
+def runs_table(per_run: list[list[float]]) -> dict[tuple[str, int], float]:
+    """``[[value of task 0, task 1, ...] of run (seed) 0, ... of run 1, ...]`` -> ``{(task, seed): value}``."""
+    return {(f"t{i}", r): v for r, vals in enumerate(per_run) for i, v in enumerate(vals)}
+
+
+def test_runs_that_disagree_widen_the_interval_past_zero():
+    """2 runs x 3 tasks. Arm b wins every task in run 0 and none in run 1; the reference wins nothing. Per-run
+    differences +1 and 0. Tasks only, runs fixed: every task's two episodes differ by 1 + 0, so every resample of
+    tasks has mean 0.5 and the one-level interval is [0.5, 0.5]: "better". Runs, then tasks: a resample draws run 0
+    twice (statistic 1, probability 1/4), run 1 twice (0, 1/4) or both (0.5, 1/2), whatever tasks it draws: the
+    2.5% and 97.5% points are 0 and 1 (each end holds ~2,500 of 10,000 resamples), so no difference is detected.
+    t-interval: mean 0.5, s = sqrt(2) / 2, s / sqrt(2) = 0.5, t_{0.975, 1} = tan(0.475 pi) = 12.706 (df 1: Cauchy),
+    so 0.5 -/+ 6.353."""
+    ref = runs_table([[0, 0, 0], [0, 0, 0]])
+    b = runs_table([[1, 1, 1], [0, 0, 0]])
+    res = paired_bootstrap({"ref": ref, "b": b})
+    (d,) = res.differences
+    assert d.ci == (0.0, 1.0)  # an interval that ignored the variance between runs would be [0.5, 0.5] here
+    assert d.verdict == "no difference detected at n = 2 runs x 3 tasks"
+    assert d.task_ci == (0.5, 0.5)  # what the one-level interval says, the runs held fixed
+    assert verdict(d.task_ci, 6) == "better"
+    assert d.per_run == {0: 1.0, 1: 0.0} and d.runs == 2 and res.runs == [0, 1]
+    half = math.tan(0.475 * math.pi) * 0.5
+    assert d.t_ci == pytest.approx((0.5 - half, 0.5 + half)) and half == pytest.approx(6.3531, abs=1e-4)
+    assert res.arms[1].per_run == {0: 1.0, 1: 0.0} and res.arms[1].ci == (0.0, 1.0)
+    assert res.arms[1].task_ci == (0.5, 0.5)
+    # the same seeds read as episode seeds of one trained policy: the one-level interval decides
+    assert paired_bootstrap({"ref": ref, "b": b}, runs="none").differences[0].verdict == "better"
+
+
+def test_t_interval_over_per_run_differences_by_hand():
+    """3 runs x 5 tasks; arm b wins 1, 2 and 3 of the 5 tasks in runs 0, 1, 2, the reference none: per-run
+    differences 0.2, 0.4, 0.6. Mean 0.4, s = 0.2, s / sqrt(3) = 0.11547; t_{0.975, 2} = 0.95 / sqrt(2 x 0.975 x
+    0.025) = 4.30265 (df 2 has a closed form), half-width 0.49683."""
+    b = runs_table([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    res = paired_bootstrap({"ref": {k: 0.0 for k in b}, "b": b})
+    (d,) = res.differences
+    assert d.per_run == pytest.approx({0: 0.2, 1: 0.4, 2: 0.6}) and d.difference == pytest.approx(0.4)
+    t975 = 0.95 / math.sqrt(2 * 0.975 * 0.025)
+    assert t975 == pytest.approx(4.30265, abs=1e-5)
+    assert d.t_ci == pytest.approx((0.4 - t975 * 0.2 / math.sqrt(3), 0.4 + t975 * 0.2 / math.sqrt(3)))
+    assert d.t_ci == pytest.approx((-0.09683, 0.89683), abs=1e-5)
+    assert t_interval(np.array([0.2, 0.4, 0.6]), 0.95) == pytest.approx(d.t_ci)
+    assert t_interval(np.array([0.3, 0.3]), 0.95) == pytest.approx((0.3, 0.3))  # runs that agree exactly
+
+
+def test_two_level_resamples_follow_the_documented_draws():
+    """The draws of the module docstring, replayed in plain Python: runs_b = integers(0, R, (B, R)), then tasks_b =
+    integers(0, T, (B, T)), runs and tasks sorted; a resample holds episode (t, r) (times t drawn) x (times r drawn)
+    times. Run 1 lacks task t2 (paired on the shared keys with intersect): a drawn (t2, run 1) holds nothing."""
+    a = runs_table([[1, 0, 1], [0, 1, 1]])
+    b = runs_table([[1, 1, 1], [1, 1, 0]])
+    for t in (a, b):
+        del t[("t2", 1)]
+    B = 6
+    res = paired_bootstrap({"a": a, "b": b}, resamples=B, seed=5, level=0.5)
+    rng = np.random.default_rng(5)
+    runs_b, tasks_b = rng.integers(0, 2, size=(B, 2)), rng.integers(0, 3, size=(B, 3))
+    mean_a, diff = [], []
+    for i in range(B):
+        drawn = [(f"t{t}", r) for r in runs_b[i] for t in tasks_b[i] if (f"t{t}", r) in a]
+        mean_a.append(sum(a[k] for k in drawn) / len(drawn))
+        diff.append(sum(b[k] - a[k] for k in drawn) / len(drawn))
+    assert res.arms[0].ci == pytest.approx(tuple(np.quantile(mean_a, [0.25, 0.75])))
+    assert res.differences[0].ci == pytest.approx(tuple(np.quantile(diff, [0.25, 0.75])))
+    assert res.differences[0].per_run == pytest.approx({0: 1 / 3, 1: 1 / 2})
+    assert res.arms[0].per_run == pytest.approx({0: 2 / 3, 1: 1 / 2})
+    assert res.differences[0].difference == pytest.approx(2 / 5)  # over the 5 paired episodes
+
+
+def test_tasks_hard_in_every_run_are_drawn_together():
+    """2 runs x 4 tasks, both runs alike: b - a is 0, 0, 1, 1 on tasks t0-t3 in each run. The task draw is shared by
+    the drawn runs, so a resample's mean difference is K / 4, K ~ Bin(4, 1/2), and K = 0 or 4 each have chance
+    1/16 > 2.5%: [0, 1], as wide as the one-level interval (which draws the same tasks with all their seeds).
+    Drawing 4 tasks anew in each run would give K / 8, K ~ Bin(8, 1/2), P(K <= 1) = 9/256: [0.125, 0.875],
+    "better" from 4 tasks, narrower than with the runs held fixed."""
+    a = runs_table([[1, 1, 0, 0]] * 2)
+    b = runs_table([[1, 1, 1, 1]] * 2)
+    (d,) = paired_bootstrap({"a": a, "b": b}).differences
+    assert d.per_run == {0: 0.5, 1: 0.5} and d.t_ci == (0.5, 0.5)
+    assert d.ci == (0.0, 1.0) and d.task_ci == (0.0, 1.0)
+    assert d.verdict == "no difference detected at n = 2 runs x 4 tasks"
 
 
 @pytest.mark.parametrize(("ci", "higher", "expected"), [
@@ -124,6 +216,8 @@ def test_bad_values_and_arguments_are_errors():
         paired_bootstrap({"a": a}, cluster="seed")
     with pytest.raises(ValueError, match="level"):
         paired_bootstrap({"a": a}, level=95)
+    with pytest.raises(ValueError, match="runs='task'"):
+        paired_bootstrap({"a": a}, runs="task")
 
 
 # ----------------------------------------------------------------------------------------- the command
@@ -158,6 +252,28 @@ def test_compare_merges_seed_files_into_one_arm(tmp_path):
         load_arms([f"x={tmp_path / 'seed0.json'},{tmp_path / 'seed0.json'}"])
     with pytest.raises(ValueError, match="used twice"):
         load_arms([str(tmp_path / "seed0.json"), str(tmp_path / "seed1.json")])
+
+
+def test_compare_command_with_seed_files_reports_runs(tmp_path, capsys):
+    """One evaluate file per training seed, merged into an arm: each seed's difference, the two-level interval
+    deciding the verdict, the t-interval and the one-level interval labelled "tasks only, runs fixed"."""
+    specs = []
+    for arm, wins in (("ref", [[0, 0, 0], [0, 0, 0]]), ("b", [[1, 1, 1], [0, 0, 0]])):
+        files = [write_eval(tmp_path / f"{arm}{r}.json", arm, {(f"t{i}", r): float(v) for i, v in enumerate(row)})
+                 for r, row in enumerate(wins)]
+        specs.append(f"{arm}={','.join(map(str, files))}")
+    cli_main(["compare", *specs, "--json", str(tmp_path / "cmp.json")])
+    out = capsys.readouterr().out
+    assert "2 runs x 3 tasks (training seeds 0, 1)" in out
+    assert ("| arm - ref | difference | 95% CI (runs, then tasks) | 95% t-interval over runs | 95% CI tasks only, "
+            "runs fixed | per run | paired episodes (tasks) | verdict |") in out
+    assert ("| b | +0.50 | [+0.00, +1.00] | [-5.85, +6.85] | [+0.50, +0.50] | +1.00 (seed 0), +0.00 (seed 1) | 6 (3) | "
+            "no difference detected at n = 2 runs x 3 tasks |") in out
+    assert "| b | 0.50 | [0.00, 1.00] | [0.50, 0.50] | 1.00 (seed 0), 0.00 (seed 1) | 6 (3) |" in out
+    saved = json.loads((tmp_path / "cmp.json").read_text())
+    assert saved["runs"] == [0, 1] and saved["differences"][0]["per_run"] == {"0": 1.0, "1": 0.0}
+    cli_main(["compare", *specs, "--runs", "none"])
+    assert "| b | +0.50 | [+0.50, +0.50] | 6 (3) | better |" in capsys.readouterr().out
 
 
 def test_sampled_table_averages_the_k_samples(tmp_path):
