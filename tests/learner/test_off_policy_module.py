@@ -138,8 +138,8 @@ def test_a_skipped_step_ages_no_batch_and_survives_a_checkpoint(model_dirs):
     model, logged = _opd(model_dirs, FullVocabReverseKL(), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2)), Logged()
     with pytest.warns(UserWarning, match="update skipped"):
         _fit(model, _dm(forced_lag=2), 5, [NaNAt({1}), logged])
-    assert model.skipped_versions == [2]
     assert [s["rollout/lag_max"] for s in logged.steps] == [0.0, 1.0, 1.0, 1.0, 2.0]
+    assert model.skipped_versions == [2]
     assert [s["train/applied_updates"] for s in logged.steps] == [1.0, 0.0, 1.0, 1.0, 1.0]
     assert [s["train/samples_per_update"] for s in logged.steps] == [2.0, 0.0, 2.0, 2.0, 2.0]
     checkpoint: dict = {}
