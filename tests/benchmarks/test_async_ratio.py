@@ -7,17 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from torch.utils.tensorboard import SummaryWriter
-
 from benchmarks.async_ratio import main, start_kl, summarise
-
-
-def _write_logs(run: Path, tags: dict[str, list[float]]) -> None:
-    w = SummaryWriter(str(run / "logs"))
-    for tag, values in tags.items():
-        for step, v in enumerate(values):
-            w.add_scalar(tag, v, step)
-    w.close()
+from tests.benchmarks.test_run_logs import _write as _write_logs  # one value per step of each tag
 
 
 def _evaluation(path: Path, name: str, kl: float, success: float) -> None:
