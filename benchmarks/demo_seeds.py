@@ -1,5 +1,6 @@
 """The demo's OPD fit (``conf/textworld/opd.yaml``) re-run with several seeds, then every student evaluated
-on all 50 held-out games and compared with a paired bootstrap 95% CI over tasks x seeds.
+on all 50 held-out games, the seeds' success with a 95% CI that counts the training runs (a two-level bootstrap over
+seeds, then tasks; ../shared/docs/algorithms.md §7.3) and, labelled, the one over tasks with the seeds held fixed.
 
 Each seed is one ``lightning-opd fit`` in its own process (``--seed_everything k`` and
 ``data.init_args.seed k``: task order and every episode's sampling seed), exporting its student to
@@ -11,8 +12,8 @@ Then each student is evaluated greedily on all 50 held-out games in its own ``li
 process, with episode seed ``k`` (the pairing key, so the three students merge into one arm of 50 x 3
 episodes); evaluation is
 resumable per JSON (one that exists is never rerun). Last, ``lightning-opd compare`` prints the student
-after over 50 games x 3 seeds with its 95% CI (tasks resampled as clusters with all their seeds), and a
-per-seed table follows. The student before and the teacher are in ``make demo``'s table (greedy decoding
+after over 50 games x 3 seeds with its 95% CI (runs resampled, then tasks; beside it each seed's success and the
+interval over tasks with the seeds held fixed), and a per-seed table follows. The student before and the teacher are in ``make demo``'s table (greedy decoding
 on these games is deterministic, so repeating them per seed would add time and no information).
 
 Results: ``benchmarks/results/demo_seeds/seed<k>/`` (fit log, ``done.json`` with the wall time),
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                                       a.teacher))
     merged = ",".join(map(str, evals))
     from lightning_opd.evaluation.compare import main as compare
-    # the seeds as one arm: rate + CI over 50 tasks x seeds, tasks resampled with all their seeds
+    # the seeds as one arm: rate + CI over seeds (training runs), then tasks; the tasks-only CI beside it
     table = ["### greedy success, 50 held-out games x training seeds " + " ".join(map(str, a.seeds)),
              compare([f"student after (OPD, {len(a.seeds)} seeds)={merged}"]).to_markdown()]
     runs = [json.loads(Path(e).read_text())["students"][0] for e in evals]

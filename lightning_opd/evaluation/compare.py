@@ -148,63 +148,74 @@ class Comparison:
         return asdict(self)
 
     def to_markdown(self, digits: int = 2) -> str:
-        """Two markdown tables: each arm's mean with its interval, then each difference to the first arm (with
-        two or more training runs: :meth:`_run_level_markdown`)."""
-        if self.run_level:
-            return self._run_level_markdown(digits)
-        pct = f"{self.level * 100:g}%"
-        fmt = f"{{:.{digits}f}}"
-        signed = f"{{:+.{digits}f}}"
-        what = "tasks (all seeds of a drawn task)" if self.cluster == "task" else "episodes"
-        lines = [f"{self.metric}: mean over paired (task, seed) episodes; {pct} percentile bootstrap CI, "
-                 f"{self.resamples} resamples of {what}, generator seed {self.seed}"
-                 f"{'' if self.higher_is_better else ' (lower is better)'}", "",
-                 f"| arm | {self.metric} | {pct} CI | episodes (tasks) |", "|---|---|---|---|"]
-        for a in self.arms:
-            lines.append(f"| {a.label} | {fmt.format(a.rate)} | [{fmt.format(a.ci[0])}, {fmt.format(a.ci[1])}] | "
-                         f"{a.episodes} ({a.tasks}) |")
+        """The header line, then two markdown tables: each arm's mean with its interval, then each difference to the
+        first arm (with two or more training runs also the t-interval, the one-level interval labelled "tasks only,
+        runs fixed" and each run's value)."""
+        lines = [self.header(), "", self.arms_markdown(digits)]
         if self.differences:
-            ref = self.differences[0].reference
-            lines += ["", f"| arm - {ref} | difference | {pct} CI | paired episodes (tasks) | verdict |",
-                      "|---|---|---|---|---|"]
-            for d in self.differences:
-                lines.append(f"| {d.label} | {signed.format(d.difference)} | [{signed.format(d.ci[0])}, "
-                             f"{signed.format(d.ci[1])}] | {d.episodes} ({d.tasks}) | {d.verdict} |")
+            lines += ["", self.differences_markdown(digits)]
         for note in self.notes:
             lines += ["", note]
         return "\n".join(lines)
 
-    def _run_level_markdown(self, digits: int) -> str:
-        """The tables with two or more training runs: the two-level interval (the verdict's), the t-interval over
-        runs, the one-level interval labelled "tasks only, runs fixed", and each run's value."""
+    def header(self) -> str:
+        """One line: what the means and intervals are."""
         pct = f"{self.level * 100:g}%"
-        fmt, signed = f"{{:.{digits}f}}", f"{{:+.{digits}f}}"
-        span = lambda ci, f: f"[{f.format(ci[0])}, {f.format(ci[1])}]"  # noqa: E731
-        per_run = lambda values, f: ", ".join(f"{f.format(v)} (seed {r})" for r, v in values.items())  # noqa: E731
-        size = f"{len(self.runs)} runs x {self.arms[0].tasks} tasks"
-        lines = [f"{self.metric}: mean over paired (task, seed) episodes, {size} (training seeds "
-                 f"{', '.join(map(str, self.runs))}); {pct} percentile bootstrap CI over runs, then tasks within each "
-                 f"drawn run (two-level, ../shared/docs/algorithms.md §7.3), {self.resamples} resamples, generator "
-                 f"seed {self.seed}; beside it the t-interval over the per-run differences and the one-level CI over "
-                 f"tasks with the runs held fixed (understates the uncertainty)"
-                 f"{'' if self.higher_is_better else ' (lower is better)'}", "",
-                 f"| arm | {self.metric} | {pct} CI (runs, then tasks) | {pct} CI tasks only, runs fixed | per run | "
-                 "episodes (tasks) |", "|---|---|---|---|---|---|"]
-        for a in self.arms:
-            lines.append(f"| {a.label} | {fmt.format(a.rate)} | {span(a.ci, fmt)} | {span(a.task_ci, fmt)} | "
-                         f"{per_run(a.per_run, fmt)} | {a.episodes} ({a.tasks}) |")
-        if self.differences:
-            ref = self.differences[0].reference
-            lines += ["", f"| arm - {ref} | difference | {pct} CI (runs, then tasks) | {pct} t-interval over runs | "
-                          f"{pct} CI tasks only, runs fixed | per run | paired episodes (tasks) | verdict |",
-                      "|---|---|---|---|---|---|---|---|"]
-            for d in self.differences:
-                lines.append(f"| {d.label} | {signed.format(d.difference)} | {span(d.ci, signed)} | "
-                             f"{span(d.t_ci, signed)} | {span(d.task_ci, signed)} | {per_run(d.per_run, signed)} | "
-                             f"{d.episodes} ({d.tasks}) | {d.verdict} |")
-        for note in self.notes:
-            lines += ["", note]
-        return "\n".join(lines)
+        lower = "" if self.higher_is_better else " (lower is better)"
+        if not self.run_level:
+            what = "tasks (all seeds of a drawn task)" if self.cluster == "task" else "episodes"
+            return (f"{self.metric}: mean over paired (task, seed) episodes; {pct} percentile bootstrap CI, "
+                    f"{self.resamples} resamples of {what}, generator seed {self.seed}{lower}")
+        return (f"{self.metric}: mean over paired (task, seed) episodes, {self.size} (training seeds "
+                f"{', '.join(map(str, self.runs))}); {pct} percentile bootstrap CI over runs, then tasks (the same "
+                f"drawn tasks in every drawn run; two-level, ../shared/docs/algorithms.md §7.3), {self.resamples} "
+                f"resamples, generator seed {self.seed}; beside it"
+                f"{' the t-interval over the per-run differences and' if self.differences else ''} the one-level CI "
+                f"over tasks with the runs held fixed (it understates the uncertainty){lower}")
+
+    @property
+    def size(self) -> str:
+        """``"R runs x T tasks"`` (two or more runs) or ``"N episodes"``."""
+        return (f"{len(self.runs)} runs x {self.arms[0].tasks} tasks" if self.run_level
+                else f"{self.arms[0].episodes} episodes")
+
+    def arms_markdown(self, digits: int = 2) -> str:
+        """Each arm's mean and interval (with runs: also the one-level interval and the mean per run)."""
+        pct, fmt = f"{self.level * 100:g}%", f"{{:.{digits}f}}"
+        if not self.run_level:
+            rows = [f"| arm | {self.metric} | {pct} CI | episodes (tasks) |", "|---|---|---|---|"]
+            return "\n".join(rows + [f"| {a.label} | {fmt.format(a.rate)} | {_span(a.ci, fmt)} | {a.episodes} "
+                                     f"({a.tasks}) |" for a in self.arms])
+        rows = [f"| arm | {self.metric} | {pct} CI (runs, then tasks) | {pct} CI tasks only, runs fixed | per run | "
+                "episodes (tasks) |", "|---|---|---|---|---|---|"]
+        return "\n".join(rows + [f"| {a.label} | {fmt.format(a.rate)} | {_span(a.ci, fmt)} | {_span(a.task_ci, fmt)} | "
+                                 f"{_per_run(a.per_run, fmt)} | {a.episodes} ({a.tasks}) |" for a in self.arms])
+
+    def differences_markdown(self, digits: int = 2) -> str:
+        """Each difference to the first arm with its interval and verdict (with runs: also the t-interval over runs,
+        the one-level interval labelled "tasks only, runs fixed" and each run's difference); ``""`` without one."""
+        if not self.differences:
+            return ""
+        pct, signed, ref = f"{self.level * 100:g}%", f"{{:+.{digits}f}}", self.differences[0].reference
+        if not self.run_level:
+            rows = [f"| arm - {ref} | difference | {pct} CI | paired episodes (tasks) | verdict |", "|---|---|---|---|---|"]
+            return "\n".join(rows + [f"| {d.label} | {signed.format(d.difference)} | {_span(d.ci, signed)} | "
+                                     f"{d.episodes} ({d.tasks}) | {d.verdict} |" for d in self.differences])
+        rows = [f"| arm - {ref} | difference | {pct} CI (runs, then tasks) | {pct} t-interval over runs | "
+                f"{pct} CI tasks only, runs fixed | per run | paired episodes (tasks) | verdict |",
+                "|---|---|---|---|---|---|---|---|"]
+        return "\n".join(rows + [f"| {d.label} | {signed.format(d.difference)} | {_span(d.ci, signed)} | "
+                                 f"{_span(d.t_ci, signed)} | {_span(d.task_ci, signed)} | {_per_run(d.per_run, signed)} | "
+                                 f"{d.episodes} ({d.tasks}) | {d.verdict} |" for d in self.differences])
+
+
+def _span(ci: tuple[float, float], fmt: str) -> str:
+    return f"[{fmt.format(ci[0])}, {fmt.format(ci[1])}]"
+
+
+def _per_run(values: Mapping[Hashable, float], fmt: str) -> str:
+    """``"+0.12 (seed 0), -0.02 (seed 1)"``: a value per training run."""
+    return ", ".join(f"{fmt.format(v)} (seed {r})" for r, v in values.items())
 
 
 def verdict(ci: tuple[float, float], n: int | str, higher_is_better: bool = True) -> str:

@@ -24,13 +24,17 @@ A *run* is one (arm, seed); a *point* one evaluated checkpoint of a run (:class:
   step end after ``B`` (overshooting by less than one step), so a run that used its budget counts as at
   ``B`` and its final checkpoint is compared; the table shows the true seconds.
 * Comparisons: :func:`~.compare.paired_bootstrap` of the selected points, tasks x seeds paired by
-  (task, seed), 95% percentile CIs over tasks, differences to the first arm; a difference is called
-  better/worse only when its CI excludes 0.
+  (task, seed), differences to the first arm; a difference is called better/worse only when its CI excludes 0.
+  With two or more seeds each seed is a training run and the CI is the two-level one (runs, then tasks;
+  ../shared/docs/algorithms.md §7.3): each table is followed by each seed's difference, the t-interval over
+  the per-run differences and the one-level CI over tasks with the runs held fixed (labelled "tasks only, runs
+  fixed"); with one seed the CI is over tasks.
 * **time to target** ``x``: per run, the seconds (and iteration) of its first point with success ``>= x``, and
   the seconds of the point before it (below ``x``): the crossing lies between the two, so an arm with sparser
   checkpoints is not read as slower than it is; "not reached" otherwise (with the run's best success).
 * **contrasts**: named pairs ``(a, b)`` besides "each arm minus the first": ``a - b`` at the final checkpoints
-  (same pairing and CI), with the CI's half-width (what a "no difference detected" verdict can rule out).
+  (same pairing and CI), with the CI's half-width (what a "no difference detected" verdict can rule out) and
+  each seed's own difference.
 * **start**: with the runner's ``evaluate_start``, the arms' common starting student evaluated once per seed
   (``<root>/start/seed<k>/eval/step=0.json``) is every run's first point, iteration 0 at 0 s (in the curves,
   Same-Step, Least-Time and time to target: a target the start already meets is reached "at the start").
@@ -326,6 +330,20 @@ def _ci(value: float, ci: tuple[float, float], signed: bool = False) -> str:
     return f"{f.format(value)} [{f.format(ci[0])}, {f.format(ci[1])}]"
 
 
+def _n(cmp: Comparison) -> str:
+    """``"3 runs x 50 tasks"`` with two or more training runs, else the paired episodes."""
+    return f"{len(cmp.runs)} runs x {cmp.arms[0].tasks} tasks" if cmp.run_level else str(cmp.arms[0].episodes)
+
+
+def _per_run_note(cmp: Comparison | None, what: str) -> str:
+    """With two or more training runs: a line and ``cmp``'s differences table (each seed's difference, the t-interval
+    over runs and the one-level interval, "tasks only, runs fixed"); ``""`` otherwise."""
+    if cmp is None or not cmp.run_level or not cmp.differences:
+        return ""
+    return (f"\n\n{what} minus the first arm per training run (the CI above is the two-level one, runs then tasks; "
+            f"../shared/docs/algorithms.md §7.3):\n\n" + cmp.differences_markdown())
+
+
 def selection_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[str, dict]:
     """Markdown table of a selection (one point per run): iterations and seconds per seed, rollouts generated /
     used (episodes, summed over seeds; "-" when a point has no counts), greedy success and Avg@k with CIs and
@@ -351,7 +369,7 @@ def selection_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[s
                 cells += ["-", "-"]
                 continue
             a = cmp.arms[j]
-            cells.append(_ci(a.rate, a.ci) + f" (n = {a.episodes})")
+            cells.append(_ci(a.rate, a.ci) + f" (n = {_n(cmp)})")
             cells.append("reference" if j == 0 else
                          f"{_ci(cmp.differences[j - 1].difference, cmp.differences[j - 1].ci, True)} "
                          f"{cmp.differences[j - 1].verdict}")
@@ -361,7 +379,7 @@ def selection_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[s
                              for s, p in chosen.items()} for arm, chosen in selection.items()},
             "greedy": None if greedy is None else greedy.to_dict(),
             "sampled": None if sampled is None else sampled.to_dict()}
-    return "\n".join(lines), data
+    return "\n".join(lines) + _per_run_note(greedy, "Greedy success") + _per_run_note(sampled, "Avg@k"), data
 
 
 def teacher_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[str, dict] | None:
@@ -369,11 +387,23 @@ def teacher_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[str
     cmps = compare_with_teacher(selection, **kwargs)
     if cmps is None:
         return None
-    lines = ["| arm | teacher greedy success | arm - teacher [95% CI] | verdict |", "|---|---|---|---|"]
+    runs = any(c.run_level for c in cmps.values())
+    lines = (["| arm | teacher greedy success | arm - teacher [95% CI] | verdict |", "|---|---|---|---|"] if not runs else
+             ["| arm | teacher greedy success | arm - teacher [95% CI: runs, then tasks] | 95% t-interval over runs | "
+              "95% CI tasks only, runs fixed | per run | verdict |", "|---|---|---|---|---|---|---|"])
     for arm, c in cmps.items():
         d = c.differences[0]
-        lines.append(f"| {arm} | {c.arms[0].rate:.2f} | {_ci(d.difference, d.ci, True)} | {d.verdict} |")
+        extra = (f" {_span(d.t_ci)} | {_span(d.task_ci)} | {_seeds(d.per_run)} |" if runs else "")
+        lines.append(f"| {arm} | {c.arms[0].rate:.2f} | {_ci(d.difference, d.ci, True)} |{extra} {d.verdict} |")
     return "\n".join(lines), {arm: c.to_dict() for arm, c in cmps.items()}
+
+
+def _span(ci: tuple[float, float] | None) -> str:
+    return "-" if ci is None else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]"
+
+
+def _seeds(per_run: dict) -> str:
+    return ", ".join(f"{v:+.2f} (seed {sd})" for sd, v in per_run.items())
 
 
 def check_contrasts(contrasts: Sequence, arms: Sequence[str]) -> None:
@@ -398,12 +428,15 @@ def contrast_table(selection: dict[str, dict[int, Point]], contrasts: Sequence[S
     Raises:
         ValueError: a pair that is not two different arms of ``selection`` (named).
     """
-    lines = ["| contrast | difference [95% CI] | CI half-width | paired episodes (tasks) | verdict | per seed |",
-             "|---|---|---|---|---|---|"]
-    data = {}
     check_contrasts(contrasts, list(selection))
-    for a, b in contrasts:
-        cmp = compare_selection({b: selection[b], a: selection[a]}, "greedy", **kwargs)
+    cmps = [compare_selection({b: selection[b], a: selection[a]}, "greedy", **kwargs) for a, b in contrasts]
+    runs = any(c.run_level for c in cmps)
+    lines = (["| contrast | difference [95% CI] | CI half-width | paired episodes (tasks) | verdict | per seed |",
+              "|---|---|---|---|---|---|"] if not runs else
+             ["| contrast | difference [95% CI: runs, then tasks] | CI half-width | 95% t-interval over runs | 95% CI "
+              "tasks only, runs fixed | paired episodes (tasks) | verdict | per seed |", "|---|---|---|---|---|---|---|---|"])
+    data = {}
+    for (a, b), cmp in zip(contrasts, cmps):
         d = cmp.differences[0]
         half = (d.ci[1] - d.ci[0]) / 2
         per_seed = {}
@@ -411,9 +444,9 @@ def contrast_table(selection: dict[str, dict[int, Point]], contrasts: Sequence[S
             ga, gb = selection[a][sd].greedy, selection[b][sd].greedy
             keys = ga.keys() & gb.keys()
             per_seed[sd] = sum(ga[k] - gb[k] for k in keys) / len(keys) if keys else math.nan
-        seeds = ", ".join(f"{v:+.2f} (seed {sd})" for sd, v in per_seed.items())
-        lines.append(f"| {a} - {b} | {_ci(d.difference, d.ci, True)} | {half:.2f} | {d.episodes} ({d.tasks}) | "
-                     f"{d.verdict} | {seeds} |")
+        extra = f" {_span(d.t_ci)} | {_span(d.task_ci)} |" if runs else ""
+        lines.append(f"| {a} - {b} | {_ci(d.difference, d.ci, True)} | {half:.2f} |{extra} {d.episodes} ({d.tasks}) | "
+                     f"{d.verdict} | {_seeds(per_seed)} |")
         data[f"{a} - {b}"] = {**cmp.to_dict()["differences"][0], "half_width": half,
                               "per_seed": {str(sd): v for sd, v in per_seed.items()}}
     return "\n".join(lines), data
@@ -602,6 +635,10 @@ def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = No
                 md.append(f"| {arm} | {seeds} | {outcome} | {k[outcome]['episodes']} | "
                           f"{_fmt(k[outcome]['mean'], 3)} | " + " | ".join(_fmt(v, 3) for v in pt) + " |")
         data["own_traj_kl"] = kl
-    md += ["", "A difference is called better/worse only when its 95% CI excludes 0 (paired bootstrap over tasks, "
-               "all seeds of a drawn task); otherwise no difference was detected at that n."]
+    md += ["", "A difference is called better/worse only when its 95% CI excludes 0; otherwise no difference was "
+               "detected at that n. With two or more seeds the CI is the paired two-level bootstrap over training runs, "
+               "then tasks (the same drawn tasks in every drawn run; ../shared/docs/algorithms.md §7.3), n = runs x "
+               "tasks, with the t-interval over the per-run differences and the one-level CI over tasks with the runs "
+               "held fixed (it understates the uncertainty) beside it; with one seed the CI is over tasks (all seeds of "
+               "a drawn task)."]
     return Summary("\n".join(md), data)

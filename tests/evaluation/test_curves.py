@@ -286,3 +286,22 @@ def test_the_arms_at_each_training_second_mark():
     md = s.markdown
     assert "| b | 12 | 604 | - | 0.75 [" in md.split("### At 600 training s")[1]
     assert "### At 900 training s: not available (a seed 0 has no checkpoint evaluated for the 900 s mark)" in md
+
+
+def test_two_seeds_are_compared_as_training_runs():
+    """RUNS' finals: vanilla wins t0, t1 (seed 0) and t0 (seed 1); turnopd t0-t2 (seed 0) and t0-t3 (seed 1): per-run
+    differences +0.25 and +0.75. Over tasks with the runs fixed the per-task mean differences are 0, 0.5, 1, 0.5
+    (a resample of 4 is all t0 with chance 1/256 < 2.5%: the CI excludes 0); with the runs resampled too, seed 0
+    drawn twice (b - a = 0, 0, 1, 0 on t0-t3) and 4 tasks among t0, t1, t3 give 0 with chance 1/4 x (3/4)^4 = 7.9%:
+    no difference at n = 2 runs x 4 tasks. t-interval: mean 0.5, s / sqrt(2) = 0.25, t_{0.975, 1} = tan(0.475 pi) =
+    12.706: [-2.68, +3.68]."""
+    s = summarise(RUNS, resamples=10_000)
+    fin = s.data["final"]["greedy"]["differences"][0]
+    assert fin["per_run"] == {0: 0.25, 1: 0.75} and fin["verdict"] == "no difference detected at n = 2 runs x 4 tasks"
+    assert fin["ci"][0] <= 0 < fin["task_ci"][0]  # the one-level interval alone would have said "better"
+    assert fin["t_ci"] == pytest.approx((0.5 - 0.25 * math.tan(0.475 * math.pi), 0.5 + 0.25 * math.tan(0.475 * math.pi)))
+    final_md = s.markdown[s.markdown.index("### Final checkpoint"):s.markdown.index("### Best checkpoint")]
+    assert "| 0.88 [0.50, 1.00] (n = 2 runs x 4 tasks) | +0.50 [+0.00, +1.00] no difference detected at n = 2 runs" \
+        in final_md
+    assert ("| turnopd | +0.50 | [+0.00, +1.00] | [-2.68, +3.68] | [+0.12, +0.88] | +0.25 (seed 0), +0.75 (seed 1) | "
+            "8 (4) | no difference detected at n = 2 runs x 4 tasks |") in final_md

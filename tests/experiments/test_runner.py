@@ -88,10 +88,12 @@ def test_killed_runner_skips_finished_pairs_and_resumes_the_unfinished_fit(tmp_p
             done = json.loads((runs / arm / f"seed{seed}" / "done.json").read_text())
             assert [Path(p).name for p in done["evaluations"]] == ["step=2.json", "step=4.json"]
     # the comparison of the last checkpoints, seeds merged: b wins all 8 paired episodes, a 4 of them (tasks
-    # t0, t1); per task the difference is 0, 0, 1, 1, so a resample of 4 tasks has a mean difference in
-    # [0, 1], both ends with probability 1/16 > 2.5%: 4 tasks cannot show it
+    # t0, t1); per task the difference is 0, 0, 1, 1 in both seeds (training runs), so a two-level resample (runs,
+    # then the same 4 tasks in each drawn run) has a mean difference in [0, 1], both ends with probability
+    # 1/16 > 2.5%: 2 runs x 4 tasks cannot show it; the runs agree (+0.50 each), so the t-interval is a point
     compare = (runs / "compare.md").read_text()
-    assert "| b | +0.50 | [+0.00, +1.00] | 8 (4) | no difference detected at n = 8 |" in compare
+    assert ("| b | +0.50 | [+0.00, +1.00] | [+0.50, +0.50] | [+0.00, +1.00] | +0.50 (seed 0), +0.50 (seed 1) | 8 (4) | "
+            "no difference detected at n = 2 runs x 4 tasks |") in compare
     assert "| a | 0.50 |" in compare and "| success |" in compare
 
     again = start(tmp_path, 0.0)
@@ -258,9 +260,11 @@ def test_summary_of_some_arms_uses_the_seeds_they_all_have(tmp_path, monkeypatch
     assert some == (tmp_path / "r" / "exp" / "summary-a+b.md").read_text().rstrip("\n")  # the file's order: a, b
     assert "Seeds [0, 1];" in some and "| c |" not in some
     # a wins t0, t1 per seed, b all 4: b - a = +0.50 over 8 paired episodes; per task 0, 0, 1, 1, and a draw of
-    # 4 tasks is all from {t0, t1} (or all from {t2, t3}) with chance 1/16 > 2.5%: CI [0, 1]; c's contrast is left out
-    assert ("| b - a | +0.50 [+0.00, +1.00] | 0.50 | 8 (4) | no difference detected at n = 8 | "
-            "+0.50 (seed 0), +0.50 (seed 1) |") in some
+    # 4 tasks (the same in both drawn runs) is all from {t0, t1} (or all from {t2, t3}) with chance 1/16 > 2.5%:
+    # CI [0, 1] over runs then tasks, and over tasks with the runs fixed; the t-interval over the two runs' +0.50 is a
+    # point; c's contrast is left out
+    assert ("| b - a | +0.50 [+0.00, +1.00] | 0.50 | [+0.50, +0.50] | [+0.00, +1.00] | 8 (4) | no difference detected "
+            "at n = 2 runs x 4 tasks | +0.50 (seed 0), +0.50 (seed 1) |") in some
     assert "c - a" not in some
     with pytest.raises(ValueError, match=r"--arms \['d'\]: not arms of exp"):
         main([str(path), "--results", str(tmp_path / "r"), "--summary", "--arms", "a", "d"])
