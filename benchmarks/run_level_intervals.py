@@ -78,6 +78,7 @@ def _claims() -> list[Claim]:
     add("results.md#fopd-async", "fopd_async", s3, "async_fopd", "async_plain")
     for arm in ("sync", "async_plain", "async_fopd"):
         add("results.md#fopd-async (arm's rate)", "fopd_async", s3, arm, None)
+        add("results.md#fopd-async (arm's teacher-trajectory KL)", "fopd_async", s3, arm, None, table="teacher_traj_kl")
     # f-OPD at forced lag 2 (results.md#fopd-lag2)
     for arm in ("lag2", "lag2_fopd", "lag2_vanilla", "lag2_age_only"):
         add("results.md#fopd-lag2", "fopd_lag2", s3, arm, "sync")
@@ -92,6 +93,8 @@ def _claims() -> list[Claim]:
                 table="teacher_traj_kl")
         for arm in ("vanilla", "turnopd", "depth_only"):
             add("results.md#turnopd-cold (arm's rate)", "turnopd_cold", s3, arm, None, mark)
+            add("results.md#turnopd-cold (arm's teacher-trajectory KL)", "turnopd_cold", s3, arm, None, mark,
+                table="teacher_traj_kl")
     add("results.md#turnopd-cold (Same-Step, not used there)", "turnopd_cold", s3, "turnopd", "vanilla", "same_step",
         over=("vanilla", "turnopd"))
     # TurnOPD, issue 19 (results.md#turnopd, methods.md): 2 seeds
