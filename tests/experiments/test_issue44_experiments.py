@@ -156,6 +156,11 @@ def as_recorded(config: dict) -> dict:
     config = without_run_paths(config)
     init, data = config["model"]["init_args"], config["data"]["init_args"]
     assert init.pop("max_nonfinite_steps") == 3 and data["env"]["init_args"].pop("reward") == "score"
+    # issue 58's off-policy correction: the recorded runs had no ratio without a monitor asking for it; at lag 0 (sync)
+    # the default (auto: off on-policy) is that behaviour, and the async arms pin it off with the explicit opt-out
+    off_policy = init.pop("off_policy")
+    assert off_policy == (None if data.get("mode", "sync") == "sync" and not data.get("forced_lag")
+                          else {"truncated_ratio": False, "ratio_cap": 2.0, "allow_uncorrected": True}), off_policy
     data["max_lag"] = data.pop("producer_lead")
     config["trainer"]["callbacks"] = config["trainer"]["callbacks"] or None
     return config
@@ -184,8 +189,9 @@ def test_async_arms_are_the_recorded_sync_recipe_but_for_the_mode_and_the_lead(t
     (monitor,) = [c["init_args"] for c in configs["async_fopd"]["trainer"]["callbacks"]
                   if c["class_path"].endswith("StalenessMonitor")]
     f = monitor["freshness"]
+    # truncated_ratio null since issue 58 (the learner's setting, pinned off above with the opt-out, as recorded)
     assert (f["tau_rho"], f["tau_chi"], f["score"], f["weighting"], f["filtering"], f["truncated_ratio"]) == (
-        0.2036, 0.176, "full", True, True, False)
+        0.2036, 0.176, "full", True, True, None)
     # the adaptive bound and the producer-side control at their defaults (StalenessMonitor's signature)
     assert (monitor["initial_lag_bound"], monitor["adaptive_lag"], monitor["producer_control"],
             monitor["fallback_freshness"], monitor["low_freshness"], monitor["high_freshness"], monitor["patience"],
