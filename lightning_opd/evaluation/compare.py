@@ -20,30 +20,46 @@ Statistics (what the tests pin by hand):
   over the episodes it holds (``sum of values / number of episodes``), and every arm and difference
   uses the same resamples (paired). The interval is ``numpy.quantile`` (linear interpolation) of the
   resampled statistics at ``(1 - level) / 2`` and ``(1 + level) / 2``;
-* intervals that count training runs (../shared/docs/algorithms.md §7.3; ``runs="seed"``, the default): when
-  the paired keys hold ``R >= 2`` seeds, each seed is one training run (the layout of the experiment runner and
-  benchmarks/demo_seeds.py: one ``evaluate`` file per training seed, its episodes keyed by that seed), and the
-  run, not the task, is the unit that varies most. Then every arm and difference also gets its value per run
-  (``per_run``: the mean over that run's paired tasks) and a **two-level** percentile bootstrap: a resample draws
-  ``R`` runs with replacement, then ``T`` tasks with replacement within the drawn runs, the same tasks in each
-  drawn run (every run played the same held-out tasks, and a task hard for one run is hard for the others:
-  drawing tasks anew in each run would treat those as independent and can give an interval narrower than the
-  one-level one), and every arm takes the same drawn (task, seed) episodes (paired). Its statistic is the mean
-  over the drawn episodes, episode ``(t, r)`` counted (times ``t`` drawn) x (times ``r`` drawn) (Owen's
-  "pigeonhole" bootstrap for a runs x tasks table, mildly conservative). Draws: ``rng =
-  numpy.random.default_rng(seed)``, ``rng.integers(0, R, size=(B, R))``, then ``rng.integers(0, T, size=(B, T))``
-  (runs and tasks in sorted order). Beside it, the **t-interval** over the
-  per-run differences, ``mean ± t_{(1+level)/2, R-1} · s / sqrt(R)`` (``s`` their standard deviation, ddof 1;
-  ``scipy.stats``). ``ci`` is then the two-level interval, and the one-level interval above stays as
-  ``task_ci``, labelled "tasks only, runs fixed": it leaves out the variance between runs and understates the
-  uncertainty. With one seed (or ``runs="none"``: the seeds are episode seeds of one trained student) ``ci`` is
-  the one-level interval;
-* verdict of a difference: ``"better"`` or ``"worse"`` only when ``ci`` excludes 0 (direction from
-  ``higher_is_better``), otherwise ``"no difference detected at n = N"``, ``N`` the paired episodes, or
-  ``"R runs x T tasks"`` with the two-level interval. This is the rule for every claim in the README and docs/.
+* intervals that count training runs (../shared/docs/algorithms.md §7.3; ``runs="seed"``): when the paired keys
+  hold ``R >= 2`` seeds and each seed is one training run (the layout of the experiment runner and
+  benchmarks/demo_seeds.py: one ``evaluate`` file per training seed, its episodes keyed by that seed), the run, not
+  the task, is the unit that varies most. Then every arm and difference also gets its value per run (``per_run``:
+  the mean over that run's paired tasks) and two run-level intervals:
+
+  - a **two-level** percentile bootstrap: a resample draws ``R`` runs with replacement, then ``T`` tasks with
+    replacement within the drawn runs, the same tasks in each drawn run (every run played the same held-out tasks,
+    and a task hard for one run is hard for the others: drawing tasks anew in each run would treat those as
+    independent and can give an interval narrower than the one-level one), and every arm takes the same drawn
+    (task, seed) episodes (paired). Its statistic is the mean over the drawn episodes, episode ``(t, r)`` counted
+    (times ``t`` drawn) x (times ``r`` drawn) (Owen's "pigeonhole" bootstrap for a runs x tasks table). Draws:
+    ``rng = numpy.random.default_rng(seed)``, ``rng.integers(0, R, size=(B, R))``, then
+    ``rng.integers(0, T, size=(B, T))`` (runs and tasks in sorted order);
+  - the **t-interval** over the per-run values, ``mean ± t_{(1+level)/2, R-1} · s / sqrt(R)`` (``s`` their standard
+    deviation, ddof 1; ``scipy.stats``), for every difference (``t_ci``) and every arm's rate.
+
+  ``ci`` is then the two-level interval, and the one-level interval above stays as ``task_ci``, labelled "tasks
+  only, runs fixed": it leaves out the variance between runs and understates the uncertainty. With one seed, or
+  ``runs="none"`` (the default of :func:`paired_bootstrap`: the seeds are episode seeds of one trained student per
+  arm), ``ci`` is the one-level interval and there is no t-interval;
+* verdict of a difference: ``"better"`` or ``"worse"`` (direction from ``higher_is_better``) only when its
+  intervals exclude 0 on the same side, otherwise ``"no difference detected at n = N"`` (``N`` the paired
+  episodes, or ``"R runs x T tasks"``). With one run that is ``ci`` (the one-level interval). With ``R >= 2`` runs it
+  is **both** the two-level interval **and** the t-interval over the per-run differences (:func:`run_verdict`).
+  Why both: with ``R`` = 2-3 runs the two-level bootstrap undercovers. Resampling ``R`` runs with replacement
+  estimates the run variance by its plug-in value, ``(R - 1) / R`` of the unbiased one (1/2 at ``R = 2``), and its
+  percentiles cannot reach beyond the most extreme per-run values (at ``R = 2`` a resample holds run 0 twice, run 1
+  twice or both). A reviewer's simulation, with run-to-run variance dominating, gave a true coverage of 0.81 at
+  ``R = 3`` and 0.69 at ``R = 2`` for the nominal 95% two-level interval, and 0.95 for the t-interval over the per-run
+  differences (its ``t_{R-1}`` quantile accounts for estimating ``s`` from ``R`` runs). The t-interval alone treats
+  the tasks as fixed: every run plays the same tasks, so which tasks were drawn moves every run alike and is not in
+  ``s``; the two-level interval carries that variance. A difference is called only when neither says it could be 0.
+  This is the rule for every claim in the README and docs/.
 
 Command line: ``lightning-opd compare [LABEL=]A.json [LABEL=]B.json ...`` on ``lightning-opd evaluate``
-outputs (see :func:`main`).
+outputs (see :func:`main`). It counts seeds as training runs only when an arm merges two or more files
+(``LABEL=A0.json,A1.json,...``: one per training run) or with ``--runs seed``; an arm from one file (e.g.
+``evaluate --seeds 0 1 2`` of one student) is one trained student, its seeds episode seeds, compared one-level over
+its (task, seed) episodes (``--runs auto``, the default; :func:`runs_for_files`).
 """
 
 from __future__ import annotations
@@ -80,6 +96,7 @@ class ArmResult:
         task_ci: the one-level interval over tasks with the runs held fixed (equal to ``ci`` with one run).
         runs: training runs (seeds) the two-level interval resamples; 1 when it does not apply.
         per_run: seed -> the mean over that run's paired episodes (empty with one run).
+        t_ci: the t-interval over the per-run means (``None`` with one run).
     """
 
     label: str
@@ -91,6 +108,7 @@ class ArmResult:
     task_ci: tuple[float, float] | None = None
     runs: int = 1
     per_run: dict[Hashable, float] = field(default_factory=dict)
+    t_ci: tuple[float, float] | None = None
 
 
 @dataclass
@@ -103,8 +121,9 @@ class Difference:
         ci: ``(low, high)`` percentile bootstrap interval of ``difference``, the one the verdict uses: two-level
             (runs, then tasks within them) with ``runs >= 2``, else over tasks.
         episodes, tasks: paired episodes and their distinct tasks.
-        verdict: ``"better"``/``"worse"`` when ``ci`` excludes 0, else ``"no difference detected at n = N"``
-            (``N``: ``"R runs x T tasks"`` with ``runs >= 2``).
+        verdict: ``"better"``/``"worse"`` when ``ci`` excludes 0 and, with ``runs >= 2``, ``t_ci`` too (on the
+            same side; :func:`run_verdict`), else ``"no difference detected at n = N"`` (``N``: ``"R runs x T tasks"``
+            with ``runs >= 2``).
         task_ci: the one-level interval over tasks with the runs held fixed (equal to ``ci`` with one run).
         t_ci: the t-interval over the per-run differences (``None`` with one run).
         runs: training runs (seeds); 1 when the run-level intervals do not apply.
@@ -169,9 +188,9 @@ class Comparison:
         return (f"{self.metric}: mean over paired (task, seed) episodes, {self.size} (training seeds "
                 f"{', '.join(map(str, self.runs))}); {pct} percentile bootstrap CI over runs, then tasks (the same "
                 f"drawn tasks in every drawn run; two-level, ../shared/docs/algorithms.md §7.3), {self.resamples} "
-                f"resamples, generator seed {self.seed}; beside it"
-                f"{' the t-interval over the per-run differences and' if self.differences else ''} the one-level CI "
-                f"over tasks with the runs held fixed (it understates the uncertainty){lower}")
+                f"resamples, generator seed {self.seed}; beside it the {pct} t-interval over the per-run values and "
+                f"the one-level CI over tasks with the runs held fixed (it understates the uncertainty); a difference "
+                f"is called better/worse only when both the two-level CI and the t-interval exclude 0{lower}")
 
     @property
     def size(self) -> str:
@@ -180,16 +199,18 @@ class Comparison:
                 else f"{self.arms[0].episodes} episodes")
 
     def arms_markdown(self, digits: int = 2) -> str:
-        """Each arm's mean and interval (with runs: also the one-level interval and the mean per run)."""
+        """Each arm's mean and interval (with runs: also the t-interval over runs, the one-level interval and the mean
+        per run)."""
         pct, fmt = f"{self.level * 100:g}%", f"{{:.{digits}f}}"
         if not self.run_level:
             rows = [f"| arm | {self.metric} | {pct} CI | episodes (tasks) |", "|---|---|---|---|"]
             return "\n".join(rows + [f"| {a.label} | {fmt.format(a.rate)} | {_span(a.ci, fmt)} | {a.episodes} "
                                      f"({a.tasks}) |" for a in self.arms])
-        rows = [f"| arm | {self.metric} | {pct} CI (runs, then tasks) | {pct} CI tasks only, runs fixed | per run | "
-                "episodes (tasks) |", "|---|---|---|---|---|---|"]
-        return "\n".join(rows + [f"| {a.label} | {fmt.format(a.rate)} | {_span(a.ci, fmt)} | {_span(a.task_ci, fmt)} | "
-                                 f"{_per_run(a.per_run, fmt)} | {a.episodes} ({a.tasks}) |" for a in self.arms])
+        rows = [f"| arm | {self.metric} | {pct} CI (runs, then tasks) | {pct} t-interval over runs | {pct} CI tasks "
+                "only, runs fixed | per run | episodes (tasks) |", "|---|---|---|---|---|---|---|"]
+        return "\n".join(rows + [f"| {a.label} | {fmt.format(a.rate)} | {_span(a.ci, fmt)} | {_span(a.t_ci, fmt)} | "
+                                 f"{_span(a.task_ci, fmt)} | {_per_run(a.per_run, fmt)} | {a.episodes} ({a.tasks}) |"
+                                 for a in self.arms])
 
     def differences_markdown(self, digits: int = 2) -> str:
         """Each difference to the first arm with its interval and verdict (with runs: also the t-interval over runs,
@@ -225,6 +246,15 @@ def verdict(ci: tuple[float, float], n: int | str, higher_is_better: bool = True
     if low > 0 or high < 0:
         return "better" if (low > 0) == higher_is_better else "worse"
     return f"no difference detected at n = {n}"
+
+
+def run_verdict(ci: tuple[float, float], t_ci: tuple[float, float], n: int | str, higher_is_better: bool = True) -> str:
+    """The verdict with two or more training runs (module docstring): ``"better"``/``"worse"`` only when the two-level
+    interval ``ci`` and the t-interval over the per-run differences ``t_ci`` both exclude 0 on the same side, else
+    ``"no difference detected at n = {n}"``. The two-level bootstrap undercovers with 2-3 runs; the t-interval leaves
+    out the variance of the shared task draw: either one alone can call a difference that is not there."""
+    one, other = verdict(ci, n, higher_is_better), verdict(t_ci, n, higher_is_better)
+    return one if one == other else f"no difference detected at n = {n}"
 
 
 def _sort_key(key: Key) -> tuple:
@@ -361,7 +391,7 @@ def _paired_values(tables: Mapping[str, Mapping[Key, float]], keys: list[Key]) -
 
 def paired_bootstrap(tables: Mapping[str, Mapping[Key, float]], *, resamples: int = 10_000, level: float = 0.95,
                      seed: int = 0, cluster: str = "task", intersect: bool = False, higher_is_better: bool = True,
-                     metric: str = "value", runs: str = "seed") -> Comparison:
+                     metric: str = "value", runs: str = "none") -> Comparison:
     """Each arm's mean and every arm's difference to the first, with paired percentile bootstrap
     intervals (algorithm and conventions: module docstring).
 
@@ -376,9 +406,11 @@ def paired_bootstrap(tables: Mapping[str, Mapping[Key, float]], *, resamples: in
         intersect: pair on the keys every arm has (default: the first arm's keys, which every arm must have).
         higher_is_better: direction of the verdicts (False for turns, invalid actions, KL).
         metric: name of the value, for printing.
-        runs: ``"seed"``: each seed of the keys is a training run, and with two or more the intervals and the
-            verdict count runs (two-level bootstrap, t-interval; ../shared/docs/algorithms.md §7.3); ``"none"``:
-            the seeds are episode seeds of one trained policy per arm (one-level interval only).
+        runs: ``"none"`` (default): the seeds are episode seeds of one trained policy per arm (one-level interval
+            only); ``"seed"``: each seed of the keys is a training run (one evaluation per training run, its episodes
+            keyed by its seed: what the caller must know, e.g. from the files, :func:`runs_for_files`), and with two or
+            more the intervals and the verdict count runs (two-level bootstrap and t-interval, the verdict needing
+            both; ../shared/docs/algorithms.md §7.3).
 
     Returns:
         :class:`Comparison` (arms in the order given; one difference per arm after the first).
@@ -418,15 +450,18 @@ def paired_bootstrap(tables: Mapping[str, Mapping[Key, float]], *, resamples: in
     by_run = lambda row: {r: float(v) for r, v in zip(run_ids, row)}  # noqa: E731
     common = dict(episodes=len(keys), tasks=len(tasks), runs=max(1, len(run_ids)))
     arms = [ArmResult(label=label, rate=float(values[a].mean()), ci=two[0][a], task_ci=one[0][a],
-                      unpaired=len(set(tables[label]) - set(keys)), per_run=by_run(per_run[a]), **common)
+                      unpaired=len(set(tables[label]) - set(keys)), per_run=by_run(per_run[a]),
+                      t_ci=t_interval(per_run[a], level) if run_ids else None, **common)
             for a, label in enumerate(labels)]
     differences = []
     for a, label in enumerate(labels[1:], start=1):
         run_diffs = per_run[a] - per_run[0]  # (R,)
+        t_ci = t_interval(run_diffs, level) if run_ids else None
         differences.append(Difference(
             label=label, reference=labels[0], difference=float((values[a] - values[0]).mean()), ci=two[1][a - 1],
-            verdict=verdict(two[1][a - 1], size, higher_is_better), task_ci=one[1][a - 1],
-            t_ci=t_interval(run_diffs, level) if run_ids else None, per_run=by_run(run_diffs), **common))
+            verdict=(run_verdict(two[1][a - 1], t_ci, size, higher_is_better) if run_ids
+                     else verdict(two[1][a - 1], size, higher_is_better)),
+            task_ci=one[1][a - 1], t_ci=t_ci, per_run=by_run(run_diffs), **common))
     notes = [f"{a.label}: {a.unpaired} episodes without a pair left out" for a in arms if a.unpaired]
     return Comparison(arms=arms, differences=differences, metric=metric, higher_is_better=higher_is_better,
                       level=level, resamples=resamples, seed=seed, cluster=cluster, notes=notes, runs=run_ids)
@@ -470,6 +505,52 @@ def tables_from_evaluation(data: dict, table: str = "greedy", metric: str = "suc
     return out
 
 
+Sources = dict[str, list[tuple[str, list]]]  # arm -> [(file, the seeds of its episodes in that file)]
+
+
+def load_arm_sources(specs: Sequence[str], table: str = "greedy",
+                     metric: str = "success") -> tuple[dict[str, dict[Key, float]], Sources]:
+    """:func:`load_arms`, and which files each arm came from with the seeds of each (for :func:`runs_for_files`)."""
+    arms: dict[str, dict[Key, float]] = {}
+    sources: Sources = {}
+    for spec in specs:
+        label, sep, paths = spec.partition("=")
+        if not sep:
+            label, paths = "", spec
+        files = [p for p in paths.split(",") if p]
+        parts = []
+        for path in files:
+            p = Path(path)
+            if not p.is_file():
+                raise FileNotFoundError(f"no evaluation file {path!r} (write one with `lightning-opd evaluate --out`)")
+            parts.append((path, tables_from_evaluation(json.loads(p.read_text()), table, metric)))
+        seeds_of = lambda t: sorted({k[1] for k in t}, key=lambda sd: _sort_key(("", sd)))  # noqa: E731
+        if len(parts) == 1 and len(parts[0][1]) != 1:
+            path = parts[0][0]
+            new = {(f"{label}/{name}" if label else name): (t, [(path, seeds_of(t))])
+                   for name, t in parts[0][1].items()}
+        else:
+            merged: dict[Key, float] = {}
+            origin = []
+            for path, students in parts:
+                if len(students) != 1:
+                    raise ValueError(f"{path}: holds {len(students)} students; files merged into one arm must hold one each")
+                (name, t), = students.items()
+                clash = set(merged) & set(t)
+                if clash:
+                    task, seed = sorted(clash, key=_sort_key)[0]
+                    raise ValueError(f"{path}: task {task!r}, seed {seed!r} is already in another file of arm "
+                                     f"{label or name!r}; merged files must hold different seeds")
+                merged.update(t)
+                origin.append((path, seeds_of(t)))
+            new = {label or name: (merged, origin)}
+        for name, (t, origin) in new.items():
+            if name in arms:
+                raise ValueError(f"arm label {name!r} used twice; name arms with LABEL=PATH")
+            arms[name], sources[name] = t, origin
+    return arms, sources
+
+
 def load_arms(specs: Sequence[str], table: str = "greedy", metric: str = "success") -> dict[str, dict[Key, float]]:
     """Arms from command-line specs ``[LABEL=]PATH[,PATH...]``.
 
@@ -482,38 +563,28 @@ def load_arms(specs: Sequence[str], table: str = "greedy", metric: str = "succes
         FileNotFoundError: a path does not exist.
         ValueError: a label used twice, a merged file with several students, a (task, seed) in two merged files.
     """
-    arms: dict[str, dict[Key, float]] = {}
-    for spec in specs:
-        label, sep, paths = spec.partition("=")
-        if not sep:
-            label, paths = "", spec
-        files = [p for p in paths.split(",") if p]
-        parts = []
-        for path in files:
-            p = Path(path)
-            if not p.is_file():
-                raise FileNotFoundError(f"no evaluation file {path!r} (write one with `lightning-opd evaluate --out`)")
-            parts.append((path, tables_from_evaluation(json.loads(p.read_text()), table, metric)))
-        if len(parts) == 1 and len(parts[0][1]) != 1:
-            new = {(f"{label}/{name}" if label else name): t for name, t in parts[0][1].items()}
-        else:
-            merged: dict[Key, float] = {}
-            for path, students in parts:
-                if len(students) != 1:
-                    raise ValueError(f"{path}: holds {len(students)} students; files merged into one arm must hold one each")
-                (name, t), = students.items()
-                clash = set(merged) & set(t)
-                if clash:
-                    task, seed = sorted(clash, key=_sort_key)[0]
-                    raise ValueError(f"{path}: task {task!r}, seed {seed!r} is already in another file of arm "
-                                     f"{label or name!r}; merged files must hold different seeds")
-                merged.update(t)
-            new = {label or name: merged}
-        for name, t in new.items():
-            if name in arms:
-                raise ValueError(f"arm label {name!r} used twice; name arms with LABEL=PATH")
-            arms[name] = t
-    return arms
+    return load_arm_sources(specs, table, metric)[0]
+
+
+def runs_for_files(sources: Sources) -> str:
+    """``runs`` for :func:`paired_bootstrap` from where the arms came from (``--runs auto``): ``"seed"`` when an arm
+    merges two or more files (one ``evaluate`` file per training run, each file's episodes keyed by its training
+    seed), else ``"none"``: an arm from one file is one trained student, and the seeds of its episodes are episode
+    seeds (``lightning-opd evaluate --seeds 0 1 2``), not training runs.
+
+    Raises:
+        ValueError: a merged file whose episodes carry several seeds (its seeds cannot stand for its training run).
+    """
+    merged = {arm: files for arm, files in sources.items() if len(files) >= 2}
+    for arm, files in merged.items():
+        for path, seeds in files:
+            if len(seeds) != 1:
+                raise ValueError(
+                    f"arm {arm!r} merges {len(files)} files (one per training run), but {path} holds episodes of "
+                    f"seeds {', '.join(map(str, seeds))}: to count training runs, each file's episodes must carry its "
+                    "training seed only; pass --runs none to compare over (task, seed) episodes, or --runs seed to "
+                    "count every seed as a training run")
+    return "seed" if merged else "none"
 
 
 def main(argv: list[str] | None = None) -> Comparison:
@@ -522,8 +593,9 @@ def main(argv: list[str] | None = None) -> Comparison:
         prog="lightning-opd compare",
         description="Paired bootstrap comparison of `lightning-opd evaluate` outputs: each arm's mean with its 95%% "
                     "CI over tasks x seeds and each arm's difference to the first, paired by (task, seed); with two "
-                    "or more training seeds, each seed's difference and intervals that resample runs, then tasks. A "
-                    "difference is called better/worse only when its CI excludes 0.")
+                    "or more training runs (an arm merged from one file per training seed), each run's difference, "
+                    "a two-level interval (runs, then tasks) and the t-interval over runs. A difference is called "
+                    "better/worse only when its CI excludes 0 (with runs: both the two-level CI and the t-interval).")
     p.add_argument("arms", nargs="+", help="[LABEL=]PATH[,PATH...]: an evaluate JSON (several, comma-joined, are "
                                            "merged into one arm: e.g. one per training seed); the first is the reference")
     p.add_argument("--table", default="greedy", choices=TABLES,
@@ -535,11 +607,12 @@ def main(argv: list[str] | None = None) -> Comparison:
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap generator")
     p.add_argument("--cluster", default="task", choices=("task", "episode"),
                    help="resample tasks with all their seeds (default) or episodes independently")
-    p.add_argument("--runs", default="seed", choices=("seed", "none"),
-                   help="seed (default): each seed is a training run (one evaluate file per training seed, its "
-                        "episodes keyed by it); with two or more, a two-level interval (runs, then tasks within them) "
-                        "decides the verdict, the t-interval over runs and the one-level interval (tasks only, runs "
-                        "fixed) beside it; none: the seeds are episode seeds of one trained policy per arm")
+    p.add_argument("--runs", default="auto", choices=("auto", "seed", "none"),
+                   help="auto (default): count training runs when an arm merges two or more files (one evaluate file "
+                        "per training run, its episodes keyed by its training seed), else none; seed: each seed is a "
+                        "training run, and with two or more the two-level interval (runs, then tasks within them) and "
+                        "the t-interval over runs, both needed for a verdict, with the one-level interval (tasks only, "
+                        "runs fixed) beside them; none: the seeds are episode seeds of one trained policy per arm")
     p.add_argument("--intersect", action="store_true", help="compare on the (task, seed) episodes all arms share")
     p.add_argument("--json", default=None, help="also write the comparison to this JSON file")
     p.add_argument("--force", action="store_true", help="replace an existing --json file")
@@ -547,10 +620,17 @@ def main(argv: list[str] | None = None) -> Comparison:
     if a.json and Path(a.json).exists() and not a.force:
         p.error(f"--json {a.json} exists; pass --force to replace it (or choose another --json)")
     metric = a.metric or ("kl" if a.table == "teacher_traj_kl" else "success")
-    tables = load_arms(a.arms, a.table, metric)
+    tables, sources = load_arm_sources(a.arms, a.table, metric)
+    runs = runs_for_files(sources) if a.runs == "auto" else a.runs
     result = paired_bootstrap(tables, resamples=a.resamples, level=a.level, seed=a.seed, cluster=a.cluster,
-                              intersect=a.intersect, higher_is_better=metric not in LOWER_IS_BETTER, runs=a.runs,
+                              intersect=a.intersect, higher_is_better=metric not in LOWER_IS_BETTER, runs=runs,
                               metric=metric if a.table == "greedy" else f"{a.table} {metric}")
+    seeds = {k[1] for t in tables.values() for k in t}
+    if a.runs == "auto" and runs == "none" and len(seeds) >= 2:
+        result.notes.append(f"Each arm comes from one evaluation file, so its {len(seeds)} seeds are read as episode "
+                            "seeds of one trained student: the interval is over tasks (all seeds of a drawn task). To "
+                            "count training runs, give an arm one file per training run, comma-joined "
+                            "(LABEL=run0.json,run1.json,...), or pass --runs seed.")
     print(result.to_markdown(digits=3 if metric == "kl" else 2))
     if a.json:
         out = Path(a.json)

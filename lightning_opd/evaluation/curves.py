@@ -24,11 +24,12 @@ A *run* is one (arm, seed); a *point* one evaluated checkpoint of a run (:class:
   step end after ``B`` (overshooting by less than one step), so a run that used its budget counts as at
   ``B`` and its final checkpoint is compared; the table shows the true seconds.
 * Comparisons: :func:`~.compare.paired_bootstrap` of the selected points, tasks x seeds paired by
-  (task, seed), differences to the first arm; a difference is called better/worse only when its CI excludes 0.
-  With two or more seeds each seed is a training run and the CI is the two-level one (runs, then tasks;
-  ../shared/docs/algorithms.md §7.3): each table is followed by each seed's difference, the t-interval over
-  the per-run differences and the one-level CI over tasks with the runs held fixed (labelled "tasks only, runs
-  fixed"); with one seed the CI is over tasks.
+  (task, seed), differences to the first arm. Each seed is a training run (one evaluation per run, its episodes
+  keyed by its seed: ``runs="seed"``). With two or more seeds the CI is the two-level one (runs, then tasks;
+  ../shared/docs/algorithms.md §7.3) and a difference is called better/worse only when both it and the t-interval
+  over the per-run differences exclude 0 (:func:`~.compare.run_verdict`: the two-level bootstrap undercovers with
+  2-3 runs); each table is followed by each seed's difference, the t-interval and the one-level CI over tasks with
+  the runs held fixed (labelled "tasks only, runs fixed"). With one seed the CI is over tasks and decides alone.
 * **time to target** ``x``: per run, the seconds (and iteration) of its first point with success ``>= x``, and
   the seconds of the point before it (below ``x``): the crossing lies between the two, so an arm with sparser
   checkpoints is not read as slower than it is; "not reached" otherwise (with the run's best success).
@@ -304,12 +305,12 @@ def _merged(chosen: dict[int, Point], attr: str) -> dict[Key, float] | None:
 
 
 def compare_selection(selection: dict[str, dict[int, Point]], table: str = "greedy", **kwargs) -> Comparison | None:
-    """Paired bootstrap of the selected points, each arm's seeds merged (``table``: ``greedy`` or ``sampled``);
-    ``None`` when an arm lacks the table."""
+    """Paired bootstrap of the selected points, each arm's seeds merged and each seed counted as a training run
+    (``table``: ``greedy`` or ``sampled``); ``None`` when an arm lacks the table."""
     tables = {arm: _merged(chosen, table) for arm, chosen in selection.items()}
     if any(t is None for t in tables.values()):
         return None
-    return paired_bootstrap(tables, metric="success" if table == "greedy" else "Avg@k", **kwargs)
+    return paired_bootstrap(tables, metric="success" if table == "greedy" else "Avg@k", runs="seed", **kwargs)
 
 
 def compare_with_teacher(selection: dict[str, dict[int, Point]], table: str = "greedy",
@@ -321,7 +322,7 @@ def compare_with_teacher(selection: dict[str, dict[int, Point]], table: str = "g
         teacher, student = _merged(chosen, "teacher"), _merged(chosen, table)
         if teacher is None or student is None:
             return None
-        out[arm] = paired_bootstrap({"teacher": teacher, arm: student}, metric="success", **kwargs)
+        out[arm] = paired_bootstrap({"teacher": teacher, arm: student}, metric="success", runs="seed", **kwargs)
     return out
 
 
@@ -370,9 +371,12 @@ def selection_table(selection: dict[str, dict[int, Point]], **kwargs) -> tuple[s
                 continue
             a = cmp.arms[j]
             cells.append(_ci(a.rate, a.ci) + f" (n = {_n(cmp)})")
-            cells.append("reference" if j == 0 else
-                         f"{_ci(cmp.differences[j - 1].difference, cmp.differences[j - 1].ci, True)} "
-                         f"{cmp.differences[j - 1].verdict}")
+            if j == 0:
+                cells.append("reference")
+                continue
+            d = cmp.differences[j - 1]
+            t = "" if d.t_ci is None else f", t-interval {_span(d.t_ci)}"  # with runs: the verdict needs both
+            cells.append(f"{_ci(d.difference, d.ci, True)}{t} {d.verdict}")
         lines.append(f"| {arm} | {its} | {secs} | " + " | ".join(cells) + " |")
     data = {"points": {arm: {str(s): {"step": p.step, "iteration": p.iteration, "seconds": p.seconds, "path": p.path,
                                       "rollouts": p.rollouts}
@@ -638,7 +642,8 @@ def summarise(runs: Runs, *, name: str = "experiment", budget: float | None = No
     md += ["", "A difference is called better/worse only when its 95% CI excludes 0; otherwise no difference was "
                "detected at that n. With two or more seeds the CI is the paired two-level bootstrap over training runs, "
                "then tasks (the same drawn tasks in every drawn run; ../shared/docs/algorithms.md §7.3), n = runs x "
-               "tasks, with the t-interval over the per-run differences and the one-level CI over tasks with the runs "
-               "held fixed (it understates the uncertainty) beside it; with one seed the CI is over tasks (all seeds of "
-               "a drawn task)."]
+               "tasks, and a verdict needs the 95% t-interval over the per-run differences to exclude 0 as well (the "
+               "two-level bootstrap undercovers with 2-3 runs); the one-level CI over tasks with the runs held fixed "
+               "(it understates the uncertainty) is beside them; with one seed the CI is over tasks (all seeds of a "
+               "drawn task)."]
     return Summary("\n".join(md), data)

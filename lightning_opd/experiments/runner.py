@@ -636,14 +636,15 @@ class Runner:
     def summarise(self, done: dict) -> str | None:
         """Compare the arms on their last evaluated checkpoint, every seed merged (printed, and written
         to ``compare.json`` and ``compare.md``)."""
-        from lightning_opd.evaluation.compare import load_arms, paired_bootstrap
+        from lightning_opd.evaluation.compare import load_arm_sources, paired_bootstrap, runs_for_files
 
         specs = []
         for arm in self.exp.arms:
             files = [done[(arm.name, s)]["evaluations"][-1] for s in self.exp.seeds]
             specs.append(f"{arm.name}={','.join(files)}")
         try:
-            result = paired_bootstrap(load_arms(specs), metric="success")
+            tables, sources = load_arm_sources(specs)  # one file per seed: each seed a training run
+            result = paired_bootstrap(tables, metric="success", runs=runs_for_files(sources))
         except ValueError as err:  # e.g. arms evaluated on different tasks
             self.echo(f"no comparison: {err}")
             return None

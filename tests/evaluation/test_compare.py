@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from lightning_opd.cli import main as cli_main
-from lightning_opd.evaluation.compare import load_arms, paired_bootstrap, t_interval, verdict
+from lightning_opd.evaluation.compare import (load_arm_sources, load_arms, main as compare_main, paired_bootstrap,
+                                              run_verdict, runs_for_files, t_interval, verdict)
 
 
 def table(values: dict[str, list[float]]) -> dict[tuple[str, int], float]:
@@ -116,7 +117,7 @@ def test_runs_that_disagree_widen_the_interval_past_zero():
     so 0.5 -/+ 6.353."""
     ref = runs_table([[0, 0, 0], [0, 0, 0]])
     b = runs_table([[1, 1, 1], [0, 0, 0]])
-    res = paired_bootstrap({"ref": ref, "b": b})
+    res = paired_bootstrap({"ref": ref, "b": b}, runs="seed")
     (d,) = res.differences
     assert d.ci == (0.0, 1.0)  # an interval that ignored the variance between runs would be [0.5, 0.5] here
     assert d.verdict == "no difference detected at n = 2 runs x 3 tasks"
@@ -126,9 +127,10 @@ def test_runs_that_disagree_widen_the_interval_past_zero():
     half = math.tan(0.475 * math.pi) * 0.5
     assert d.t_ci == pytest.approx((0.5 - half, 0.5 + half)) and half == pytest.approx(6.3531, abs=1e-4)
     assert res.arms[1].per_run == {0: 1.0, 1: 0.0} and res.arms[1].ci == (0.0, 1.0)
-    assert res.arms[1].task_ci == (0.5, 0.5)
-    # the same seeds read as episode seeds of one trained policy: the one-level interval decides
+    assert res.arms[1].task_ci == (0.5, 0.5) and res.arms[1].t_ci == pytest.approx((0.5 - half, 0.5 + half))
+    # the same seeds read as episode seeds of one trained policy (the default): the one-level interval decides
     assert paired_bootstrap({"ref": ref, "b": b}, runs="none").differences[0].verdict == "better"
+    assert paired_bootstrap({"ref": ref, "b": b}).differences[0].verdict == "better"
 
 
 def test_t_interval_over_per_run_differences_by_hand():
@@ -136,7 +138,7 @@ def test_t_interval_over_per_run_differences_by_hand():
     differences 0.2, 0.4, 0.6. Mean 0.4, s = 0.2, s / sqrt(3) = 0.11547; t_{0.975, 2} = 0.95 / sqrt(2 x 0.975 x
     0.025) = 4.30265 (df 2 has a closed form), half-width 0.49683."""
     b = runs_table([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
-    res = paired_bootstrap({"ref": {k: 0.0 for k in b}, "b": b})
+    res = paired_bootstrap({"ref": {k: 0.0 for k in b}, "b": b}, runs="seed")
     (d,) = res.differences
     assert d.per_run == pytest.approx({0: 0.2, 1: 0.4, 2: 0.6}) and d.difference == pytest.approx(0.4)
     t975 = 0.95 / math.sqrt(2 * 0.975 * 0.025)
@@ -156,7 +158,7 @@ def test_two_level_resamples_follow_the_documented_draws():
     for t in (a, b):
         del t[("t2", 1)]
     B = 6
-    res = paired_bootstrap({"a": a, "b": b}, resamples=B, seed=5, level=0.5)
+    res = paired_bootstrap({"a": a, "b": b}, resamples=B, seed=5, level=0.5, runs="seed")
     rng = np.random.default_rng(5)
     runs_b, tasks_b = rng.integers(0, 2, size=(B, 2)), rng.integers(0, 3, size=(B, 3))
     mean_a, diff = [], []
@@ -179,10 +181,52 @@ def test_tasks_hard_in_every_run_are_drawn_together():
     "better" from 4 tasks, narrower than with the runs held fixed."""
     a = runs_table([[1, 1, 0, 0]] * 2)
     b = runs_table([[1, 1, 1, 1]] * 2)
-    (d,) = paired_bootstrap({"a": a, "b": b}).differences
+    (d,) = paired_bootstrap({"a": a, "b": b}, runs="seed").differences
     assert d.per_run == {0: 0.5, 1: 0.5} and d.t_ci == (0.5, 0.5)
     assert d.ci == (0.0, 1.0) and d.task_ci == (0.0, 1.0)
     assert d.verdict == "no difference detected at n = 2 runs x 4 tasks"
+
+
+def test_a_verdict_over_runs_needs_the_t_interval_too():
+    """3 runs x 4 tasks (reward). The reference scores 0 everywhere; b scores 0.1 on every task of runs 0 and 1 and 1.0
+    on every task of run 2: per-run differences +0.1, +0.1, +1.0, of one sign but spread, and no noise between tasks.
+    Two-level: the task draw changes nothing, so a resample's mean difference is 0.1 + 0.9 K / 3, K ~ Bin(3, 1/3) the
+    times run 2 is drawn. P(K = 0) = 8/27 = 0.296 > 2.5%: the low end is 0.1; P(K <= 2) = 26/27 = 0.963 < 97.5%: the
+    high end is 1.0 (K = 3 holds ~370 of the 10,000 resamples, the top 250 sit in it). [0.1, 1.0] excludes 0, and the
+    two-level interval alone called it "better". It cannot reach below the smallest run's +0.1, and it spreads the
+    runs by their plug-in variance (2/3 of the unbiased one at 3 runs).
+    t-interval: mean 0.4, deviations -0.3, -0.3, +0.6, s^2 = 0.54 / 2 = 0.27, s / sqrt(3) = 0.3, t_{0.975, 2} =
+    0.95 / sqrt(2 x 0.975 x 0.025) = 4.30265: 0.4 -/+ 1.29080 = [-0.8908, +1.6908], which holds 0: no difference
+    detected at n = 3 runs x 4 tasks. Tasks only, runs fixed: every task's mean difference is 0.4: [0.4, 0.4]."""
+    ref = runs_table([[0.0] * 4] * 3)
+    b = runs_table([[0.1] * 4, [0.1] * 4, [1.0] * 4])
+    res = paired_bootstrap({"ref": ref, "b": b}, runs="seed", metric="reward")
+    (d,) = res.differences
+    assert d.per_run == pytest.approx({0: 0.1, 1: 0.1, 2: 1.0}) and d.difference == pytest.approx(0.4)
+    assert d.ci == pytest.approx((0.1, 1.0))  # excludes 0
+    assert verdict(d.ci, "3 runs x 4 tasks") == "better"  # what the two-level interval alone said
+    t975 = 0.95 / math.sqrt(2 * 0.975 * 0.025)
+    assert d.t_ci == pytest.approx((0.4 - t975 * 0.3, 0.4 + t975 * 0.3)) and d.t_ci[0] == pytest.approx(-0.8908, abs=1e-4)
+    assert d.task_ci == pytest.approx((0.4, 0.4))
+    assert d.verdict == "no difference detected at n = 3 runs x 4 tasks"
+    table_md = res.differences_markdown()
+    assert ("| b | +0.40 | [+0.10, +1.00] | [-0.89, +1.69] | [+0.40, +0.40] | +0.10 (seed 0), +0.10 (seed 1), +1.00 "
+            "(seed 2) | 12 (4) | no difference detected at n = 3 runs x 4 tasks |") in table_md
+    assert "| 95% CI (runs, then tasks) | 95% t-interval over runs | 95% CI tasks only, runs fixed |" in table_md
+    assert "only when both the two-level CI and the t-interval exclude 0" in res.header()
+    # the same spread read as episode seeds of one student: the one-level interval decides alone, as before
+    assert paired_bootstrap({"ref": ref, "b": b}, metric="reward").differences[0].verdict == "better"
+
+
+@pytest.mark.parametrize(("ci", "t_ci", "higher", "expected"), [
+    ((0.05, 0.30), (0.01, 0.40), True, "better"), ((0.05, 0.30), (0.01, 0.40), False, "worse"),
+    ((-0.30, -0.05), (-0.40, -0.01), True, "worse"), ((-0.30, -0.05), (-0.40, -0.01), False, "better"),
+    ((0.05, 0.30), (-0.10, 0.40), True, "no difference detected at n = 3 runs x 50 tasks"),  # t-interval holds 0
+    ((-0.05, 0.30), (0.10, 0.10), True, "no difference detected at n = 3 runs x 50 tasks"),  # two-level holds 0
+    ((0.05, 0.30), (-0.40, -0.10), True, "no difference detected at n = 3 runs x 50 tasks"),  # opposite sides
+])
+def test_run_verdict_needs_both_intervals_on_one_side(ci, t_ci, higher, expected):
+    assert run_verdict(ci, t_ci, "3 runs x 50 tasks", higher) == expected
 
 
 @pytest.mark.parametrize(("ci", "higher", "expected"), [
@@ -269,7 +313,7 @@ def test_compare_command_with_seed_files_reports_runs(tmp_path, capsys):
             "runs fixed | per run | paired episodes (tasks) | verdict |") in out
     assert ("| b | +0.50 | [+0.00, +1.00] | [-5.85, +6.85] | [+0.50, +0.50] | +1.00 (seed 0), +0.00 (seed 1) | 6 (3) | "
             "no difference detected at n = 2 runs x 3 tasks |") in out
-    assert "| b | 0.50 | [0.00, 1.00] | [0.50, 0.50] | 1.00 (seed 0), 0.00 (seed 1) | 6 (3) |" in out
+    assert "| b | 0.50 | [0.00, 1.00] | [-5.85, 6.85] | [0.50, 0.50] | 1.00 (seed 0), 0.00 (seed 1) | 6 (3) |" in out
     saved = json.loads((tmp_path / "cmp.json").read_text())
     assert saved["runs"] == [0, 1] and saved["differences"][0]["per_run"] == {"0": 1.0, "1": 0.0}
     cli_main(["compare", *specs, "--runs", "none"])
@@ -295,3 +339,49 @@ def test_compare_json_is_never_replaced_without_force(tmp_path, capsys):
     assert (tmp_path / "cmp.json").read_text() == "kept"
     cli_main(["compare", str(tmp_path / "a.json"), "--json", str(tmp_path / "cmp.json"), "--force"])
     assert json.loads((tmp_path / "cmp.json").read_text())["arms"][0]["label"] == "a"
+
+
+def test_one_evaluation_file_is_one_trained_student_whatever_its_seeds(tmp_path, capsys):
+    """`lightning-opd evaluate --students base opd --seeds 0 1 2` (one trained student each), then `compare` of that
+    file: the seeds are episode seeds, not training runs. Greedy episodes replay alike under every seed: base wins t0,
+    opd t0-t2 of 4 tasks, in each seed. Read as 3 training runs they would give "3 runs x 4 tasks (training seeds 0, 1,
+    2)" and a t-interval of zero width, [+0.50, +0.50], from three copies of one student. One-level: per task the
+    difference is 0, 1, 1, 0 with all 3 seeds of a drawn task, so a resample's mean is K / 4, K ~ Bin(4, 1/2), both
+    ends with chance 1/16 > 2.5%: [0, 1], n = 12 paired episodes."""
+    wins = {"base": [1, 0, 0, 0], "opd": [1, 1, 1, 0]}
+    students = [{"name": name, "greedy": [{"task_id": f"t{i}", "seed": s, "success": float(w)}
+                                          for s in range(3) for i, w in enumerate(row)]} for name, row in wins.items()]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"config": {}, "students": students}))
+    cli_main(["compare", str(path)])
+    out = capsys.readouterr().out
+    assert "runs x" not in out and "training seeds" not in out and "t-interval" not in out
+    assert out.startswith("success: mean over paired (task, seed) episodes; 95% percentile bootstrap CI, 10000 "
+                          "resamples of tasks (all seeds of a drawn task)")
+    assert "| opd | +0.50 | [+0.00, +1.00] | 12 (4) | no difference detected at n = 12 |" in out
+    assert "its 3 seeds are read as episode seeds of one trained student" in out
+    # the same students in two files, one each: still one trained student per arm
+    for st in students:
+        (tmp_path / f"{st['name']}.json").write_text(json.dumps({"students": [st]}))
+    two = compare_main([str(tmp_path / "base.json"), str(tmp_path / "opd.json")])
+    assert not two.run_level and two.differences[0].t_ci is None and two.size == "12 episodes"
+    capsys.readouterr()
+    # asked explicitly, the seeds count as runs (here, wrongly: three copies of one student)
+    forced = compare_main([str(path), "--runs", "seed"])
+    assert forced.size == "3 runs x 4 tasks" and forced.differences[0].t_ci == (0.5, 0.5)
+
+
+def test_runs_are_counted_when_an_arm_merges_one_file_per_training_run(tmp_path):
+    """`load_arm_sources` records each arm's files and their seeds: an arm merged from two or more files (one per
+    training run) makes the seeds training runs; a merged file holding several seeds cannot stand for one run."""
+    for s in range(2):
+        write_eval(tmp_path / f"run{s}.json", "opd", {(f"t{i}", s): 1.0 for i in range(3)})
+    write_eval(tmp_path / "base.json", "base", {(f"t{i}", s): 0.0 for i in range(3) for s in range(2)})
+    arms, sources = load_arm_sources([str(tmp_path / "base.json"), f"opd={tmp_path / 'run0.json'},{tmp_path / 'run1.json'}"])
+    assert sources == {"base": [(str(tmp_path / "base.json"), [0, 1])],
+                       "opd": [(str(tmp_path / "run0.json"), [0]), (str(tmp_path / "run1.json"), [1])]}
+    assert runs_for_files(sources) == "seed" and runs_for_files({"base": sources["base"]}) == "none"
+    write_eval(tmp_path / "both.json", "x", {(f"t{i}", s): 1.0 for i in range(3) for s in (2, 3)})
+    _, bad = load_arm_sources([f"x={tmp_path / 'run0.json'},{tmp_path / 'both.json'}"])
+    with pytest.raises(ValueError, match=r"both.json holds episodes of seeds 2, 3: .*--runs none"):
+        runs_for_files(bad)

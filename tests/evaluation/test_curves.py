@@ -301,7 +301,27 @@ def test_two_seeds_are_compared_as_training_runs():
     assert fin["ci"][0] <= 0 < fin["task_ci"][0]  # the one-level interval alone would have said "better"
     assert fin["t_ci"] == pytest.approx((0.5 - 0.25 * math.tan(0.475 * math.pi), 0.5 + 0.25 * math.tan(0.475 * math.pi)))
     final_md = s.markdown[s.markdown.index("### Final checkpoint"):s.markdown.index("### Best checkpoint")]
-    assert "| 0.88 [0.50, 1.00] (n = 2 runs x 4 tasks) | +0.50 [+0.00, +1.00] no difference detected at n = 2 runs" \
-        in final_md
+    assert ("| 0.88 [0.50, 1.00] (n = 2 runs x 4 tasks) | +0.50 [+0.00, +1.00], t-interval [-2.68, +3.68] no difference "
+            "detected at n = 2 runs") in final_md
     assert ("| turnopd | +0.50 | [+0.00, +1.00] | [-2.68, +3.68] | [+0.12, +0.88] | +0.25 (seed 0), +0.75 (seed 1) | "
             "8 (4) | no difference detected at n = 2 runs x 4 tasks |") in final_md
+
+
+def test_a_summary_verdict_over_runs_needs_the_t_interval_too():
+    """3 seeds x 10 tasks, final checkpoints. The reference wins nothing; b wins t0-t4 in seeds 0 and 1 and all 10 tasks
+    in seed 2: per-run differences +0.5, +0.5, +1.0. Two-level: the smallest resample means come from drawing seeds 0
+    and 1 only (chance 8/27) and few of t0-t4 among the 10 drawn tasks: mean <= 0.2 with chance 8/27 x 56/1024 =
+    0.016 < 2.5%, so the interval excludes 0 (its low end is above 0.2). t-interval: mean 2/3, s = sqrt(1/12), s /
+    sqrt(3) = 1/6, t_{0.975, 2} = 4.30265: 2/3 -/+ 0.71711 = [-0.05, +1.38], which holds 0: no difference detected
+    at n = 3 runs x 10 tasks, with both intervals in the summary's cell."""
+    wins = {0: [1] * 5 + [0] * 5, 1: [1] * 5 + [0] * 5, 2: [1] * 10}
+    runs = {"ref": {sd: [point("ref", sd, 4, 100, [0] * 10)] for sd in range(3)},
+            "b": {sd: [point("b", sd, 4, 100, wins[sd])] for sd in range(3)}}
+    s = summarise(runs, resamples=10_000)
+    d = s.data["final"]["greedy"]["differences"][0]
+    assert d["per_run"] == pytest.approx({0: 0.5, 1: 0.5, 2: 1.0}) and d["ci"][0] > 0.2
+    t975 = 0.95 / math.sqrt(2 * 0.975 * 0.025)
+    assert d["t_ci"] == pytest.approx((2 / 3 - t975 / 6, 2 / 3 + t975 / 6)) and d["t_ci"][0] < 0
+    assert d["verdict"] == "no difference detected at n = 3 runs x 10 tasks"
+    final_md = s.markdown[s.markdown.index("### Final checkpoint"):s.markdown.index("### Best checkpoint")]
+    assert ", t-interval [-0.05, +1.38] no difference detected at n = 3 runs x 10 tasks |" in final_md

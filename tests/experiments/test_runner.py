@@ -253,6 +253,10 @@ def test_summary_of_some_arms_uses_the_seeds_they_all_have(tmp_path, monkeypatch
     arm = {"overrides": ["--trainer.max_steps=2"]}
     path = spec(tmp_path, 0, arms={"a": arm, "b": arm, "c": arm}, contrasts=[["b", "a"], ["c", "a"]])
     Runner(load_experiment(path, results=tmp_path / "r"), cwd=ROOT, echo=lambda *_: None).run()
+    # compare.md merges one evaluate file per seed into each arm: the seeds are training runs (`compare` counts them
+    # because each arm comes from two files), so the run-level intervals are there
+    compare = (tmp_path / "r" / "exp" / "compare.md").read_text()
+    assert "2 runs x 4 tasks (training seeds 0, 1)" in compare and "95% t-interval over runs" in compare
     shutil.rmtree(tmp_path / "r" / "exp" / "c" / "seed1")  # c has not run seed 1 yet
     full = main([str(path), "--results", str(tmp_path / "r"), "--summary"])["summary"]
     assert "Seeds [0];" in full and "| c |" in full
