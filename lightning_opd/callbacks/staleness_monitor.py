@@ -129,7 +129,7 @@ class StalenessMonitor(Callback):
             every step (``RolloutDataModule.set_lag_bound``: lead ``min(producer_lead, max(0, Δ_max -
             weight_sync_interval + 1))``, §1.5.1); no effect in sync mode or with ``forced_lag``.
         fallback_freshness: async with ``producer_control``: after ``patience`` consecutive steps with f̄ below
-            it, generate synchronously (producer lag bound 0, Δ_max held at 1) until ``patience`` consecutive steps
+            it, generate synchronously (producer lag bound 0) until ``patience`` consecutive steps
             reach ``low_freshness`` (:class:`~lightning_opd.callbacks.lag_control.SyncFallback`, §1.5.1); ``None``:
             never. While it lasts, the batches already buffered are weighed by their freshness (M1/M2) like any
             others: the lag bound Δ_max is held at ``max(Δ_max, DataModule.max_allowed_lag)`` so that no buffered

@@ -59,7 +59,8 @@ from lightning_opd.losses.chunked import chunked_sampled_logprobs
 from lightning_opd.losses.divergences import FullVocabReverseKL, TokenDivergence, TokenLoss
 from lightning_opd.losses.grpo import ClippedSurrogate
 from lightning_opd.losses.freshness import NO_LAG, FreshnessWeighting
-from lightning_opd.losses.off_policy import OffPolicyConfig, TruncatedRatio, resolve_truncated_ratio
+from lightning_opd.losses.off_policy import (OffPolicyConfig, TruncatedRatio, is_sampled_token_estimator,
+                                             resolve_truncated_ratio)
 from lightning_opd.losses.turn_blend import TurnBlendWeighting
 from lightning_opd.metrics.turn_stats import TurnStats, per_turn_sums
 from lightning_opd.models.fsdp import with_root_params
@@ -309,7 +310,8 @@ class OPDModule(PolicyModule):
         requested, cap, key = cfg.truncated_ratio, cfg.ratio_cap, "model.init_args.off_policy.truncated_ratio"
         if self._ratio_override is not None:
             requested, cap, key = self._ratio_override
-        on = resolve_truncated_ratio(self.loss_fn, self.max_allowed_lag, requested, cfg.allow_uncorrected, key)
+        on = resolve_truncated_ratio(self.loss_fn, self.max_allowed_lag, requested, cfg.allow_uncorrected, key,
+                                     strict_lag=self.strict_on_policy)
         self.truncated_ratio = TruncatedRatio(cap) if on else None
         if self.uncorrected_off_policy:
             warnings.warn(f"{type(self.loss_fn).__name__} trains on batches up to {self.max_allowed_lag} versions old "
@@ -320,8 +322,8 @@ class OPDModule(PolicyModule):
     @property
     def uncorrected_off_policy(self) -> bool:
         """A sampled-token loss trains on possibly stale tokens without the ratio (the explicit opt-out)."""
-        return (self.truncated_ratio is None and getattr(self.loss_fn, "sampled_token_estimator", False)
-                and self.max_allowed_lag >= 1)
+        return (self.truncated_ratio is None and is_sampled_token_estimator(self.loss_fn)
+                and (self.max_allowed_lag >= 1 or not self.strict_on_policy))
 
     def check_behaviour_signal(self) -> None:
         """Refuse the stale (behaviour) signal where it has no meaning: a connected DataModule whose every batch
@@ -620,9 +622,10 @@ class OPDModule(PolicyModule):
         return torch.where(version >= 0, self.applied_lag(version), torch.full_like(version, NO_LAG))
 
     def applied_lag(self, behaviour_version: torch.Tensor) -> torch.Tensor:
-        """``(B,)`` long: optimizer updates applied between the weights of ``behaviour_version`` ``(B,)`` and the
-        learner's (PROPOSED, docs/algorithms.md §7.2: a version is an applied update): ``policy_version − b`` minus
-        the steps in ``(b, policy_version]`` whose every update was skipped (:attr:`skipped_versions`: non-finite,
+        """``(B,)`` long: policy versions that changed the weights between ``behaviour_version`` ``(B,)`` and the
+        learner (PROPOSED, docs/algorithms.md §7.2: a version is an applied update; a step with several updates, ATOD,
+        is one version when at least one was applied): ``policy_version − b`` minus the steps in
+        ``(b, policy_version]`` whose every update was skipped (:attr:`skipped_versions`: non-finite,
         all samples filtered), which published the same weights again. Clamped at 0."""
         lag = (self.policy_version - behaviour_version).clamp(min=0)
         if not self.skipped_versions:
@@ -851,7 +854,7 @@ class OPDModule(PolicyModule):
             out["train/off_policy_gap"] = kl - out["train/kl_k1"]
         if self.truncated_ratio is not None:
             total, clipped, n, weighted = (float(x) for x in self.reduce_sum(
-                torch.tensor(self.truncated_ratio.sums, dtype=torch.float64, device=self.device)))
+                self.truncated_ratio.step_sums(self.device)))
             n_step = max(n, 1.0)
             out.update({"train/ratio_mean": total / n_step, "train/ratio_clip_frac": clipped / n_step})
             if self.kl_metric == "kl":
@@ -872,7 +875,8 @@ class OPDModule(PolicyModule):
         AdamW's moments and step count and the LR stay as they are; Lightning still counts the step: ``global_step``,
         so ``max_steps`` ends the run):
 
-        * ``filtered``: the freshness filter kept no supervised token on any rank (§1.5);
+        * ``filtered``: no supervised token on any rank: the freshness filter kept none (§1.5), or the update had none
+          (an empty step; AdamW's moments would otherwise move the weights on zero gradients);
         * F28: this rank's ``loss`` or the global gradient norm is NaN/inf on any rank (one all-reduce, so every
           rank skips together), counted by :attr:`nonfinite`, which raises after ``max_nonfinite_steps`` in a row.
 
@@ -959,7 +963,7 @@ class OPDModule(PolicyModule):
                 part.loss_mask[:, 1:].sum().to(self.device))  # §0.5 per update: its own tokens
             sums, stats = self.backward_step(part, self.loss_denominator(part, part_tokens), self.manual_backward,
                                              self.trainer.world_size)
-            filtered = self.freshness is not None and self.freshness.config.filtering and int(part_tokens) == 0
+            filtered = int(part_tokens) == 0  # no supervised token on any rank (all filtered, or none): no update
             nonfinite = self.nonfinite.skipped
             norms.append(self.apply_update(opt, sched, sums["loss"], clip, filtered))
             if not filtered and self.nonfinite.skipped == nonfinite:
@@ -982,6 +986,8 @@ class OPDModule(PolicyModule):
         self.policy_version += 1
         if applied == 0:
             self.skipped_versions.append(int(self.policy_version))
+        if self.strict_on_policy:  # a batch is never older than max_allowed_lag iterations: older entries never count
+            self.skipped_versions = [v for v in self.skipped_versions if v > self.policy_version - self.max_allowed_lag]
         with record_function("opd.policy_push"):
             self._notify_policy_update()
         t2 = time.perf_counter()

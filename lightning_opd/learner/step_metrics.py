@@ -16,14 +16,14 @@ Metric glossary (logged every step):
 | ``train/supervised_tokens`` | tokens | per step, all ranks |
 | ``train/nonfinite_steps_skipped`` | optimizer updates | updates skipped so far in this fit (resumed runs included) because the loss or a gradient was not finite (F28) |
 | ``train/kl_k1`` | nats/token | mean over supervised tokens of the sampled-token estimate ``log p_S(a_t) - log p_T(a_t)`` at learner time |
-| ``train/off_policy_gap`` | nats/token | ``train/kl - train/kl_k1`` (a teacher with ``FULL_VOCAB``): the off-policy indicator, about 0 on-policy, growing with the drift between the sampling and the learning policy (docs/algorithms.md §7.1) |
+| ``train/off_policy_gap`` | nats/token | ``train/kl - train/kl_k1`` (a teacher with ``FULL_VOCAB``): the off-policy indicator, about 0 on-policy, growing with the drift between the sampling and the learning policy (docs/algorithms.md §7.1); not logged with a served teacher (no exact KL there: ``train/ratio_mean`` and ``rollout/lag_*`` are its signals) |
 | ``train/off_policy_gap_corrected`` | nats/token | with the truncated ratio on: ``train/kl`` minus the ratio-weighted estimate ``sum r_t k1_t / N`` |
 | ``train/ratio_mean``, ``train/ratio_clip_frac`` | -, fraction | with the truncated ratio on: mean ``sg(min(pi_old/pi_b, C))`` over the step's supervised tokens (all updates), share at the cap C |
 | ``train/truncated_ratio``, ``train/uncorrected_off_policy`` | 0/1 | the ratio is applied; a sampled-token loss trains on possibly stale tokens without it (``model.init_args.off_policy.allow_uncorrected``) |
 | ``train/applied_updates`` | optimizer updates | applied in the step (0: every update skipped; the step then ages no batch, §7.2) |
 | ``train/samples_per_update`` | episodes | samples with supervised tokens that reached an applied update's loss, per applied update (0 when none) |
 | ``rollout/*`` | see ``lightning_opd.rollout.batch.rollout_stats`` | per batch: means over all ranks' episodes (sums and counts reduced, F27); ``env_errors`` summed |
-| ``rollout/lag_max`` | applied updates | max over all ranks' batches of learner version - behaviour version, in optimizer updates applied between them (a step whose every update was skipped is not counted, docs/algorithms.md §7.2) |
+| ``rollout/lag_max`` | applied updates | max over all ranks' batches of learner version - behaviour version, counting only the steps that applied an update between them (a step whose every update was skipped is not counted, docs/algorithms.md §7.2) |
 | ``rollout/lag_mean``, ``rollout/lag_min`` | applied updates | mean / min over all ranks' episodes with a reply of the lag the step trains them at (learner version - the oldest version that played the episode); NaN when no episode has a reply |
 | ``rollout/producer_lead`` | policy versions | async only (``data.init_args.mode=async``): the producer lead in force when the step asked for its batch (the staleness monitor's producer-side control lowers it; 0 = synchronous fallback) |
 | ``timing/rollout_s``, ``timing/update_s`` | seconds | per step |

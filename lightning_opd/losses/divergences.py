@@ -51,7 +51,10 @@ class TokenDivergence(nn.Module):
         sampled_token_estimator: the per-token term is a sampled-token (policy-gradient) estimate, unbiased only on
             tokens drawn by the policy being trained: on stale tokens (lag >= 1) the learner applies the truncated
             importance ratio by default (:mod:`lightning_opd.losses.off_policy`, docs/algorithms.md §7.1). ``False``
-            for a loss that sums over the vocabulary or a top-k set at each visited state.
+            for a loss that sums over the vocabulary or a top-k set at each visited state. ``None`` (the default of a
+            subclass that does not say): derived from ``teacher_signal``, true exactly for ``SAMPLED_TOKEN`` (a loss
+            that reads only the teacher's log-prob of the sampled token can only be a sampled-token estimate), so a
+            new loss of that kind is corrected on stale tokens without having to declare it.
 
     Two paths, the same objective:
 
@@ -72,7 +75,7 @@ class TokenDivergence(nn.Module):
     """
 
     teacher_signal: ClassVar[TeacherSignal] = TeacherSignal.FULL_VOCAB
-    sampled_token_estimator: ClassVar[bool] = False
+    sampled_token_estimator: ClassVar[bool | None] = None
 
     def __init__(self, chunk_size: int = 256) -> None:
         super().__init__()

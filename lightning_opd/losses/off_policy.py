@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_opd.losses.base import TeacherSignal
+
 
 class UncorrectedOffPolicyError(ValueError):
     """A sampled-token loss would train on tokens of an older policy without the importance ratio."""
@@ -40,6 +42,9 @@ class OffPolicyConfig:
             vanilla-async baseline of an ablation). Logged every step as ``train/uncorrected_off_policy`` = 1 and
             warned about at setup.
 
+    A ``StalenessMonitor`` whose ``freshness.truncated_ratio`` is set (not ``null``) replaces ``truncated_ratio`` and
+    ``ratio_cap`` here (``OPDModule.configure_freshness``); ``allow_uncorrected`` is read only here.
+
     Raises:
         ValueError: ``ratio_cap <= 0`` (naming ``model.init_args.off_policy.ratio_cap``).
     """
@@ -56,12 +61,16 @@ class OffPolicyConfig:
 
 def is_sampled_token_estimator(loss) -> bool:
     """Whether ``loss``'s per-token term is a sampled-token (policy-gradient) estimator, whose value at tokens of an
-    older policy needs the importance ratio (its class attribute ``sampled_token_estimator``; §7.1)."""
-    return bool(getattr(loss, "sampled_token_estimator", False))
+    older policy needs the importance ratio (§7.1): its class attribute ``sampled_token_estimator``, or when that is
+    ``None`` (not declared) whether its ``teacher_signal`` is ``SAMPLED_TOKEN``."""
+    declared = getattr(loss, "sampled_token_estimator", None)
+    if declared is not None:
+        return bool(declared)
+    return getattr(loss, "teacher_signal", None) == TeacherSignal.SAMPLED_TOKEN
 
 
 def resolve_truncated_ratio(loss, max_lag: int, requested: bool | None, allow_uncorrected: bool,
-                            key: str = "model.init_args.off_policy.truncated_ratio") -> bool:
+                            key: str = "model.init_args.off_policy.truncated_ratio", strict_lag: bool = True) -> bool:
     """Whether the learner applies the truncated ratio (PROPOSED, docs/algorithms.md §7.1).
 
     Args:
@@ -70,6 +79,8 @@ def resolve_truncated_ratio(loss, max_lag: int, requested: bool | None, allow_un
         requested: the setting (``None``: auto, on exactly for a sampled-token loss at ``max_lag >= 1``).
         allow_uncorrected: the explicit opt-out (``model.init_args.off_policy.allow_uncorrected``).
         key: the configuration key that said ``requested`` (named in the error).
+        strict_lag: batches are refused beyond ``max_lag`` (the learner's ``strict_on_policy``); ``False``: any batch
+            may be stale, so a sampled-token loss is treated as at lag >= 1 whatever ``max_lag``.
 
     Returns:
         ``True`` when the ratio is applied.
@@ -79,6 +90,7 @@ def resolve_truncated_ratio(loss, max_lag: int, requested: bool | None, allow_un
             opt-out; the message names the loss, the lag and the keys.
     """
     sampled = is_sampled_token_estimator(loss)
+    max_lag = max_lag if strict_lag else max(max_lag, 1)
     if requested is None:
         return sampled and max_lag >= 1
     if not requested and sampled and max_lag >= 1 and not allow_uncorrected:
@@ -110,11 +122,12 @@ class TruncatedRatio:
         if not cap > 0:
             raise ValueError(f"truncated ratio cap {cap} must be > 0")
         self.cap = float(cap)
-        self._sums = [0.0, 0.0, 0.0, 0.0]  # this step, this rank: sum of ratios, clipped tokens, tokens, sum r * k1
+        self._sums: torch.Tensor | None = None  # (4,) fp64 on the tokens' device, this step and rank: sum of ratios,
+        # clipped tokens, tokens, sum r * k1 (summed on the device: no host sync per micro-batch)
 
     def start_step(self) -> None:
         """Reset the step's statistics (before the first micro-batch)."""
-        self._sums = [0.0, 0.0, 0.0, 0.0]
+        self._sums = None
 
     def token_weights(self, old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
                       estimate: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,16 +142,21 @@ class TruncatedRatio:
                 ratio-weighted sum enters :attr:`sums` (the corrected off-policy indicator); ``None``: not summed.
         """
         ratio = torch.exp(old_logprobs.detach() - behaviour_logprobs.detach()).clamp(max=self.cap)
-        m = mask > 0
-        self._sums[0] += float(ratio[m].sum())
-        self._sums[1] += float((ratio[m] >= self.cap).sum())
-        self._sums[2] += float(m.sum())
-        if estimate is not None:
-            self._sums[3] += float((ratio[m] * estimate.detach()[m].to(ratio)).sum())
+        m = (mask > 0).to(torch.float64)
+        r = ratio.double()
+        weighted = (r * estimate.detach().double() * m).sum() if estimate is not None else r.new_zeros(())
+        step = torch.stack([(r * m).sum(), ((r >= self.cap) * m).sum(), m.sum(), weighted])
+        self._sums = step if self._sums is None else self._sums + step
         return ratio
+
+    def step_sums(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """This rank's ``(4,)`` fp64 ``(sum of ratios, clipped tokens, supervised tokens, sum of ratio x estimate)``
+        since :meth:`start_step`, on ``device`` (zeros when no micro-batch was weighted), to be reduced over ranks
+        before dividing (F27)."""
+        sums = self._sums if self._sums is not None else torch.zeros(4, dtype=torch.float64)
+        return sums.to(device) if device is not None else sums
 
     @property
     def sums(self) -> tuple[float, float, float, float]:
-        """This rank's ``(sum of ratios, clipped tokens, supervised tokens, sum of ratio x estimate)`` since
-        :meth:`start_step` (reduced over ranks before dividing, F27)."""
-        return tuple(float(x) for x in self._sums)
+        """:meth:`step_sums` as plain numbers (one host sync)."""
+        return tuple(float(x) for x in self.step_sums("cpu"))

@@ -5,6 +5,8 @@ per update logged every step."""
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import pytest
 import torch
@@ -139,14 +141,16 @@ def test_a_skipped_step_ages_no_batch_and_survives_a_checkpoint(model_dirs):
     with pytest.warns(UserWarning, match="update skipped"):
         _fit(model, _dm(forced_lag=2), 5, [NaNAt({1}), logged])
     assert [s["rollout/lag_max"] for s in logged.steps] == [0.0, 1.0, 1.0, 1.0, 2.0]
-    assert model.skipped_versions == [2]
     assert [s["train/applied_updates"] for s in logged.steps] == [1.0, 0.0, 1.0, 1.0, 1.0]
     assert [s["train/samples_per_update"] for s in logged.steps] == [2.0, 0.0, 2.0, 2.0, 2.0]
+    # version 2 no longer counts for any batch the learner can get (at most 2 iterations old at version 5): pruned
+    assert model.policy_version == 5 and model.skipped_versions == []
+    model.skipped_versions = [4]
     checkpoint: dict = {}
     model.on_save_checkpoint(checkpoint)
     other = _opd(model_dirs, FullVocabReverseKL())
     other.on_load_checkpoint(checkpoint)
-    assert other.skipped_versions == [2]
+    assert other.skipped_versions == [4]
 
 
 # ------------------------------------------------------------------------------------- defect 6: the indicator
@@ -161,18 +165,53 @@ def test_off_policy_indicator_from_hand_made_sums(model_dirs):
                                  "train/uncorrected_off_policy": 0.0, "train/applied_updates": 1.0,
                                  "train/samples_per_update": 4.0})
     model.truncated_ratio = TruncatedRatio()
-    model.truncated_ratio._sums = [3.5, 1.0, 3.0, 2.0]
+    model.truncated_ratio._sums = torch.tensor([3.5, 1.0, 3.0, 2.0], dtype=torch.float64)
     out = model.off_policy_step_metrics(sums, torch.tensor(4.0), 1, applied=0, used=0)
     assert out["train/ratio_mean"] == pytest.approx(3.5 / 3) and out["train/ratio_clip_frac"] == pytest.approx(1 / 3)
     assert out["train/off_policy_gap_corrected"] == pytest.approx(0.75 - 2.0 / 3)
     assert out["train/samples_per_update"] == 0.0 and out["train/truncated_ratio"] == 1.0
 
 
-def test_the_indicator_is_about_zero_at_lag_zero_with_an_exact_behaviour(model_dirs):
+def test_at_lag_zero_every_ratio_is_one_and_the_corrected_gap_equals_the_plain_one(model_dirs):
     """Synchronous HF sampling at temperature 1: π_b = π_θ, so every ratio is 1 (to rounding) when the ratio is forced
-    on, and the corrected and plain gaps are equal."""
+    on, and the corrected and plain gaps are equal (their size is sampling noise on these tiny random models)."""
     model, logged = _opd(model_dirs, SampledTokenReverseKL(), off_policy=OffPolicyConfig(truncated_ratio=True)), Logged()
     _fit(model, _dm(), 2, [logged])
     for step in logged.steps:
         assert step["train/ratio_mean"] == pytest.approx(1.0, abs=1e-4) and step["train/ratio_clip_frac"] == 0.0
         assert step["train/off_policy_gap_corrected"] == pytest.approx(step["train/off_policy_gap"], abs=1e-3)
+
+
+class FixedTokenLoss(OPDModule):
+    """Every supervised token's loss is 1 and its learner log-prob ``-1 + log(ratio of its row)`` (behaviour -1)."""
+
+    def __init__(self, *a, ratios, **k):
+        super().__init__(*a, **k)
+        self.ratios = torch.tensor(ratios)
+
+    def token_losses(self, batch):
+        from lightning_opd.losses.base import TokenLoss
+
+        mask = batch.loss_mask[:, 1:]
+        student = (-1.0 + self.ratios.log()[:, None]) * mask
+        zeros = torch.zeros_like(mask)
+        return TokenLoss(loss=mask.clone().requires_grad_(), kl=zeros, student_logprobs=student,
+                         teacher_logprobs=zeros, entropy=zeros), mask, batch.turn_index[:, 1:]
+
+
+@pytest.mark.parametrize("on, expected", [(True, (4 * 1.5 + 4 * 2.0) / 8), (False, 1.0)])
+def test_a_ratio_other_than_one_scales_the_step_loss(model_dirs, on, expected):
+    """Two rows of 4 supervised tokens at lag 1, pi_old/pi_b = 1.5 and 3 (capped at C = 2): the step loss (§0.5, the
+    mean over the step's 8 tokens of r_t * l_t with l_t = 1) is (4 x 1.5 + 4 x 2) / 8 = 1.75 with the ratio, 1 without."""
+    from tests.losses.test_freshness import _batch
+
+    model = FixedTokenLoss(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=SampledTokenReverseKL(),
+                           micro_batch_size=2, ratios=[1.5, 3.0], log_text_every_n_steps=0)
+    model.truncated_ratio = TruncatedRatio(2.0) if on else None
+    batch, _ = _batch(lags=[1, 1], groups=[0, 1], drift=[0.0, 0.0], version=5)
+    sums, _ = model.backward_step(batch, torch.tensor(8.0), lambda loss: None)
+    assert float(sums["loss"]) == pytest.approx(expected)
+    if on:
+        # ratios 1.5 x4, 2 x4 (clipped); k1 = log p_S - log p_T = -1 + log r (teacher 0)
+        weighted = 4 * 1.5 * (-1 + math.log(1.5)) + 4 * 2.0 * (-1 + math.log(3.0))
+        assert model.truncated_ratio.sums == pytest.approx((8 * 1.75, 4.0, 8.0, weighted), rel=1e-6)

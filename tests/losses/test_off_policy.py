@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_opd.losses import (ClippedSurrogate, FullVocabReverseKL, SampledTokenReverseKL,
+from lightning_opd.losses import (ClippedSurrogate, FullVocabReverseKL, SampledTokenReverseKL, TeacherSignal,
                                   TeacherTopKRenormalizedReverseKL)
 from lightning_opd.losses.off_policy import (OffPolicyConfig, TruncatedRatio, UncorrectedOffPolicyError,
                                              is_sampled_token_estimator, resolve_truncated_ratio)
@@ -34,6 +34,20 @@ def test_which_losses_are_sampled_token_estimators():
     assert is_sampled_token_estimator(ClippedSurrogate())
     assert not is_sampled_token_estimator(FullVocabReverseKL())
     assert not is_sampled_token_estimator(TeacherTopKRenormalizedReverseKL(k=4))
+
+    class NewSampledLoss(FullVocabReverseKL):  # a new loss that reads only log p_T(a_t) and declares nothing
+        teacher_signal = TeacherSignal.SAMPLED_TOKEN
+
+    class NewTopKLoss(FullVocabReverseKL):
+        teacher_signal = TeacherSignal.TOP_K
+
+    assert is_sampled_token_estimator(NewSampledLoss()) and not is_sampled_token_estimator(NewTopKLoss())
+
+
+def test_a_learner_that_accepts_any_lag_treats_a_sampled_token_loss_as_stale():
+    """``strict_on_policy=false``: batches are not refused beyond max_allowed_lag, so any batch may be stale."""
+    assert resolve_truncated_ratio(SampledTokenReverseKL(), 0, None, False, strict_lag=False) is True
+    assert resolve_truncated_ratio(FullVocabReverseKL(), 0, None, False, strict_lag=False) is False
 
 
 @pytest.mark.parametrize("loss, max_lag, expected", [
