@@ -153,7 +153,8 @@ class TruncatedRatio:
         """This rank's ``(4,)`` fp64 ``(sum of ratios, clipped tokens, supervised tokens, sum of ratio x estimate)``
         since :meth:`start_step`, on ``device`` (zeros when no micro-batch was weighted), to be reduced over ranks
         before dividing (F27)."""
-        sums = self._sums if self._sums is not None else torch.zeros(4, dtype=torch.float64)
+        sums = self._sums.clone() if self._sums is not None else torch.zeros(4, dtype=torch.float64)  # a copy: an
+        # all-reduce works in place, and these are this rank's sums
         return sums.to(device) if device is not None else sums
 
     @property

@@ -25,6 +25,8 @@ def test_ratio_is_capped_detached_and_its_statistics_are_over_the_mask():
     # ratios 1, 2 (clipped), 0.5 over 3 tokens; sum r * k1 = 0.2 + 2.0 - 0.2 = 2.0
     total, clipped, n, weighted = ratio.sums
     assert (total, clipped, n) == (3.5, 1.0, 3.0) and weighted == pytest.approx(2.0)
+    ratio.step_sums().mul_(2)  # what an in-place all-reduce does to the tensor it is given: not this rank's sums
+    assert ratio.sums[:3] == (3.5, 1.0, 3.0)
     ratio.start_step()
     assert ratio.sums == (0.0, 0.0, 0.0, 0.0)
 
