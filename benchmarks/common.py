@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lightning_opd.files import write_text_atomic
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -25,9 +27,7 @@ class ResultFile:
 
     def put(self, key: str, value) -> None:
         self.data[key] = value
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
-        tmp.replace(self.path)  # atomic: a crash leaves the previous file
+        write_text_atomic(self.path, json.dumps(self.data, indent=1, sort_keys=True))  # a crash leaves the previous file
 
 
 def add_artifact_args(parser, games: str = "artifacts/games/quest3") -> None:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS
+from lightning_opd.files import write_text_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 LOPD = [sys.executable, "-m", "lightning_opd"]
@@ -55,9 +56,7 @@ def fit_seed(seed: int, out: Path, models: Path) -> dict:
         subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
                        env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
     record = {"seed": seed, "student": str(export), "fit_seconds": round(time.time() - t0, 1), "command": cmd[2:]}
-    tmp = done.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(done)
+    write_text_atomic(done, json.dumps(record, indent=1))
     return record
 
 

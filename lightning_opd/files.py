@@ -1,7 +1,8 @@
 """Files written whole or not at all (F16): exported models, generated data sets.
 
-Shared by :mod:`lightning_opd.models` (model export) and :mod:`lightning_opd.envs` (generated games and
-knowledge bases), below both in the package layers.
+Shared by :mod:`lightning_opd.models` (model export), :mod:`lightning_opd.envs` (generated games and
+knowledge bases) and every result file (:func:`write_text_atomic`: evaluation JSON, experiment records and summaries),
+below all of them in the package layers.
 """
 
 from __future__ import annotations
@@ -40,6 +41,25 @@ def write_dir_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` whole or not at all: into a temporary sibling ``.<name>.<pid>.tmp``, flushed and
+    ``fsync``-ed, then renamed over ``path`` (a reader sees the previous file or the new one, never half of one).
+    Creates the parent folders. Returns ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        OSError: the folder cannot be created or written; ``path`` is left as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return path
 
 
 def json_safe(x):

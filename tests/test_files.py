@@ -14,3 +14,13 @@ def test_json_safe_writes_non_finite_floats_as_null_at_any_depth():
 
 def test_json_safe_leaves_finite_values_unchanged():
     assert json_safe({"a": [1.25, 0, True, None]}) == {"a": [1.25, 0, True, None]}
+
+
+def test_write_text_atomic_creates_folders_replaces_whole_and_leaves_no_temporary(tmp_path):
+    from lightning_opd.files import write_text_atomic
+
+    path = tmp_path / "a" / "b" / "out.json"
+    assert write_text_atomic(path, "first") == path
+    write_text_atomic(str(path), "second")
+    assert path.read_text() == "second"
+    assert [p.name for p in path.parent.iterdir()] == ["out.json"]

@@ -73,6 +73,8 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
+from lightning_opd.files import write_text_atomic
+
 Key = tuple[str, Hashable]  # (task_id, seed)
 
 #: metrics for which a lower value is the better one (all others: higher is better)
@@ -633,9 +635,5 @@ def main(argv: list[str] | None = None) -> Comparison:
                             "(LABEL=run0.json,run1.json,...), or pass --runs seed.")
     print(result.to_markdown(digits=3 if metric == "kl" else 2))
     if a.json:
-        out = Path(a.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result.to_dict(), indent=1))
-        tmp.replace(out)
+        write_text_atomic(a.json, json.dumps(result.to_dict(), indent=1))
     return result

@@ -73,7 +73,7 @@ from typing import Sequence
 
 import torch
 
-from lightning_opd.files import json_safe
+from lightning_opd.files import json_safe, write_text_atomic
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
 from lightning_opd.rollout.session import RolloutSession
 from lightning_opd.rollout.generator import Generator, SamplingParams
@@ -506,19 +506,8 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
         backends.close()
     result["engine_starts"] = backends.engine_starts
     if out is not None:
-        write_json_atomic(out, result)
+        write_text_atomic(out, json.dumps(json_safe(result), indent=1))  # non-finite floats as null
     return result
-
-
-def write_json_atomic(path: str | os.PathLike, data: dict) -> Path:
-    """Write ``data`` as JSON to ``path`` through a temporary file and a rename (never half-written).
-    Non-finite floats are written as ``null``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(json_safe(data), indent=1))
-    tmp.replace(path)
-    return path
 
 
 def format_summary(result: dict) -> str:

@@ -35,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from lightning_opd.files import write_text_atomic
 from lightning_opd.rollout.batch import collate_trajectories
 from lightning_opd.losses.divergences import FullVocabReverseKL
 from lightning_opd.models.fsdp import with_root_params
@@ -102,12 +103,9 @@ def load_cached(path: Path, key: dict) -> list[Trajectory] | None:
 
 
 def save_cached(path: Path, key: dict, trajectories: Sequence[Trajectory]) -> Path:
-    """Write the cache file atomically (temporary file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": CACHE_FORMAT, "key": key, "trajectories": [asdict(t) for t in trajectories]}))
-    tmp.replace(path)
-    return path
+    """Write the cache file atomically (:func:`~lightning_opd.files.write_text_atomic`)."""
+    data = {"format": CACHE_FORMAT, "key": key, "trajectories": [asdict(t) for t in trajectories]}
+    return write_text_atomic(path, json.dumps(data))
 
 
 def play_greedy(loop: AgentLoop, tasks: Sequence[str], max_turns: int, max_new_tokens: int,

@@ -17,13 +17,12 @@ final step's checkpoint when the fit stops between two checkpoint steps.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any, Sequence
 
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 
 from lightning_opd.experiments.marks import check_at_seconds
+from lightning_opd.files import write_text_atomic
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -127,8 +126,4 @@ class StepCheckpoint(ModelCheckpoint):
     def _write_marks(self, trainer) -> None:
         if not self.at_seconds or self.marks_file is None or not trainer.is_global_zero:
             return
-        path = Path(self.marks_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"marks": self.marks_record()}, indent=1))
-        tmp.replace(path)
+        write_text_atomic(self.marks_file, json.dumps({"marks": self.marks_record()}, indent=1))

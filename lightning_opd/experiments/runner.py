@@ -105,6 +105,7 @@ import yaml
 
 from lightning_opd.cpu_isa import cpu_name  # imports torch only to pin
 from lightning_opd.evaluation.curves import check_contrasts  # numpy and yaml only, no torch
+from lightning_opd.files import write_text_atomic
 from lightning_opd.experiments.marks import MARKS_FILE, check_at_seconds, mark_steps, read_marks  # pure Python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -288,17 +289,6 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
 
 
 # --------------------------------------------------------------------------------------------- files
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, ``fsync`` and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
 def files_sha256(path: Path) -> str:
     """sha256 over a model directory's files (relative names and contents, sorted by name) or one file.
 
@@ -454,7 +444,7 @@ class Runner:
             t_fit = time.time()  # the fit process alone (not the config resolution nor the start's evaluation)
             if _run(cmd, d / "fit.log", self.cwd) != 0:
                 raise RuntimeError(f"[{arm.name} seed {seed}] fit failed; see {d / 'fit.log'}")
-            write_atomic(d / "fit.done", json.dumps({"seconds": round(time.time() - t_fit, 1)}))
+            write_text_atomic(d / "fit.done", json.dumps({"seconds": round(time.time() - t_fit, 1)}))
         evals = self._evaluate(arm, seed, d, config)
         record = {"arm": arm.name, "seed": seed, "run_dir": str(d), "evaluations": [str(p) for p in evals],
                   "fit": json.loads((d / "fit.done").read_text()), "seconds_this_session": round(time.time() - t0, 1)}
@@ -462,7 +452,7 @@ class Runner:
             record["at_seconds"] = read_marks(d)  # kept after keep_checkpoints: false (also in the eval files)
         if start_sha256 is not None:
             record["start_sha256"] = start_sha256
-        write_atomic(marker, json.dumps(record, indent=1))
+        write_text_atomic(marker, json.dumps(record, indent=1))
         if not self.exp.keep_checkpoints:
             for sub in ("checkpoints", "student"):
                 shutil.rmtree(d / sub, ignore_errors=True)
@@ -490,7 +480,7 @@ class Runner:
             "model": {"init_args": {"export_dir": str(d / "student")}}}
         path = d / "runner_overlay.yaml"
         header = "# written by lightning_opd.experiments.runner: logs, checkpoints and export of this (arm, seed)\n"
-        write_atomic(path, header + yaml.safe_dump(overlay, sort_keys=False))
+        write_text_atomic(path, header + yaml.safe_dump(overlay, sort_keys=False))
         return path
 
     def _resolved_config(self, d: Path, base_cmd: list[str]) -> dict:
@@ -500,7 +490,7 @@ class Runner:
             if out.returncode != 0:
                 raise RuntimeError(f"the fit configuration does not parse:\n$ {' '.join(base_cmd)} --print_config\n"
                                    f"{out.stderr[-3000:]}")
-            write_atomic(path, out.stdout)
+            write_text_atomic(path, out.stdout)
         return yaml.safe_load(path.read_text()) or {}
 
     def _check_steps(self, config: dict, arm: Arm) -> None:
@@ -583,7 +573,7 @@ class Runner:
                                    "evaluation of it plays the recorded student's episodes, list its sha256 under "
                                    "\"equivalents\" in start.json with that evidence)")
         else:
-            write_atomic(record, json.dumps({"student": student, "sha256": digest, "cpu": cpu_name()}, indent=1))
+            write_text_atomic(record, json.dumps({"student": student, "sha256": digest, "cpu": cpu_name()}, indent=1))
         out = folder / f"seed{seed}" / "eval" / "step=0.json"
         if not out.is_file():
             self.echo(f"[start seed {seed}] evaluate {student}")
@@ -630,7 +620,7 @@ class Runner:
                 data = json.loads(out.read_text())
                 if data.get("at_seconds") != at.get(step, []):
                     data["at_seconds"] = at.get(step, [])
-                    write_atomic(out, json.dumps(data, indent=1))
+                    write_text_atomic(out, json.dumps(data, indent=1))
         return outs
 
     def summarise(self, done: dict) -> str | None:
@@ -649,8 +639,8 @@ class Runner:
             self.echo(f"no comparison: {err}")
             return None
         text = result.to_markdown()
-        write_atomic(self.exp.root / "compare.json", json.dumps(result.to_dict(), indent=1))
-        write_atomic(self.exp.root / "compare.md", text + "\n")
+        write_text_atomic(self.exp.root / "compare.json", json.dumps(result.to_dict(), indent=1))
+        write_text_atomic(self.exp.root / "compare.md", text + "\n")
         self.echo(text)
         self.summarise_curves()
         return text
@@ -693,8 +683,8 @@ class Runner:
         checks = validity_table(self.exp.root, names, self.exp.seeds, max_cap=self.exp.validity_max_cap)
         if checks is not None:  # runs with the rollout-depth controller: its validity checks beside the tables
             summary = Summary(summary.markdown + "\n\n" + checks[0], {**summary.data, "rollout_validity": checks[1]})
-        write_atomic(self.exp.root / f"{stem}.md", summary.markdown + "\n")
-        write_atomic(self.exp.root / f"{stem}.json", summary.to_json())
+        write_text_atomic(self.exp.root / f"{stem}.md", summary.markdown + "\n")
+        write_text_atomic(self.exp.root / f"{stem}.json", summary.to_json())
         self.echo(summary.markdown)
         return summary.markdown
 
