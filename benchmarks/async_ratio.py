@@ -53,7 +53,7 @@ def run_row(run_dir: Path, arm: str, seed: int, kl_start: float | None) -> dict:
     Raises:
         FileNotFoundError: no evaluation under ``run_dir/eval``.
     """
-    from lightning_opd.report import read_scalars
+    from lightning_opd.analysis.report import read_scalars
 
     evaluations = sorted((run_dir / "eval").glob("step=*.json"), key=lambda p: int(p.stem.split("=")[1]))
     if not evaluations:

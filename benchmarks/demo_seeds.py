@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         evals.append(evaluate_student(f"seed{seed}", rec["student"], [seed], root / "eval" / f"seed{seed}.json",
                                       a.teacher))
     merged = ",".join(map(str, evals))
-    from lightning_opd.evaluation.compare import main as compare
+    from lightning_opd.analysis.compare import main as compare
     # the seeds as one arm: rate + CI over seeds (training runs), then tasks; the tasks-only CI beside it
     table = ["### greedy success, 50 held-out games x training seeds " + " ".join(map(str, a.seeds)),
              compare([f"student after (OPD, {len(a.seeds)} seeds)={merged}"]).to_markdown()]

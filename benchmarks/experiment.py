@@ -11,7 +11,7 @@ Summary so far (no fit, no evaluate): .venv/bin/python -m benchmarks.experiment 
 Results: benchmarks/results/<name>/<arm>/seed<k>/, benchmarks/results/<name>/compare.md (final checkpoints) and
 benchmarks/results/<name>/summary.md (learning curves against rollout iterations and training seconds,
 Same-Step, Least-Time, time to target, final and best checkpoint, per-turn KL by outcome;
-lightning_opd/evaluation/curves.py)
+lightning_opd/analysis/curves.py)
 """
 
 from __future__ import annotations

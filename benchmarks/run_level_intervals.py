@@ -7,7 +7,7 @@ seed's paired difference, the two-level bootstrap interval (runs, then tasks: :f
 compare.paired_bootstrap`, 10,000 resamples, generator seed 0), the t-interval over the per-run differences, the
 old one-level interval ("tasks only, runs fixed"), the old verdict (from the one-level interval), the verdict of the
 two-level interval alone (superseded: it undercovers with 2-3 runs) and the verdict, which needs both the two-level
-interval and the t-interval to exclude 0 (:func:`~lightning_opd.evaluation.compare.run_verdict`)::
+interval and the t-interval to exclude 0 (:func:`~lightning_opd.analysis.compare.run_verdict`)::
 
     .venv/bin/python -m benchmarks.run_level_intervals            # writes benchmarks/results/run_level_intervals.md
     .venv/bin/python -m benchmarks.run_level_intervals --rewrite  # and each experiment's compare.md and summary*.md
@@ -16,7 +16,7 @@ interval and the t-interval to exclude 0 (:func:`~lightning_opd.evaluation.compa
 final checkpoint, seeds merged: what the runner writes at the end) and ``summary*.md``/``summary*.json`` (the
 runner's ``--summary``, with ``--arms`` for the subsets the docs quote) of the experiments in :data:`REWRITE`.
 
-A claim selects each run's checkpoint the way its doc table did (:mod:`lightning_opd.evaluation.curves`: ``final``,
+A claim selects each run's checkpoint the way its doc table did (:mod:`lightning_opd.analysis.curves`: ``final``,
 ``best``, ``at:<seconds>``, ``least_time``, ``same_step``, over the arms ``over``) and compares ``a - b`` on one
 table (greedy success, Avg@k or the teacher-trajectory KL), or gives one arm's rate (``b`` ``None``), or ``a`` minus
 the teacher's greedy episodes (``b`` ``"teacher"``).
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from lightning_opd.evaluation import curves
-from lightning_opd.evaluation.compare import (Comparison, Key, load_arms, paired_bootstrap, tables_from_evaluation,
-                                              verdict)
+from lightning_opd.analysis import curves
+from lightning_opd.analysis.bootstrap import Comparison, Key, paired_bootstrap, verdict
+from lightning_opd.analysis.compare import load_arms, tables_from_evaluation
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -161,7 +161,7 @@ def _table(chosen: dict[int, curves.Point], table: str) -> dict[Key, float]:
 
 
 def evaluate_claim(claim: Claim) -> Comparison:
-    """The claim's :class:`~lightning_opd.evaluation.compare.Comparison` (reference first: ``b``, then ``a``), each
+    """The claim's :class:`~lightning_opd.analysis.compare.Comparison` (reference first: ``b``, then ``a``), each
     seed a training run (one evaluation file per run)."""
     if claim.experiment == "demo_seeds":
         return paired_bootstrap(_demo_seed_tables(claim.seeds), metric="success", runs="seed")
@@ -207,7 +207,7 @@ def report(claims: Sequence[Claim]) -> str:
              "when both the two-level interval and the t-interval exclude 0 (on the same side): with 2-3 runs the "
              "two-level bootstrap undercovers (a reviewer's simulation: 0.81 at 3 runs, 0.69 at 2, for a nominal "
              "95%, when the run-to-run variance dominates; the t-interval 0.95), and the t-interval leaves out the "
-             "variance of the shared task draw (lightning_opd/evaluation/compare.py). The column before it is the "
+             "variance of the shared task draw (lightning_opd/analysis/compare.py). The column before it is the "
              "verdict of the two-level interval alone (issue 58's first rule, superseded). For an arm's own rate "
              "the t-interval is over the per-run rates. Per seed: seeds in order (0, 1, 2). Teacher-trajectory KL "
              "in nats/token, lower is better.", "",

@@ -129,7 +129,7 @@ def run_validity(run_dir: str | Path) -> RunValidity:
         FileNotFoundError: no event file under ``run_dir``.
         KeyError: the logs hold no per-step lag (none of :data:`LAG_TAGS`) or no rollout totals.
     """
-    from lightning_opd.report import read_scalars
+    from lightning_opd.analysis.report import read_scalars
 
     series = read_scalars(run_dir)
     tag = next((t for t in LAG_TAGS if t in series), None)
@@ -207,7 +207,7 @@ def iteration_table(run_dir: str | Path, tags: Sequence[str] = ITERATION_TAGS) -
         FileNotFoundError: no event file under ``run_dir``.
         KeyError: the run logged none of ``tags``.
     """
-    from lightning_opd.report import read_scalars
+    from lightning_opd.analysis.report import read_scalars
 
     series = read_scalars(run_dir)
     present = [t for t in tags if t in series]

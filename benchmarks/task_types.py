@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from benchmarks.common import markdown_table
-from lightning_opd.evaluation.compare import paired_bootstrap
+from lightning_opd.analysis.bootstrap import paired_bootstrap
 
 SPLIT = re.compile(r"-(test|dev|train)-[^-]+$")
 

@@ -571,7 +571,7 @@ def _merge_adapter(argv: list[str]) -> None:
 
 
 def _results(argv: list[str]) -> None:
-    from lightning_opd.results import print_results
+    from lightning_opd.analysis.results import print_results
 
     p = argparse.ArgumentParser(prog="lightning-opd results",
                                 description="Print the last logged value of a metric for each run directory.")
@@ -585,7 +585,7 @@ def _results(argv: list[str]) -> None:
 
 
 def _report(argv: list[str]) -> None:
-    from lightning_opd.report import render_report
+    from lightning_opd.analysis.report import render_report
 
     p = argparse.ArgumentParser(prog="lightning-opd report",
                                 description="Draw a run's per-turn KL heat map, success, controller depth, freshness "
@@ -622,13 +622,13 @@ def _evaluate(argv: list[str]) -> None:
 
 
 def _compare(argv: list[str]) -> None:
-    from lightning_opd.evaluation.compare import main as compare_main
+    from lightning_opd.analysis.compare import main as compare_main
 
     compare_main(argv)
 
 
 def _calibrate_freshness(argv: list[str]) -> None:
-    from lightning_opd.evaluation.freshness_calibration import main as calibrate_main
+    from lightning_opd.analysis.freshness_calibration import main as calibrate_main
 
     calibrate_main(argv)
 

@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.losses import ClippedSurrogate
 from lightning_opd.learner import ATODModule, OPDModule
-from lightning_opd.report import read_scalars
+from lightning_opd.analysis.report import read_scalars
 from tests.helpers import KeywordEnvFactory
 
 # name -> (RolloutDataModule overrides, OPDModule overrides, supervised tokens expected)

@@ -9,7 +9,7 @@ What it teaches:
 * Every training step logs the per-turn reverse KL between student and teacher, ``kl/turn_00``,
   ``kl/turn_01``, ... (nats/token, token-weighted over the step's episodes; turns are zero-based).
   The script reads them back from the run's TensorBoard event files with
-  ``lightning_opd.report.read_scalars`` and prints the first and the last step side by side: OPD
+  ``lightning_opd.analysis.report.read_scalars`` and prints the first and the last step side by side: OPD
   drives the KL down, turn by turn.
 * Where to look next: ``tensorboard --logdir OUT`` and ``lightning-opd report RUN_DIR`` (a PNG/HTML
   picture of the run: KL heat map, success, controllers).
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a model hub
 
     from lightning_opd.cli import main as lightning_opd
-    from lightning_opd.report import read_scalars
+    from lightning_opd.analysis.report import read_scalars
 
     args = fit_args(out, a.tiny, a.steps)
     print("lightning-opd " + " ".join(args), flush=True)

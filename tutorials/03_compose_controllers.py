@@ -9,8 +9,8 @@ What it teaches:
   header says which combinations are valid and why.
 * Each controller logs under its own prefix: ``schedule/*`` (kappa, rho), ``controller/*`` (turn cap,
   H_eff, H_cov, H_bar, probe), ``staleness/*`` (lag, drifts, freshness, drops, lag bound). The
-  script prints the last value of each from the TensorBoard events (``lightning_opd.report.read_scalars``)
-  and draws the run with ``lightning_opd.report.render_report`` (the same as ``lightning-opd report RUN_DIR``).
+  script prints the last value of each from the TensorBoard events (``lightning_opd.analysis.report.read_scalars``)
+  and draws the run with ``lightning_opd.analysis.report.render_report`` (the same as ``lightning-opd report RUN_DIR``).
 
 Prerequisites: ``make model games teacher``.
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from lightning_opd.cli import main as lightning_opd
-    from lightning_opd.report import read_scalars, render_report
+    from lightning_opd.analysis.report import read_scalars, render_report
 
     args = fit_args(out, a.tiny)
     print("lightning-opd " + " ".join(args), flush=True)

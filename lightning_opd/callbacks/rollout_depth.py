@@ -45,7 +45,7 @@ Logged (``controller/``, every step):
 The cap each batch was played at and whether it was a probe batch are logged by the module with the batch's
 other statistics (``rollout/cap``, turns; ``rollout/is_probe``, fraction of the episodes;
 :func:`~lightning_opd.rollout.batch.rollout_stats`), beside its training success ``rollout/success``: the
-experiment summary's validity checks read them (:mod:`lightning_opd.evaluation.rollout_validity`).
+experiment summary's validity checks read them (:mod:`lightning_opd.analysis.rollout_validity`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Evaluation you can trust: ``lightning-opd evaluate`` (greedy success, Avg@k, teacher-trajectory KL of
-students or checkpoints, one JSON per run keyed by task and seed), ``lightning-opd compare`` (paired
-bootstrap confidence intervals) and the statistics over runs (:mod:`~lightning_opd.evaluation.curves`). The
-experiment runner that launches fits and evaluations is :mod:`lightning_opd.experiments`."""
+"""Playing and scoring episodes after training: ``lightning-opd evaluate`` (:mod:`~lightning_opd.evaluation.evaluate`:
+greedy success, Avg@k, teacher-trajectory KL of students or checkpoints, one JSON per run keyed by task and seed) and
+the teacher-trajectory KL it and the in-training callback share (:mod:`~lightning_opd.evaluation.teacher_kl`).
 
-from lightning_opd.evaluation.compare import Comparison, paired_bootstrap
-
-__all__ = ["Comparison", "paired_bootstrap"]
+The statistics over what it writes (paired bootstrap ``compare``, learning curves, validity checks, the run report)
+live in :mod:`lightning_opd.analysis`; the experiment runner that launches fits and evaluations is
+:mod:`lightning_opd.experiments`."""

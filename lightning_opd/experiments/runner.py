@@ -78,10 +78,10 @@ working on one experiment at once, and another (``<results>/.runner.lock``) two 
 root (training seconds are only comparable on cores nothing else uses). At the end, once every pair is done, the runner prints ``lightning-opd compare`` of the
 last evaluated checkpoint of every arm (all seeds merged, paired by (task, seed)) and writes it to
 ``<results>/<name>/compare.json``, then the summary over every evaluated checkpoint
-(:mod:`lightning_opd.evaluation.curves`: success vs rollout iterations and training seconds, Same-Step, Least-Time,
+(:mod:`lightning_opd.analysis.curves`: success vs rollout iterations and training seconds, Same-Step, Least-Time,
 time to target, final and best, the arms at each ``evaluate_at_seconds`` mark) to ``summary.md`` and
 ``summary.json``, with, for runs with TurnOPD's rollout-depth controller, its validity checks read from the fits'
-TensorBoard logs (:mod:`lightning_opd.evaluation.rollout_validity`). ``--summary`` writes that summary from what is evaluated so far.
+TensorBoard logs (:mod:`lightning_opd.analysis.rollout_validity`). ``--summary`` writes that summary from what is evaluated so far.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ from pathlib import Path
 import yaml
 
 from lightning_opd.cpu_isa import cpu_name  # imports torch only to pin
-from lightning_opd.evaluation.curves import check_contrasts  # numpy and yaml only, no torch
+from lightning_opd.analysis.curves import check_contrasts  # numpy and yaml only, no torch
 from lightning_opd.files import write_text_atomic
 from lightning_opd.experiments.marks import MARKS_FILE, check_at_seconds, mark_steps, read_marks  # pure Python
 
@@ -162,7 +162,7 @@ class Experiment:
             the arms at each mark. An arm's own ``evaluate_at_seconds`` wins (``[]``: none). ``[]`` (default):
             none, the overlay unchanged.
         validity_max_cap: turns: the bound of the rollout-depth validity check "mean cap over non-probe steps
-            <= this" (TurnOPD runs; :mod:`lightning_opd.evaluation.rollout_validity`); ``None``: the mean is
+            <= this" (TurnOPD runs; :mod:`lightning_opd.analysis.rollout_validity`); ``None``: the mean is
             reported without a verdict.
         seed_keys: config keys set to the seed besides ``--seed_everything``.
         results: results root (default ``benchmarks/results``).
@@ -626,7 +626,8 @@ class Runner:
     def summarise(self, done: dict) -> str | None:
         """Compare the arms on their last evaluated checkpoint, every seed merged (printed, and written
         to ``compare.json`` and ``compare.md``)."""
-        from lightning_opd.evaluation.compare import load_arm_sources, paired_bootstrap, runs_for_files
+        from lightning_opd.analysis.bootstrap import paired_bootstrap
+        from lightning_opd.analysis.compare import load_arm_sources, runs_for_files
 
         specs = []
         for arm in self.exp.arms:
@@ -646,7 +647,7 @@ class Runner:
         return text
 
     def summarise_curves(self, arms: list[str] | None = None) -> str | None:
-        """The summary over every evaluated checkpoint (:mod:`lightning_opd.evaluation.curves`), printed and
+        """The summary over every evaluated checkpoint (:mod:`lightning_opd.analysis.curves`), printed and
         written to ``summary.md`` and ``summary.json``; ``None`` (and a line saying why) when there is nothing to
         summarise yet.
 
@@ -657,8 +658,9 @@ class Runner:
         Raises:
             ValueError: an arm name the experiment does not have.
         """
-        from lightning_opd.evaluation.curves import Summary, load_runs, summarise  # numpy and yaml only, no torch
-        from lightning_opd.evaluation.rollout_validity import validity_table  # tensorboard's reader, no torch
+        from lightning_opd.analysis.curves import load_runs  # numpy and yaml only, no torch
+        from lightning_opd.analysis.summary import Summary, summarise
+        from lightning_opd.analysis.rollout_validity import validity_table  # tensorboard's reader, no torch
 
         names = [a.name for a in self.exp.arms]
         stem = "summary"

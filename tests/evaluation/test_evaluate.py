@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lightning_opd.cli import main
-from lightning_opd.evaluation.compare import load_arms, paired_bootstrap
+from lightning_opd.analysis.bootstrap import paired_bootstrap
+from lightning_opd.analysis.compare import load_arms
 from lightning_opd.evaluation.evaluate import EvalSettings, evaluate, parse_student
 from lightning_opd.models.loading import load_causal_lm, save_hf_atomic
 from tests.helpers import make_model

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from lightning_opd.callbacks.annealing import AnnealingSchedule
-from lightning_opd.evaluation.curves import updates_per_batch
+from lightning_opd.analysis.curves import updates_per_batch
 from lightning_opd.experiments.runner import load_experiment
 from tests.experiments.arm_configs import resolved_arms
 from lightning_opd.losses import EpisodeReward

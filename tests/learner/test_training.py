@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.learner import OffPolicyBatchError, OPDModule
-from lightning_opd.report import read_scalars
+from lightning_opd.analysis.report import read_scalars
 from tests.helpers import KeywordEnvFactory
 
 
@@ -99,7 +99,7 @@ def test_per_turn_keys_are_rewritten_when_a_turn_is_no_longer_reached(model_dirs
     reached and step 1 did not must log NaN KL and 0 survivors at step 1, not step 0's values again. The tiny
     random student's replies are invalid actions, which do not end an episode: both episodes of step 0 play
     all 3 turns, both of step 1 play 1."""
-    from lightning_opd.report import read_scalars
+    from lightning_opd.analysis.report import read_scalars
 
     model = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"], max_logged_turns=4)
     logger = TensorBoardLogger(str(tmp_path), name="run")

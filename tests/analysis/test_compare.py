@@ -1,4 +1,4 @@
-"""Paired bootstrap (lightning_opd.evaluation.compare): hand-worked intervals, the documented resampling (one level
+"""Paired bootstrap (lightning_opd.analysis.compare): hand-worked intervals, the documented resampling (one level
 over tasks; two levels over training runs, then tasks, ../shared/docs/algorithms.md §7.3), the t-interval over
 runs, verdict strings, pairing errors and the ``lightning-opd compare`` command."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from lightning_opd.cli import main as cli_main
-from lightning_opd.evaluation.compare import (load_arm_sources, load_arms, main as compare_main, paired_bootstrap,
-                                              run_verdict, runs_for_files, t_interval, verdict)
+from lightning_opd.analysis.bootstrap import paired_bootstrap, run_verdict, t_interval, verdict
+from lightning_opd.analysis.compare import load_arm_sources, load_arms, main as compare_main, runs_for_files
 
 
 def table(values: dict[str, list[float]]) -> dict[tuple[str, int], float]:

@@ -1,4 +1,4 @@
-"""TurnOPD's validity checks (lightning_opd/evaluation/rollout_validity.py) on tiny TensorBoard event files written
+"""TurnOPD's validity checks (lightning_opd/analysis/rollout_validity.py) on tiny TensorBoard event files written
 here, with the expected means worked out by hand in the comments."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from lightning_opd.evaluation.rollout_validity import read_step_scalars, run_validity, validity_table
+from lightning_opd.analysis.rollout_validity import read_step_scalars, run_validity, validity_table
 
 
 def write_run(log_dir, steps, tags=("rollout/is_probe", "rollout/cap", "rollout/success"), age=0):

@@ -11,9 +11,9 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_opd.cli import main
-from lightning_opd.report import baseline_value, kl_matrix, panels, read_scalars, render_report
+from lightning_opd.analysis.report import baseline_value, kl_matrix, panels, read_scalars, render_report
 
-RECORDED = Path(__file__).parent / "fixtures" / "recorded_run"
+RECORDED = Path(__file__).parents[1] / "fixtures" / "recorded_run"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

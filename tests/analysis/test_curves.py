@@ -1,4 +1,4 @@
-"""The experiment summary (lightning_opd/evaluation/curves.py): Same-Step and Least-Time selection, time to a
+"""The experiment summary (lightning_opd/analysis/curves.py): Same-Step and Least-Time selection, time to a
 target, final vs best checkpoint and the per-turn KL by outcome, on hand-made checkpoints whose answers are
 worked out in the comments."""
 
@@ -10,8 +10,9 @@ import math
 import pytest
 import yaml
 
-from lightning_opd.evaluation.curves import (Point, best, final, least_time, load_runs, per_turn_kl, same_step,
-                                             summarise, time_to_target, updates_per_batch)
+from lightning_opd.analysis.curves import (Point, best, final, least_time, load_runs, per_turn_kl, same_step,
+                                             time_to_target, updates_per_batch)
+from lightning_opd.analysis.summary import summarise
 
 
 def point(arm, seed, iteration, seconds, wins, sampled=None, own_kl=None):
@@ -137,7 +138,7 @@ def test_summary_tables_and_values():
 def test_avg_at_k_compares_only_the_arms_that_sampled():
     """An experiment may sample (Avg@k) only some arms' finals: those arms are compared among themselves, the first
     of them the reference; an arm without samples reads "-" and does not hide the others' Avg@k."""
-    from lightning_opd.evaluation.curves import selection_table
+    from lightning_opd.analysis.summary import selection_table
     sel = {"a": {0: point("a", 0, 4, 10, [0, 0, 0, 0])},                                  # no samples
            "b": {0: point("b", 0, 4, 10, [1, 0, 0, 0], sampled=[0.5, 0.25, 0.0, 0.0])},   # Avg@k 0.75 / 4
            "c": {0: point("c", 0, 4, 10, [1, 1, 0, 0], sampled=[1.0, 0.5, 0.25, 0.0])}}   # Avg@k 1.75 / 4

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from lightning_opd.cli import main
-from lightning_opd.evaluation.freshness_calibration import calibrate
+from lightning_opd.analysis.freshness_calibration import calibrate
 
 
 def _write(path, rows):

@@ -1,5 +1,5 @@
 """``lightning-opd results``: the last logged value of a metric per run, read back from its TensorBoard event
-files (:func:`lightning_opd.report.read_scalars`)."""
+files (:func:`lightning_opd.analysis.report.read_scalars`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def print_results(runs: list[str], metric: str = "val/success") -> None:
         FileNotFoundError: a run directory is missing or holds no event files (before anything is printed).
         KeyError: no run logged ``metric`` (misspelled?); the message lists the closest logged tags.
     """
-    from lightning_opd.report import read_scalars
+    from lightning_opd.analysis.report import read_scalars
 
     count_tag = metric.rsplit("/", 1)[0] + "/episodes"
     parsed = []
