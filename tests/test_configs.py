@@ -349,7 +349,7 @@ def check_self_distill(cli, tmp):
 def check_opd_remote(cli, tmp):
     from lightning_opd.teachers import RemoteTeacher
 
-    assert isinstance(cli.model.teacher_scorer, RemoteTeacher) and not cli.model.teacher_scorer._loaded
+    assert isinstance(cli.model.teacher_scorer, RemoteTeacher) and not cli.model.teacher_scorer.pool.connected
 
 
 EXPECT = {"textworld/self_distill.yaml": check_self_distill, "textworld/opd_remote.yaml": check_opd_remote,

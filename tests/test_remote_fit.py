@@ -74,8 +74,8 @@ def test_the_shipped_remote_config_builds_without_a_server(model_dirs, games_dir
                        "--model.init_args.export_dir=export"], run=False)
     teacher = cli.model.teacher_scorer
     assert isinstance(teacher, RemoteTeacher) and teacher.urls == ["http://127.0.0.1:8001"]
-    assert not teacher._loaded and teacher.model is None  # nothing asked of the (absent) server yet
-    assert (teacher.clients[0].timeout_s, teacher.clients[0].retries, teacher.heartbeat_s) == (120.0, 2, 30.0)
+    assert not teacher.pool.connected and teacher.model is None  # nothing asked of the (absent) server yet
+    assert (teacher.clients[0].timeout_s, teacher.clients[0].retries, teacher.pool.heartbeat_s) == (120.0, 2, 30.0)
     assert type(cli.model.loss_fn) is TeacherTopKRenormalizedReverseKL and cli.model.loss_fn.k == 50
     assert cli.model.kl_metric == "kl_sampled" and cli.model.teacher is None
     assert cli.datamodule.sampling.temperature == 1.0
@@ -101,7 +101,7 @@ def test_two_step_fit_with_the_teacher_served(vllm, served_model_dirs, tmp_path)
     assert scalars(run, "teacher/rows") == [(0, 2.0), (1, 4.0)]
     assert [v for _, v in scalars(run, "teacher/retries")] == [0.0, 0.0]
     assert all(v > 0 for _, v in scalars(run, "teacher/prompt_tokens"))
-    assert not cli.model.teacher_scorer._loaded  # teardown closed it (heartbeat and request threads stopped)
+    assert not cli.model.teacher_scorer.pool.connected  # teardown closed it (heartbeat and request threads stopped)
 
 
 class KillServerAt(L.Callback):

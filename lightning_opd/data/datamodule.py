@@ -133,11 +133,14 @@ class RolloutDataModule(L.LightningDataModule):
         return self.session.connect(policy)
 
     def teardown(self, stage: str) -> None:
-        self.session.stop()
+        """The end of a stage: the session stops its producer and closes its generator
+        (:meth:`~lightning_opd.rollout.session.RolloutSession.close`)."""
+        self.session.close()
 
     def on_exception(self, exception: BaseException) -> None:
-        """Any error or Ctrl-C in fit stops the background producer (Lightning calls this hook)."""
-        self.session.stop(timeout=10.0)
+        """Any error or Ctrl-C in fit stops the background producer and closes the generator (Lightning calls this
+        hook, and not :meth:`teardown`, when fit fails or is interrupted)."""
+        self.session.close(timeout=10.0)
 
     # ------------------------------------------------------------------------------ what it is made of
     @property

@@ -250,3 +250,8 @@ class Generator(ABC):
 
     def release(self) -> None:
         """Drop per-episode cached state (called when a batch of episodes is finished)."""
+
+    def close(self) -> None:
+        """Let go of what the backend holds outside this process's memory: connections, threads, temporary files
+        (a served sampler's snapshot folder). Called when the session ends (the DataModule's teardown, or an error
+        or Ctrl-C in fit); a later ``generate`` may start over. Default: nothing."""

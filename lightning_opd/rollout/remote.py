@@ -20,8 +20,8 @@ token counts as prefilled).
 
 The context limit (F24) is the smallest ``max_model_len`` the servers report in ``/v1/models``.
 
-Weight push (:meth:`RemoteGenerator.push_weights`, :class:`~lightning_opd.rollout.weight_push.ServerWeightPush`): vLLM's weight-transfer protocol (``/init_weight_transfer_engine``
-..., ``--weight-transfer-config``) has no backend that runs on CPU (nccl, sparse_nccl and nccl_m2n need NCCL on
+Weight push (:meth:`RemoteGenerator.push_weights`, :class:`~lightning_opd.serving.weight_push.ServerWeightPush`):
+vLLM's weight-transfer protocol (``/init_weight_transfer_engine`` ..., ``--weight-transfer-config``) has no backend that runs on CPU (nccl, sparse_nccl and nccl_m2n need NCCL on
 CUDA devices, ipc CUDA IPC handles, sharded_rdt Ray + NIXL; measured here: a dev-mode server without the config
 answers ``Weight transfer not configured``; docs/design.md "Servers"), so the push is the disk path: the
 ``state_dict`` is written as one ``model.safetensors`` into a fresh directory (atomically,
@@ -42,7 +42,9 @@ recomputation at temperature 1, 0.7 + top-p 0.9 and top-k 20); SmolLM2-135M's wi
 pause + reload + resume 1.9 s), 3.7 s with it in ``/dev/shm`` (2.0 + 1.7 s); the tiny model's 0.1 s.
 
 Several learner ranks: rank ``r`` of ``W`` uses the servers ``urls[r::W]`` (each server has one writer, so a push
-never lands between another rank's requests); fewer URLs than ranks is refused.
+never lands between another rank's requests); fewer URLs than ranks is refused
+(:class:`~lightning_opd.serving.pool.ServerPool`, which also holds the health and model checks, the heartbeats, the
+request threads and the running totals).
 
 Every failure raises :class:`~lightning_opd.serving.client.ServerError` naming the URL, within the client's timeout
 and retries (``timeout_s * (retries + 1) + backoffs``); a heartbeat (``heartbeat_s``) reports a server that died
@@ -52,7 +54,6 @@ between calls at the next request.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Hashable, Mapping, Sequence
@@ -61,8 +62,7 @@ import torch
 
 from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
                                              SamplingParams)
-from lightning_opd.rollout.weight_push import ServerWeightPush, rank_world
-from lightning_opd.serving import ServerClient, ServerError
+from lightning_opd.serving import ServerClient, ServerError, ServerPool, ServerWeightPush
 
 
 def sampler_server_args(max_model_len: int = 2048) -> list[str]:
@@ -111,23 +111,25 @@ class RemoteGenerator(Generator):
                  seed: int = 0, weights_dir: str | None = None, server_weights_dir: str | None = None,
                  push_timeout_s: float = 600.0) -> None:
         super().__init__()
-        urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls:
+        if not ([urls] if isinstance(urls, str) else list(urls)):
             raise ValueError("RemoteGenerator: urls is empty; give the sampler servers' base URLs, e.g. "
                              "http://127.0.0.1:8002 (vllm serve STUDENT_DIR with sampler_server_args and dev mode)")
         if max_concurrency < 1 or heartbeat_s < 0 or push_timeout_s <= 0:
             raise ValueError(f"RemoteGenerator: max_concurrency={max_concurrency} must be >= 1, heartbeat_s="
                              f"{heartbeat_s} >= 0, push_timeout_s={push_timeout_s} > 0")
-        self.all_clients = [ServerClient(u, timeout_s, retries, backoff_s) for u in urls]
-        self.clients: list[ServerClient] = []  #: this rank's servers (:meth:`connect`)
-        self.model = model
-        self.heartbeat_s = float(heartbeat_s)
-        self.max_concurrency = int(max_concurrency)
+        #: this rank's sampler servers (``urls[r::W]``); running totals: requests, replies' prompt tokens (prefilled /
+        #: cached), completion tokens, seconds waiting, pushes and their seconds
+        self.pool = ServerPool(
+            urls, owner=type(self).__name__, role="sampler", model=model, timeout_s=timeout_s, retries=retries,
+            backoff_s=backoff_s, heartbeat_s=heartbeat_s, max_concurrency=max_concurrency, per_rank=True,
+            start_hint="`lightning-opd serve --model STUDENT_DIR --dev-mode -- --enable-prefix-caching ...` "
+                       "(lightning_opd.rollout.remote.sampler_server_args)",
+            totals={"requests": 0, "prompt_tokens": 0, "prompt_tokens_cached": 0, "completion_tokens": 0,
+                    "seconds": 0.0, "pushes": 0, "push_seconds": 0.0})
         self.seed = int(seed)
         self.weights_dir = weights_dir
         self.server_weights_dir = server_weights_dir
         self.push_timeout_s = float(push_timeout_s)
-        self.max_model_len: int | None = None
         #: policy version of the weights the servers hold (``None``: the checkpoint they started from)
         self._server_version: int | None = None
         self.last_push_seconds: float | None = None
@@ -136,77 +138,46 @@ class RemoteGenerator(Generator):
         #: push the attached policy's weights before sampling whenever its version moved (synchronous mode); the
         #: weight sync turns it off when it manages pushes itself (async, forced_lag)
         self.follow_policy = True
-        self._connected = False
-        self._pool: ThreadPoolExecutor | None = None
         self._routes: dict[Hashable, int] = {}  # episode key -> index into self.clients
         self._load: list[int] = []  # episodes routed to each server
-        self._stats_lock = threading.Lock()
-        self._push = ServerWeightPush(weights_dir, server_weights_dir, push_timeout_s, self._stats_lock)
-        #: running totals: requests, replies' prompt tokens (prefilled / cached), completion tokens, seconds waiting,
-        #: pushes and their seconds
-        self.totals = {"requests": 0, "prompt_tokens": 0, "prompt_tokens_cached": 0, "completion_tokens": 0,
-                       "seconds": 0.0, "pushes": 0, "push_seconds": 0.0}
+        self._push = ServerWeightPush(weights_dir, server_weights_dir, push_timeout_s)
 
     @property
     def urls(self) -> list[str]:
         """All configured servers' URLs."""
-        return [c.url for c in self.all_clients]
+        return self.pool.urls
+
+    @property
+    def clients(self) -> list[ServerClient]:
+        """This rank's servers (:meth:`connect`)."""
+        return self.pool.clients
+
+    @property
+    def model(self) -> str | None:
+        """The served model name (resolved at :meth:`connect` when not given)."""
+        return self.pool.model
 
     @property
     def name(self) -> str:
-        return f"{type(self).__name__}({', '.join(self.urls)})"
+        return self.pool.name
 
     # ------------------------------------------------------------------------------------------ connect
     def connect(self) -> None:
-        """Reach this rank's servers (once): each answers ``/health`` and serves :attr:`model`; the context limit is
-        the smallest ``max_model_len`` among them.
+        """Reach this rank's servers (once, :meth:`ServerPool.connect <lightning_opd.serving.pool.ServerPool.connect>`):
+        each answers ``/health`` and serves :attr:`model`; the context limit is the smallest ``max_model_len``.
 
         Raises:
             ValueError: fewer servers than learner ranks.
             ServerError: a server is down or does not serve ``model`` (naming its URL).
         """
-        if self._connected:
-            return
-        rank, world = rank_world()
-        if len(self.all_clients) < world:
-            raise ValueError(f"{self.name}: {len(self.all_clients)} sampler server(s) for {world} learner ranks; give "
-                             "at least one URL per rank (rank r uses urls[r::world_size], so each server has one "
-                             "writer of its weights)")
-        clients = self.all_clients[rank::world]
-        limit = None
-        for client in clients:
-            if not client.healthy():
-                raise ServerError(client.url, f"/health does not answer 200 (sampler {self.name}, timeout "
-                                  f"{client.timeout_s:g} s): start the sampler server first, e.g. `lightning-opd "
-                                  "serve --model STUDENT_DIR --dev-mode -- --enable-prefix-caching ...` "
-                                  "(lightning_opd.rollout.remote.sampler_server_args)")
-            served = client.get("/v1/models").get("data") or []
-            names = [m.get("id") for m in served]
-            if self.model is None and names:
-                self.model = names[0]
-            match = [m for m in served if m.get("id") == self.model]
-            if not match:
-                raise ServerError(client.url, f"serves {names}, not model={self.model!r} (RemoteGenerator.model)")
-            n = match[0].get("max_model_len")
-            if n:
-                limit = min(int(n), limit or int(n))
-            if self.heartbeat_s:
-                client.start_heartbeat(self.heartbeat_s, min(self.heartbeat_s, 10.0))
-        self.clients = clients
-        self._load = [0] * len(clients)
-        self.max_model_len = limit
-        self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="remote-sampler")
-        self._connected = True
+        if not self.pool.connected:
+            self.pool.connect()
+            self._load = [0] * len(self.pool.clients)
 
     def close(self) -> None:
         """Stop the heartbeats and the request pool; remove a temporary ``weights_dir``."""
-        for c in self.all_clients:
-            c.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        self.pool.close()
         self._push.close()
-        self._connected = False
 
     @property
     def context_limit(self) -> ContextLimit:
@@ -216,10 +187,10 @@ class RemoteGenerator(Generator):
             ServerError: a server is down.
         """
         self.connect()
-        if self.max_model_len is None:
+        if self.pool.max_model_len is None:
             raise ServerError(self.clients[0].url, "/v1/models gives no max_model_len; this client needs vLLM's "
                               "OpenAI server (vllm serve), which reports it")
-        return ContextLimit(int(self.max_model_len), f"--max-model-len of the sampler server(s) "
+        return ContextLimit(int(self.pool.max_model_len), f"--max-model-len of the sampler server(s) "
                                                      f"{', '.join(c.url for c in self.clients)}")
 
     @property
@@ -232,12 +203,9 @@ class RemoteGenerator(Generator):
 
     @property
     def stats(self) -> dict[str, float]:
-        """Totals since start: :attr:`totals` plus retries and bytes sent/received over all routes (JSON bodies)."""
-        with self._stats_lock:
-            out = dict(self.totals)
-        return {**out, "retries": float(sum(c.retry_count for c in self.all_clients)),
-                "bytes_sent": float(sum(c.bytes_sent for c in self.all_clients)),
-                "bytes_received": float(sum(c.bytes_received for c in self.all_clients))}
+        """Totals since start (the pool's: requests, prompt tokens prefilled / cached, completion tokens, seconds
+        waiting, pushes and their seconds) plus retries and bytes sent/received over all routes (JSON bodies)."""
+        return self.pool.stats
 
     def server_versions(self) -> dict[str, str | None]:
         """What each of this rank's servers says it holds (``GET /weight_info``, dev mode): URL -> version string
@@ -266,12 +234,10 @@ class RemoteGenerator(Generator):
         with self._lock:
             self.connect()
             self._server_version = None
-            self.last_push_breakdown = self._push.push(self.clients, state, int(version), self._pool)
+            self.last_push_breakdown = self._push.push(self.pool, state, int(version))
             self._server_version = int(version)
             self.last_push_seconds = self.last_push_breakdown["total"]
-            with self._stats_lock:
-                self.totals["pushes"] += 1
-                self.totals["push_seconds"] += self.last_push_seconds
+            self.pool.count(pushes=1, push_seconds=self.last_push_seconds)
             return self.last_push_seconds
 
     def _ensure_current(self) -> None:
@@ -317,15 +283,14 @@ class RemoteGenerator(Generator):
         version = self.policy_version
         jobs = [(self.clients[self._route(r.key)], r) for r in requests]
         t0 = time.monotonic()
-        futures = [self._pool.submit(self._sample, client, r, sampling, version) for client, r in jobs]
+        futures = [self.pool.executor.submit(self._sample, client, r, sampling, version) for client, r in jobs]
         wait(futures, return_when=FIRST_EXCEPTION)  # a dead server fails the call now, not after the others
         failed = next((f for f in futures if f.done() and f.exception() is not None), None)
         if failed is not None:
             for f in futures:
                 f.cancel()  # not yet sent; those in flight finish in the background, their replies dropped
             raise failed.exception()
-        with self._stats_lock:
-            self.totals["seconds"] += time.monotonic() - t0
+        self.pool.count(seconds=time.monotonic() - t0)
         return [f.result() for f in futures]
 
     def _sample(self, client: ServerClient, request: GenerationRequest, sampling: SamplingParams,
@@ -355,11 +320,8 @@ class RemoteGenerator(Generator):
         usage = answer.get("usage") or {}
         cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
         cached = min(cached, len(request.prompt_ids))
-        with self._stats_lock:
-            self.totals["requests"] += 1
-            self.totals["prompt_tokens"] += len(request.prompt_ids)
-            self.totals["prompt_tokens_cached"] += cached
-            self.totals["completion_tokens"] += len(ids)
+        self.pool.count(requests=1, prompt_tokens=len(request.prompt_ids), prompt_tokens_cached=cached,
+                        completion_tokens=len(ids))
         # finished (ends on a stop id) is set by Generator.generate, the same rule for every backend
         return GenerationOutput(token_ids=[int(t) for t in ids], logprobs=[float(x) for x in lps], finished=False,
                                 policy_version=version, prompt_tokens_computed=len(request.prompt_ids) - cached,

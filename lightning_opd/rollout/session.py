@@ -101,6 +101,13 @@ class RolloutSession:
         if self.producer is not None:
             self.producer.stop(timeout=timeout)
 
+    def close(self, timeout: float = 30.0) -> None:
+        """End the session: stop the producer (:meth:`stop`), then close the generator (:meth:`Generator.close
+        <lightning_opd.rollout.generator.Generator.close>`: e.g. a served sampler's temporary weights folder is
+        removed). A later batch reconnects the generator."""
+        self.stop(timeout=timeout)
+        self.generator.close()
+
     def _connected(self) -> AgentLoop:
         if self.loop is None or self.producer is None:
             raise RuntimeError("RolloutSession is not connected to a policy (RolloutDataModule.connect, called by "

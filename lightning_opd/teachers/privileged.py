@@ -38,7 +38,7 @@ from lightning_opd.models.logits import output_head, trunk_hidden_states
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.chat import ChatFormat
 from lightning_opd.rollout.types import Trajectory
-from lightning_opd.rollout.weight_push import ServerWeightPush
+from lightning_opd.serving import ServerWeightPush
 from lightning_opd.teachers.base import Teacher, TeacherScores, first_difference
 from lightning_opd.teachers.in_process import scores_from_hidden
 
@@ -175,9 +175,10 @@ class PrivilegedTeacher(Teacher):
     from the student's starting directory, in dev mode for ``live``/``ema``): the teacher's views go over the wire
     as token ids (``prompt_logprobs``; the privileged prompt is what the server sees) and the student's weights stay
     out of a second copy in the learner for ``frozen``; ``live`` and ``ema`` push the student's (or the EMA's)
-    weights to the server every ``push_every`` optimizer steps (:class:`~lightning_opd.rollout.weight_push.
-    ServerWeightPush`: disk snapshot + reload, as for a remote sampler). It then provides what the server provides
-    (``SAMPLED_TOKEN``, ``TOP_K``; temperature 1).
+    weights to the server every ``push_every`` optimizer steps (:class:`~lightning_opd.serving.weight_push.
+    ServerWeightPush`: disk snapshot + reload, as for a remote sampler; with several learner ranks, rank ``r`` of
+    ``W`` writes only to the server's ``urls[r::W]``, one writer per server). It then provides what the server
+    provides (``SAMPLED_TOKEN``, ``TOP_K``; temperature 1).
 
     Args:
         weights: ``"frozen"`` (a copy of the student's starting weights), ``"live"`` (the student module itself, run
@@ -189,7 +190,7 @@ class PrivilegedTeacher(Teacher):
         server: score on this served teacher instead of in this process (``None``: in-process).
         push_every: ``live``/``ema`` with ``server``: push the weights every this many optimizer steps (>= 1).
         weights_dir, server_weights_dir: where pushed snapshots are written, and where the server sees them
-            (:class:`~lightning_opd.rollout.weight_push.ServerWeightPush`).
+            (:class:`~lightning_opd.serving.weight_push.ServerWeightPush`).
 
     Raises:
         ValueError: an unknown ``weights`` or ``placement``, ``ema_decay`` outside ``[0, 1)``, ``push_every < 1``.
@@ -363,8 +364,7 @@ class PrivilegedTeacher(Teacher):
         """
         if self.server is None or self.model is None:
             raise RuntimeError(f"teacher {self.name}: push needs a server and attach_student()")
-        clients = getattr(self.server, "clients", [])
-        breakdown = self._pusher.push(clients, self.model.state_dict(), self._steps)
+        breakdown = self._pusher.push(self.server.pool, self.model.state_dict(), self._steps)
         self.pushed_version = self._steps
         self._pushes += 1
         self._push_s += breakdown["total"]

@@ -19,7 +19,8 @@ a whole episode: every token is prefilled exactly once, however many turns the e
 Requests are batched (``sequences_per_request`` rows per request) and concurrent (``max_concurrency`` requests in
 flight, spread round-robin over the ``urls``, replicas of one teacher). Every failure names the URL
 (:class:`~lightning_opd.serving.client.ServerError`), within the client's timeouts and retries; a heartbeat
-(``heartbeat_s``) ends a run whose server died between steps at the next request.
+(``heartbeat_s``) ends a run whose server died between steps at the next request. The health and model checks, the
+heartbeats, the request threads and the running totals are the :class:`~lightning_opd.serving.pool.ServerPool`'s.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Collection, Sequence
 
 import torch
@@ -35,7 +35,7 @@ import torch
 from lightning_opd.losses.base import TeacherSignal
 from lightning_opd.models.tokenizers import TokenizerMismatchError, check_tokenizers_compatible
 from lightning_opd.rollout.batch import RolloutBatch
-from lightning_opd.serving import ServerClient, ServerError
+from lightning_opd.serving import ServerClient, ServerError, ServerPool
 from lightning_opd.teachers.base import Teacher, TeacherScores, first_difference
 
 #: the probe conversation whose chat-template render must be the same token ids on the server and for the student
@@ -70,35 +70,47 @@ class RemoteTeacher(Teacher):
     def __init__(self, urls: str | Sequence[str], model: str | None = None, timeout_s: float = 120.0,
                  retries: int = 2, backoff_s: float = 1.0, heartbeat_s: float = 30.0, max_concurrency: int = 4,
                  sequences_per_request: int = 8, check_tokenizer: bool = True) -> None:
-        urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls:
+        if not ([urls] if isinstance(urls, str) else list(urls)):
             raise ValueError("RemoteTeacher: urls is empty; give the teacher server's base URL, e.g. "
                              "http://127.0.0.1:8001 (started with `lightning-opd serve` or vllm serve)")
         if max_concurrency < 1 or sequences_per_request < 1 or heartbeat_s < 0:
             raise ValueError(f"RemoteTeacher: max_concurrency={max_concurrency} and sequences_per_request="
                              f"{sequences_per_request} must be >= 1, heartbeat_s={heartbeat_s} >= 0")
-        self.clients = [ServerClient(u, timeout_s, retries, backoff_s) for u in urls]
-        self.model = model
-        self.heartbeat_s = float(heartbeat_s)
-        self.max_concurrency = int(max_concurrency)
+        #: every server on every rank (requests round-robin); running totals: requests, scored rows, prompt tokens
+        #: sent, seconds waiting
+        self.pool = ServerPool(
+            urls, owner=type(self).__name__, role="teacher", model=model, timeout_s=timeout_s, retries=retries,
+            backoff_s=backoff_s, heartbeat_s=heartbeat_s, max_concurrency=max_concurrency, per_rank=False,
+            start_hint="`lightning-opd serve --model DIR --port P`",
+            totals={"requests": 0, "rows": 0, "prompt_tokens": 0, "seconds": 0.0})
         self.sequences_per_request = int(sequences_per_request)
         self.check_tokenizer = check_tokenizer
         self.tokenizer = None  #: the student's tokenizer (:meth:`bind`)
         self.vocab_size: int | None = None
-        self.max_model_len: int | None = None
-        self._loaded = False
-        self._pool: ThreadPoolExecutor | None = None
         self._next = 0
-        #: running totals: requests, scored rows, prompt tokens sent, seconds waiting, retries
-        self.totals = {"requests": 0, "rows": 0, "prompt_tokens": 0, "seconds": 0.0}
 
     @property
     def urls(self) -> list[str]:
-        return [c.url for c in self.clients]
+        return self.pool.urls
+
+    @property
+    def clients(self) -> list[ServerClient]:
+        """Every server (the teacher's replicas)."""
+        return self.pool.all_clients
+
+    @property
+    def model(self) -> str | None:
+        """The served model name (resolved at :meth:`load` when not given)."""
+        return self.pool.model
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The smallest ``max_model_len`` of the servers (tokens; after :meth:`load`)."""
+        return self.pool.max_model_len
 
     @property
     def name(self) -> str:
-        return f"{type(self).__name__}({', '.join(self.urls)})"
+        return self.pool.name
 
     # ----------------------------------------------------------------------------------------- setup
     def bind(self, tokenizer, vocab_size: int) -> None:
@@ -107,53 +119,29 @@ class RemoteTeacher(Teacher):
         self.vocab_size = int(vocab_size)
 
     def load(self) -> None:
-        """Connect (once): every URL answers ``/health``, serves :attr:`model`, and tokenizes like the student.
+        """Connect (once, :meth:`ServerPool.connect <lightning_opd.serving.pool.ServerPool.connect>`): every URL
+        answers ``/health``, serves :attr:`model`, and tokenizes like the student.
 
         Raises:
             ServerError: a server is down or does not serve ``model`` (naming its URL).
             TokenizerMismatchError: a server's tokenizer or chat template differs from the student's (naming the
                 URL and the first differing token or turn, F01).
         """
-        if self._loaded:
-            return
-        for client in self.clients:
-            if not client.healthy():
-                raise ServerError(client.url, f"/health does not answer 200 (teacher {self.name}, timeout "
-                                  f"{client.timeout_s:g} s): start the teacher server first, e.g. `lightning-opd serve "
-                                  "--model DIR --port P`")
-            served = client.get("/v1/models")["data"]
-            names = [m["id"] for m in served]
-            if self.model is None:
-                self.model = names[0]
-            match = [m for m in served if m["id"] == self.model]
-            if not match:
-                raise ServerError(client.url, f"serves {names}, not model={self.model!r} (RemoteTeacher.model)")
-            limit = match[0].get("max_model_len")
-            if limit:
-                self.max_model_len = min(int(limit), self.max_model_len or int(limit))
-            if self.check_tokenizer and self.tokenizer is not None:
-                check_server_tokenizer(client, self.model, self.tokenizer, match[0].get("root"))
-            if self.heartbeat_s:
-                client.start_heartbeat(self.heartbeat_s, min(self.heartbeat_s, 10.0))
-        self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="remote-teacher")
-        self._loaded = True
+        check = None
+        if self.check_tokenizer and self.tokenizer is not None:
+            def check(client: ServerClient, served: dict) -> None:
+                check_server_tokenizer(client, self.model, self.tokenizer, served.get("root"))
+        self.pool.connect(check)
 
     def close(self) -> None:
         """Stop heartbeats and the request pool."""
-        for c in self.clients:
-            c.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
-        self._loaded = False
+        self.pool.close()
 
     @property
     def stats(self) -> dict[str, float]:
         """Totals since start: requests, rows, prompt tokens, seconds waiting for the servers, retries, bytes sent and
         received (all routes, JSON bodies)."""
-        return {**self.totals, "retries": float(sum(c.retry_count for c in self.clients)),
-                "bytes_sent": float(sum(c.bytes_sent for c in self.clients)),
-                "bytes_received": float(sum(c.bytes_received for c in self.clients))}
+        return self.pool.stats
 
     # --------------------------------------------------------------------------------------- scoring
     def score(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor, signals: Collection[TeacherSignal],
@@ -172,7 +160,7 @@ class RemoteTeacher(Teacher):
                 non-finite log-prob), naming its URL.
         """
         self.check_request(signals, top_k)
-        if not self._loaded:
+        if not self.pool.connected:
             raise RuntimeError(f"teacher {self.name} is not connected: call load() (OPDModule.configure_model does, "
                                "for fit) before scoring")
         if abs(float(temperature) - 1.0) > 1e-6:
@@ -198,8 +186,8 @@ class RemoteTeacher(Teacher):
                                  "--max-model-len, or lower data.init_args.max_context_tokens")
         groups = [order[i:i + self.sequences_per_request] for i in range(0, len(order), self.sequences_per_request)]
         t0 = time.monotonic()
-        answers = list(self._pool.map(lambda g: self._request(g, prompts, k), groups))
-        self.totals["seconds"] += time.monotonic() - t0
+        answers = list(self.pool.executor.map(lambda g: self._request(g, prompts, k), groups))
+        self.pool.count(seconds=time.monotonic() - t0)
         per_row: dict[int, list] = {}
         for g, (url, logprobs) in zip(groups, answers):
             for r, lp in zip(g, logprobs):
@@ -244,9 +232,7 @@ class RemoteTeacher(Teacher):
         if len(choices) != len(group) or any(ch.get("prompt_logprobs") is None for ch in choices):
             raise ServerError(client.url, f"malformed /v1/completions answer: {len(choices)} choices with "
                               f"prompt_logprobs for {len(group)} prompts")
-        self.totals["requests"] += 1
-        self.totals["rows"] += len(group)
-        self.totals["prompt_tokens"] += sum(len(prompts[r]) for r in group)
+        self.pool.count(requests=1, rows=len(group), prompt_tokens=sum(len(prompts[r]) for r in group))
         return client.url, [ch["prompt_logprobs"] for ch in choices]
 
 

@@ -97,7 +97,7 @@ def test_knobs_are_checked_and_nothing_is_asked_before_use():
     with pytest.raises(ValueError, match="must start with http"):
         RemoteGenerator("127.0.0.1:8002")
     gen = RemoteGenerator(["http://127.0.0.1:1/v1", "http://127.0.0.1:2"])
-    assert gen.urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and not gen._connected
+    assert gen.urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and not gen.pool.connected
     assert "--no-enable-chunked-prefill" in sampler_server_args(4096)
     assert sampler_server_args(32768)[-1] == "32768"
 
@@ -127,8 +127,8 @@ def test_the_datamodule_takes_it_as_a_class_path(isolate, model_dirs):
                        "--data.init_args.generator=" + json.dumps(spec), "--trainer.logger=false"], run=False)
     gen = cli.datamodule.generator
     assert isinstance(gen, RemoteGenerator) and gen.urls == spec["init_args"]["urls"]
-    assert gen.weights_dir == "/shared/opd-weights" and gen.all_clients[0].timeout_s == 60.0
-    assert not gen._connected
+    assert gen.weights_dir == "/shared/opd-weights" and gen.pool.all_clients[0].timeout_s == 60.0
+    assert not gen.pool.connected
 
 
 # ------------------------------------------------------------------------------------- with a server

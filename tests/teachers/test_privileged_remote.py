@@ -76,4 +76,4 @@ def test_served_live_and_ema_teachers_push_the_scoring_weights_after_an_optimize
     assert (a.sampled_logprobs - b.sampled_logprobs).abs().max() < 1e-4  # the server scores with the new weights
     assert (a.sampled_logprobs - before).abs().max() > 1e-3
     remote.close()
-    remote._pusher.push(remote.server.clients, _student(served_model_dirs).state_dict(), 0)  # the starting weights back
+    remote._pusher.push(remote.server.pool, _student(served_model_dirs).state_dict(), 0)  # the starting weights back

