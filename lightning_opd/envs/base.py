@@ -8,6 +8,7 @@ Writing a new environment means implementing these two classes; see tutorials/.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -36,6 +37,15 @@ class StepResult:
     def done(self) -> bool:
         """The episode is over on the environment's side (success or failure)."""
         return self.won or self.lost
+
+
+def user_message(observation: str, options: str, goal: str | None = None) -> str:
+    """One turn's user message of the game adapters: ``"Goal: <goal, whitespace collapsed>"`` (left out when
+    ``goal`` is ``None``), ``"Observation: <observation>"`` and the ``options`` line, joined by newlines."""
+    lines = [] if goal is None else ["Goal: " + re.sub(r"\s+", " ", goal).strip()]
+    lines.append(f"Observation: {observation}")
+    lines.append(options)
+    return "\n".join(lines)
 
 
 @runtime_checkable

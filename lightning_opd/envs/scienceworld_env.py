@@ -3,7 +3,7 @@
 ScienceWorld (Wang et al., 2022) has 30 task types; each has numbered *variations* (which objects, where they
 are) split by the package into train / dev / test (``get_variations_train/dev/test``; e.g. find-living-thing:
 variations 0-149 train, 150-224 dev, 225-299 test). Its engine is a JAR run by a Java process (py4j). Task ids
-are ``"<task name>-<split>-v<variation>"`` (e.g. ``"find-living-thing-test-v225"``): a stable key for pairing.
+are ``"<task name>-<split>-v<variation>"`` (:func:`format_task_id`) (e.g. ``"find-living-thing-test-v225"``): a stable key for pairing.
 Training tasks are the train variations of every task type in ``task_names``; held-out tasks their test variations
 (``eval_split="dev"`` picks the dev variations instead).
 
@@ -64,25 +64,18 @@ Every other task type has gold paths over 16 steps on some variations (12 sample
 identify-life-stages-2 10-17 and chemistry-mix-paint-secondary-color 7-23 over all their 10 and 36 variations,
 boil 38-164, mendelian genetics 139-261; the table in docs/usage.md).
 
-Java: as for TextWorldExpress (:func:`lightning_opd.envs.textworld_express.java_bin_dir`); an engine JVM here is
-about 300 MB resident with the default 512 MiB heap cap. A factory keeps a pool of them, one per concurrent episode.
+Java: as for TextWorldExpress (:func:`lightning_opd.envs.java_engines.java_bin_dir`); an engine JVM here is
+about 300 MB resident with the default 512 MiB heap cap. A factory keeps a pool of them, one per concurrent episode
+(the pool, the settings and the task lists: :class:`lightning_opd.envs.java_env.JavaEngineEnvFactory`).
 """
 
 from __future__ import annotations
 
 import re
-import weakref
 
-from lightning_opd.envs.base import EnvFactory, StepResult
-from lightning_opd.envs.textworld_env import parse_action
-from lightning_opd.envs.java_engines import (
-    INSTALL_HINT,
-    EnginePool,
-    check_count,
-    check_eval_split,
-    check_positive,
-    launch_engine,
-)
+from lightning_opd.envs.base import StepResult, user_message
+from lightning_opd.envs.java_engines import INSTALL_HINT, EnginePool
+from lightning_opd.envs.java_env import JavaEngineEnvFactory, JavaEngineEpisode
 
 SYSTEM_PROMPT = "You do science tasks in a text world. Reply with exactly one action."
 #: task types whose gold paths fit 8-16 turns (measured; see the module docstring and docs/usage.md)
@@ -120,19 +113,17 @@ def clean_observation(text: str, max_chars: int) -> str:
 
 def format_observation(observation: str, goal: str | None = None) -> str:
     """The user message of one turn (see the module docstring); ``observation`` is already cleaned."""
-    lines = [] if goal is None else ["Goal: " + re.sub(r"\s+", " ", goal).strip()]
-    lines.append(f"Observation: {observation}")
-    lines.append("Actions: " + ", ".join(ACTION_TEMPLATES))
-    return "\n".join(lines)
+    return user_message(observation, "Actions: " + ", ".join(ACTION_TEMPLATES), goal)
 
 
-def task_id(task: str, split: str, variation: int) -> str:
-    """``"<task>-<split>-v<variation>"``, e.g. ``task_id("find-plant", "test", 225) == "find-plant-test-v225"``."""
-    return f"{task}-{split}-v{variation}"
+def format_task_id(task_name: str, split: str, variation: int) -> str:
+    """``"<task name>-<split>-v<variation>"``, e.g. ``format_task_id("find-plant", "test", 225) ==
+    "find-plant-test-v225"``."""
+    return f"{task_name}-{split}-v{variation}"
 
 
 def parse_task_id(tid: str) -> tuple[str, str, int]:
-    """``(task, split, variation)`` of a :func:`task_id`.
+    """``(task name, split, variation)`` of a :func:`format_task_id`.
 
     Raises:
         KeyError: ``tid`` is not of that form.
@@ -148,23 +139,21 @@ def _goal(engine) -> str:
     return re.sub(r"^\s*Task Description:\s*", "", text)
 
 
-class ScienceWorldEnv:
+class ScienceWorldEnv(JavaEngineEpisode):
     """One ScienceWorld episode behind the :class:`~lightning_opd.envs.base.TextEnv` protocol.
 
     Args:
         pool: engines to borrow one from (for the episode; given back by :meth:`close`).
-        task, variation: the world (see :func:`task_id`).
+        task_name, variation: the world (see :func:`format_task_id`).
         simplifications: the engine's simplification string (``""``: none, the benchmark's setting).
         max_observation_chars: characters of observation text kept per turn.
         repeat_goal: show the goal in every user message (``False``: first message only).
     """
 
-    def __init__(self, pool: EnginePool, task: str, variation: int, simplifications: str = "",
+    def __init__(self, pool: EnginePool, task_name: str, variation: int, simplifications: str = "",
                  max_observation_chars: int = 1500, repeat_goal: bool = True) -> None:
-        self.pool, self.task, self.variation, self.simplifications = pool, task, variation, simplifications
-        self.max_observation_chars, self.repeat_goal = max_observation_chars, repeat_goal
-        self._engine = None
-        self._goal = ""
+        super().__init__(pool, max_observation_chars, repeat_goal)
+        self.task_name, self.variation, self.simplifications = task_name, variation, simplifications
         #: the engine's score so far, 0-100 (below 0 after a failure)
         self.score = 0
         self.completed = False
@@ -174,34 +163,19 @@ class ScienceWorldEnv:
         """The score as papers report it: 0-100, a failure (negative score) counted as 0."""
         return float(max(self.score, 0))
 
-    def _call(self, fn, *args, **kwargs):
-        """Run an engine call; an error discards the engine (its state is unknown) and propagates."""
-        try:
-            return fn(*args, **kwargs)
-        except Exception:
-            self.pool.discard(self._engine)
-            self._engine = None
-            raise
-
     def reset(self) -> str:
-        if self._engine is None:
-            self._engine = self.pool.acquire()
-        engine = self._engine
-        self._call(engine.load, self.task, self.variation, self.simplifications, generateGoldPath=False)
+        engine = self._borrow_engine()
+        self._call(engine.load, self.task_name, self.variation, self.simplifications, generateGoldPath=False)
         obs, infos = self._call(engine.reset)
         self.score, self.completed = int(infos["score"]), False
         self._goal = self._call(_goal, engine)
         return format_observation(clean_observation(obs, self.max_observation_chars), self._goal)
 
     def _message(self, text: str) -> str:
-        return format_observation(text, self._goal if self.repeat_goal else None)
-
-    def parse_action(self, reply: str) -> str:
-        return parse_action(reply)
+        return format_observation(text, self._shown_goal)
 
     def step(self, action: str) -> StepResult:
-        if self._engine is None:
-            raise RuntimeError("ScienceWorldEnv.step called before reset()")
+        self._require_engine()
         if not action:
             return StepResult(self._message("Empty action. Reply with one action."), invalid_action=True)
         if action.lower() in REFUSED_ACTIONS:
@@ -222,17 +196,8 @@ class ScienceWorldEnv:
         return StepResult(self._message(clean_observation(obs, self.max_observation_chars)), reward=reward,
                           won=won, lost=lost)
 
-    def close(self) -> None:
-        if self._engine is not None:
-            self.pool.release(self._engine)
-            self._engine = None
 
-
-def _stop(engine) -> None:
-    engine.close()
-
-
-class ScienceWorldEnvFactory(EnvFactory):
+class ScienceWorldEnvFactory(JavaEngineEnvFactory):
     """ScienceWorld task types on the package's own variation splits.
 
     Args:
@@ -257,74 +222,69 @@ class ScienceWorldEnvFactory(EnvFactory):
     """
 
     system_prompt = SYSTEM_PROMPT
-    provides_privileged_context = True
 
     def __init__(self, task_names: list[str] | None = None, num_train: int | None = None,
                  num_eval: int | None = None, eval_split: str = "test", simplifications: str = "",
                  max_observation_chars: int = 1500, repeat_goal: bool = True, max_heap_mb: int = 512) -> None:
-        tasks = list(DEFAULT_TASKS if task_names is None else task_names)
-        if not tasks:
+        task_names = list(DEFAULT_TASKS if task_names is None else task_names)
+        if not task_names:
             raise ValueError("data.init_args.env.init_args.task_names is empty; name at least one ScienceWorld task "
                              f"(default: {', '.join(DEFAULT_TASKS)})")
-        check_eval_split(eval_split)
-        check_count("num_train", num_train)
-        check_count("num_eval", num_eval)
-        check_positive("max_observation_chars", max_observation_chars, "characters of observation text per turn")
-        check_positive("max_heap_mb", max_heap_mb, "MiB of JVM heap per engine")
+        super().__init__(num_train, num_eval, eval_split, max_observation_chars, repeat_goal, max_heap_mb)
+        self.task_names, self.simplifications = task_names, simplifications
+        self._variations = self._read_variations()
+        for name in task_names:
+            self._add_tasks(self._variations[name], lambda split, v, name=name: format_task_id(name, split, v),
+                            num_train, num_eval, f"ScienceWorld {name}", "variations")
+        self._gold: dict[str, list[str]] = {}
+
+    @staticmethod
+    def _engine_constructor():
         sw = _import_scienceworld()
-        self.task_names, self.eval_split, self.simplifications = tasks, eval_split, simplifications
-        self.max_observation_chars, self.repeat_goal, self.max_heap_mb = max_observation_chars, repeat_goal, max_heap_mb
-        self.pool = EnginePool(lambda: launch_engine(lambda: sw.ScienceWorldEnv("", envStepLimit=1_000_000),
-                                                     max_heap_mb), _stop)
-        self._finalizer = weakref.finalize(self, self.pool.close)
+        return lambda: sw.ScienceWorldEnv("", envStepLimit=1_000_000)
+
+    def _read_variations(self) -> dict[str, dict[str, list[int]]]:
+        """``{task name: {split: variations}}`` of :attr:`task_names`, read from one engine.
+
+        Raises:
+            ValueError: an unknown task name or simplification (the pool is shut down).
+        """
+        variations: dict[str, dict[str, list[int]]] = {}
         engine = self.pool.acquire()
-        self._variations: dict[str, dict[str, list[int]]] = {}
         try:
             known = [str(t) for t in engine.get_task_names()]
-            unknown = [t for t in tasks if t not in known]
+            unknown = [t for t in self.task_names if t not in known]
             if unknown:
                 raise ValueError(f"data.init_args.env.init_args.task_names: {unknown} not ScienceWorld task names; "
                                  f"choose from {', '.join(known)}")
-            for task in tasks:
-                engine.load(task, 0, simplifications)
-                self._variations[task] = {"train": [int(v) for v in engine.get_variations_train()],
-                                          "dev": [int(v) for v in engine.get_variations_dev()],
-                                          "test": [int(v) for v in engine.get_variations_test()]}
+            for name in self.task_names:
+                engine.load(name, 0, self.simplifications)
+                variations[name] = {"train": [int(v) for v in engine.get_variations_train()],
+                                    "dev": [int(v) for v in engine.get_variations_dev()],
+                                    "test": [int(v) for v in engine.get_variations_test()]}
         except ValueError as err:
             self.pool.close()
             if "Unknown simplification" in str(err):
-                raise ValueError(f"data.init_args.env.init_args.simplifications={simplifications!r}: {err}") from None
+                raise ValueError(f"data.init_args.env.init_args.simplifications={self.simplifications!r}: "
+                                 f"{err}") from None
             raise
         self.pool.release(engine)
-        self._train, self._eval = [], []
-        for task in tasks:
-            train, held_out = self._variations[task]["train"], self._variations[task][eval_split]
-            if set(train) & set(held_out):
-                raise ValueError(f"ScienceWorld {task}: train and {eval_split} variations overlap")
-            self._train += [task_id(task, "train", v) for v in train[:num_train]]
-            self._eval += [task_id(task, eval_split, v) for v in held_out[:num_eval]]
-        self._gold: dict[str, list[str]] = {}
-
-    def train_tasks(self) -> list[str]:
-        return list(self._train)
-
-    def eval_tasks(self) -> list[str]:
-        return list(self._eval)
+        return variations
 
     def _world(self, tid: str) -> tuple[str, int]:
-        """``(task, variation)`` of a task id of this factory.
+        """``(task name, variation)`` of a task id of this factory.
 
         Raises:
             KeyError: not a task id of this factory's task types, or a variation outside its split.
         """
-        task, split, variation = parse_task_id(tid)
-        if task not in self._variations or variation not in self._variations[task][split]:
+        name, split, variation = parse_task_id(tid)
+        if name not in self._variations or variation not in self._variations[name][split]:
             raise KeyError(f"unknown ScienceWorld task id {tid!r} (task types: {', '.join(self.task_names)})")
-        return task, variation
+        return name, variation
 
     def make(self, task_id: str) -> ScienceWorldEnv:
-        task, variation = self._world(task_id)
-        return ScienceWorldEnv(self.pool, task, variation, self.simplifications, self.max_observation_chars,
+        name, variation = self._world(task_id)
+        return ScienceWorldEnv(self.pool, name, variation, self.simplifications, self.max_observation_chars,
                                self.repeat_goal)
 
     def expert_actions(self, task_id: str) -> list[str]:
@@ -335,27 +295,9 @@ class ScienceWorldEnvFactory(EnvFactory):
             KeyError: unknown task id.
         """
         if task_id not in self._gold:
-            task, variation = self._world(task_id)
-            engine = self.pool.acquire()
-            try:
-                engine.load(task, variation, self.simplifications, generateGoldPath=True)
+            name, variation = self._world(task_id)
+            with self._borrowed_engine() as engine:
+                engine.load(name, variation, self.simplifications, generateGoldPath=True)
                 gold = [str(a) for a in engine.get_gold_action_sequence()]
-            except Exception:
-                self.pool.discard(engine)
-                raise
-            self.pool.release(engine)
             self._gold[task_id] = gold
         return list(self._gold[task_id])
-
-    def privileged_context(self, task_id: str) -> str | None:
-        """``"A walkthrough that wins this game: act1; act2; ..."`` (the gold path). PROPOSED,
-        docs/algorithms.md §6.3.
-
-        Raises:
-            KeyError: unknown task id.
-        """
-        return f"A walkthrough that wins this game: {'; '.join(self.expert_actions(task_id))}"
-
-    def close(self) -> None:
-        """Shut down the factory's engine JVMs (also done when the factory is garbage-collected or Python exits)."""
-        self.pool.close()

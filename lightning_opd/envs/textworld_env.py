@@ -33,7 +33,7 @@ import json
 import re
 from pathlib import Path
 
-from lightning_opd.envs.base import EnvFactory, StepResult
+from lightning_opd.envs.base import EnvFactory, StepResult, user_message
 
 SYSTEM_PROMPT = "You play a text adventure. Reply with exactly one command from the list."
 HIDDEN_COMMAND_PREFIXES = ("examine", "look", "inventory")
@@ -61,10 +61,22 @@ def visible_commands(admissible: list[str]) -> list[str]:
 
 def format_observation(observation: str, admissible: list[str], goal: str | None = None) -> str:
     """The user message of one turn (see the module docstring)."""
-    lines = [] if goal is None else [f"Goal: {_collapse(goal)}"]
-    lines.append(f"Observation: {observation}")
-    lines.append("Commands: " + ", ".join(visible_commands(admissible)))
-    return "\n".join(lines)
+    return user_message(observation, "Commands: " + ", ".join(visible_commands(admissible)), goal)
+
+
+def choose_command(action: str, commands: list[str]) -> tuple[str | None, str | None]:
+    """Match a parsed action against this turn's command list (case ignored).
+
+    Returns:
+        ``(command, None)`` with the list's spelling of the command, or ``(None, refusal)``: the action is empty or
+        not listed, and ``refusal`` is the text that tells the agent so (the step is then an invalid action, F11).
+    """
+    if not action:
+        return None, "Empty command. Reply with one command from the list."
+    command = {c.lower(): c for c in commands}.get(action.lower())
+    if command is None:
+        return None, f"'{action[:80]}' is not a valid command here. Reply with one command from the list."
+    return command, None
 
 
 def _check_observation_chars(value: int) -> None:
@@ -160,13 +172,9 @@ class TextWorldEnv:
     def step(self, action: str) -> StepResult:
         if self._env is None:
             raise RuntimeError("TextWorldEnv.step called before reset()")
-        if not action:
-            return StepResult(self._message("Empty command. Reply with one command from the list."),
-                              invalid_action=True)
-        command = {c.lower(): c for c in self._admissible}.get(action.lower())
-        if command is None:
-            msg = f"'{action[:80]}' is not a valid command here. Reply with one command from the list."
-            return StepResult(self._message(msg), invalid_action=True)
+        command, refusal = choose_command(action, self._admissible)
+        if refusal is not None:
+            return StepResult(self._message(refusal), invalid_action=True)
         obs, score, _done, infos = self._env.step(command)
         reward = float(score) - self._score
         self._score = float(score)

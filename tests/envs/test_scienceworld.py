@@ -17,8 +17,8 @@ from lightning_opd.envs.scienceworld_env import (
     SYSTEM_PROMPT,
     ScienceWorldEnvFactory,
     clean_observation,
+    format_task_id,
     parse_task_id,
-    task_id,
 )
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
 from lightning_opd.rollout.generator import SamplingParams
@@ -68,7 +68,7 @@ def test_parse_action(factory, reply, action):
 
 
 def test_task_ids_and_helpers():
-    assert task_id("find-plant", "test", 225) == "find-plant-test-v225"
+    assert format_task_id("find-plant", "test", 225) == "find-plant-test-v225"
     assert parse_task_id("lifespan-longest-lived-then-shortest-lived-dev-v70") == \
         ("lifespan-longest-lived-then-shortest-lived", "dev", 70)
     with pytest.raises(KeyError, match="not a ScienceWorld task id"):

@@ -15,8 +15,8 @@ from lightning_opd.envs.textworld_express import (
     DEFAULT_GAME_PARAMS,
     SYSTEM_PROMPT,
     TextWorldExpressEnvFactory,
+    format_task_id,
     parse_task_id,
-    task_id,
     visible_commands,
 )
 from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
@@ -68,7 +68,7 @@ def test_parse_action(cooking, reply, action):
 
 
 def test_task_ids_and_helpers():
-    assert task_id("coin", "test", 20003) == "coin-test-s20003"
+    assert format_task_id("coin", "test", 20003) == "coin-test-s20003"
     assert parse_task_id("cookingworld-dev-s10002") == ("cookingworld", "dev", 10002)
     with pytest.raises(KeyError, match="not a TextWorldExpress task id"):
         parse_task_id("cookingworld-eval-s1")
