@@ -10,6 +10,7 @@ keeps what differs: the world a task id names, the engine calls of an episode, w
 
 from __future__ import annotations
 
+import re
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
@@ -23,6 +24,23 @@ from lightning_opd.envs.textworld_env import parse_action
 
 def _close_engine(engine: Any) -> None:
     engine.close()
+
+
+def parse_world_id(tid: str, name_pattern: str, marker: str, what: str) -> tuple[str, str, int]:
+    """``(name, split, number)`` of a task id ``"<name>-<split>-<marker><number>"`` (split: train, dev or test).
+
+    Args:
+        name_pattern: regular expression of the name part (a game, a task type).
+        marker: the letter before the world number (``"s"``: seed, ``"v"``: variation).
+        what: ``"<benchmark> task id (<the form>)"``, for the error.
+
+    Raises:
+        KeyError: ``tid`` is not of that form.
+    """
+    m = re.fullmatch(rf"({name_pattern})-(train|dev|test)-{marker}(\d+)", tid)
+    if m is None:
+        raise KeyError(f"{tid!r} is not a {what}")
+    return m.group(1), m.group(2), int(m.group(3))
 
 
 class JavaEngineEpisode:

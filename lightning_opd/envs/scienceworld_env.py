@@ -75,7 +75,7 @@ import re
 
 from lightning_opd.envs.base import StepResult, user_message
 from lightning_opd.envs.java_engines import INSTALL_HINT, EnginePool
-from lightning_opd.envs.java_env import JavaEngineEnvFactory, JavaEngineEpisode
+from lightning_opd.envs.java_env import JavaEngineEnvFactory, JavaEngineEpisode, parse_world_id
 
 SYSTEM_PROMPT = "You do science tasks in a text world. Reply with exactly one action."
 #: task types whose gold paths fit 8-16 turns (measured; see the module docstring and docs/usage.md)
@@ -128,10 +128,7 @@ def parse_task_id(tid: str) -> tuple[str, str, int]:
     Raises:
         KeyError: ``tid`` is not of that form.
     """
-    m = re.fullmatch(r"([a-z0-9-]+)-(train|dev|test)-v(\d+)", tid)
-    if m is None:
-        raise KeyError(f"{tid!r} is not a ScienceWorld task id (<task>-<train|dev|test>-v<variation>)")
-    return m.group(1), m.group(2), int(m.group(3))
+    return parse_world_id(tid, "[a-z0-9-]+", "v", "ScienceWorld task id (<task>-<train|dev|test>-v<variation>)")
 
 
 def _goal(engine) -> str:

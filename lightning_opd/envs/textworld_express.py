@@ -63,11 +63,9 @@ so a batch of N concurrent episodes starts N JVMs once (the base shared with Sci
 
 from __future__ import annotations
 
-import re
-
 from lightning_opd.envs.base import StepResult, user_message
 from lightning_opd.envs.java_engines import INSTALL_HINT, EnginePool, collapse_head
-from lightning_opd.envs.java_env import JavaEngineEnvFactory, JavaEngineEpisode
+from lightning_opd.envs.java_env import JavaEngineEnvFactory, JavaEngineEpisode, parse_world_id
 from lightning_opd.envs.textworld_env import choose_command
 
 SYSTEM_PROMPT = "You play a text game. Reply with exactly one command from the list."
@@ -113,10 +111,7 @@ def parse_task_id(tid: str) -> tuple[str, str, int]:
     Raises:
         KeyError: ``tid`` is not of that form.
     """
-    m = re.fullmatch(r"([a-z]+)-(train|dev|test)-s(\d+)", tid)
-    if m is None:
-        raise KeyError(f"{tid!r} is not a TextWorldExpress task id (<game>-<train|dev|test>-s<seed>)")
-    return m.group(1), m.group(2), int(m.group(3))
+    return parse_world_id(tid, "[a-z]+", "s", "TextWorldExpress task id (<game>-<train|dev|test>-s<seed>)")
 
 
 def _load_game(engine, game: str, game_params: str) -> None:

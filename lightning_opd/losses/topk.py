@@ -54,6 +54,44 @@ class _TopK(TokenDivergence):
                              f"top_k >= {k} (a vllm serve endpoint: prompt_logprobs >= {k})")
         return ids[..., :k].long(), logprobs[..., :k].float()
 
+    def _top_k_ids(self, lp: torch.Tensor) -> torch.Tensor:
+        """The support ``S_k``: ids of the ``min(k, V)`` largest log-probs, ``(..., V)`` -> ``(..., k)`` (chosen
+        without gradient)."""
+        return lp.detach().topk(min(self.k, lp.shape[-1]), dim=-1).indices
+
+
+class _RenormalizedTopKReverseKL(_TopK):
+    """Reverse KL on the top-k support of :attr:`support_side`, both distributions renormalised there."""
+
+    #: whose top-k is the support: ``"student"`` or ``"teacher"``
+    support_side: str
+
+    def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
+        lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
+        idx = self._top_k_ids(lp_s if self.support_side == "student" else lp_t)  # (..., k)
+        return self._full(_renormalized_reverse_kl(lp_s, lp_t, idx), lp_s, lp_t, targets)
+
+
+class _TeacherReportedTopK(_TopK):
+    """A top-k loss on the teacher's support that also runs from the teacher's reported top-K (``TOP_K``)."""
+
+    def _reported_loss(self, lp_s: torch.Tensor, idx: torch.Tensor, lt: torch.Tensor) -> torch.Tensor:
+        """Per-token loss, ``(...)`` nats, from the student's log-probs ``(..., V)`` and the teacher's support ``idx``
+        and log-probs ``lt`` on it, ``(..., k)`` each."""
+        raise NotImplementedError
+
+    def signal_terms(self, student_logits, targets, temperature=1.0, *, teacher_sampled_logprobs, teacher_topk_ids,
+                     teacher_topk_logprobs) -> TokenLoss:
+        """:meth:`token_terms` with the teacher's top-K reported: ``(..., K)`` ids and log-probs (nats, at
+        ``temperature``), ``(...)`` ``teacher_sampled_logprobs``.
+
+        Raises:
+            ValueError: ``K < min(k, V)``.
+        """
+        lp_s = log_probs(student_logits, temperature)
+        idx, lt = self._reported_top_k(teacher_topk_ids, teacher_topk_logprobs, lp_s.shape[-1])
+        return self._from_signals(self._reported_loss(lp_s, idx, lt), lp_s, targets, teacher_sampled_logprobs)
+
 
 def _renormalized_reverse_kl(lp_s: torch.Tensor, lp_t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``sum_{v in S} p~_S(v) (log p~_S(v) - log p~_T(v))`` with both log-probs ``(..., V)`` renormalised on the
@@ -69,7 +107,7 @@ def _renormalized_kl(ls: torch.Tensor, lt: torch.Tensor) -> torch.Tensor:
     return (ls.exp() * (ls - lt)).sum(-1)
 
 
-class StudentTopKRenormalizedReverseKL(_TopK):
+class StudentTopKRenormalizedReverseKL(_RenormalizedTopKReverseKL):
     """Reverse KL on the student's top-k support, both distributions renormalised there
     (docs/algorithms.md §0.3 "top-k (student support)"; Rethinking-OPD). TurnOPD's paper uses the
     teacher's support instead (:class:`TeacherTopKRenormalizedReverseKL`, §2.6)::
@@ -93,14 +131,10 @@ class StudentTopKRenormalizedReverseKL(_TopK):
     """
 
     teacher_signal = TeacherSignal.FULL_VOCAB
-
-    def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
-        lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
-        idx = lp_s.detach().topk(min(self.k, lp_s.shape[-1]), dim=-1).indices  # (..., k)
-        return self._full(_renormalized_reverse_kl(lp_s, lp_t, idx), lp_s, lp_t, targets)
+    support_side = "student"
 
 
-class TeacherTopKRenormalizedReverseKL(_TopK):
+class TeacherTopKRenormalizedReverseKL(_RenormalizedTopKReverseKL, _TeacherReportedTopK):
     """Reverse KL on the **teacher's** top-k support, both distributions renormalised there: TurnOPD's
     ``loss_mode = topk_reverse_kl`` with ``distill_topk = 50`` (arXiv 2607.05804, Table 7; docs/algorithms.md
     §2.6; the renormalisation is PROPOSED, as in §0.3's top-k row)::
@@ -126,26 +160,13 @@ class TeacherTopKRenormalizedReverseKL(_TopK):
     """
 
     teacher_signal = TeacherSignal.TOP_K
+    support_side = "teacher"
 
-    def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
-        lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
-        idx = lp_t.detach().topk(min(self.k, lp_t.shape[-1]), dim=-1).indices  # (..., k)
-        return self._full(_renormalized_reverse_kl(lp_s, lp_t, idx), lp_s, lp_t, targets)
-
-    def signal_terms(self, student_logits, targets, temperature=1.0, *, teacher_sampled_logprobs, teacher_topk_ids,
-                     teacher_topk_logprobs) -> TokenLoss:
-        """:meth:`token_terms` with the teacher's top-K reported: ``(..., K)`` ids and log-probs (nats, at
-        ``temperature``), ``(...)`` ``teacher_sampled_logprobs``.
-
-        Raises:
-            ValueError: ``K < min(k, V)``.
-        """
-        lp_s = log_probs(student_logits, temperature)
-        idx, lt = self._reported_top_k(teacher_topk_ids, teacher_topk_logprobs, lp_s.shape[-1])
-        return self._from_signals(_renormalized_kl(lp_s.gather(-1, idx), lt), lp_s, targets, teacher_sampled_logprobs)
+    def _reported_loss(self, lp_s: torch.Tensor, idx: torch.Tensor, lt: torch.Tensor) -> torch.Tensor:
+        return _renormalized_kl(lp_s.gather(-1, idx), lt)
 
 
-class TeacherTopKForwardKL(_TopK):
+class TeacherTopKForwardKL(_TeacherReportedTopK):
     """Forward KL on the teacher's top-k support, not renormalised (docs/algorithms.md §0.3 "top-k
     (teacher support, forward KL)"; verl ``forward_kl_topk``, default k = 32)::
 
@@ -183,7 +204,7 @@ class TeacherTopKForwardKL(_TopK):
 
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0) -> TokenLoss:
         lp_s, lp_t = self._common(student_logits, teacher_logits, temperature)
-        idx = lp_t.topk(min(self.k, lp_t.shape[-1]), dim=-1).indices  # (..., k)
+        idx = self._top_k_ids(lp_t)  # (..., k)
         lt = lp_t.gather(-1, idx)
         loss = (lt.exp() * (lt - lp_s.gather(-1, idx))).sum(-1)
         if self.tail_bucket and idx.shape[-1] < lp_t.shape[-1]:  # k >= V: no tail
@@ -191,18 +212,9 @@ class TeacherTopKForwardKL(_TopK):
             loss = loss + tail_t.exp() * (tail_t - tail_s)
         return self._full(loss, lp_s, lp_t, targets)
 
-    def signal_terms(self, student_logits, targets, temperature=1.0, *, teacher_sampled_logprobs, teacher_topk_ids,
-                     teacher_topk_logprobs) -> TokenLoss:
-        """:meth:`token_terms` with the teacher's top-K reported: ``(..., K)`` ids and log-probs (nats, at
-        ``temperature``), ``(...)`` ``teacher_sampled_logprobs``.
-
-        Raises:
-            ValueError: ``K < min(k, V)``.
-        """
-        lp_s = log_probs(student_logits, temperature)
-        idx, lt = self._reported_top_k(teacher_topk_ids, teacher_topk_logprobs, lp_s.shape[-1])
+    def _reported_loss(self, lp_s: torch.Tensor, idx: torch.Tensor, lt: torch.Tensor) -> torch.Tensor:
         loss = (lt.exp() * (lt - lp_s.gather(-1, idx))).sum(-1)
         if self.tail_bucket and idx.shape[-1] < lp_s.shape[-1]:  # k >= V: no tail
             tail_t, tail_s = _log1mexp(lt.logsumexp(-1)), _complement_logsumexp(lp_s, idx)
             loss = loss + torch.where(tail_t > float("-inf"), tail_t.exp() * (tail_t - tail_s), 0.0)
-        return self._from_signals(loss, lp_s, targets, teacher_sampled_logprobs)
+        return loss

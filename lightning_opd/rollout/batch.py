@@ -9,6 +9,7 @@ are never trained on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from operator import attrgetter
 from typing import Collection, Sequence
 
 import torch
@@ -235,6 +236,14 @@ def collate_trajectories(trajs: list[Trajectory], sampling: SamplingParams, pad_
 
 #: keys of :func:`rollout_sums` that are counts (logged as sums); every other key is a mean per episode
 ROLLOUT_COUNTS = ("env_errors",)
+#: :func:`rollout_sums` key -> the :class:`Trajectory` field summed over episodes (in this order)
+_SUMMED_FIELDS = (
+    ("success", "success"), ("turns", "num_turns"), ("tokens", "num_tokens"),
+    ("assistant_tokens", "num_assistant_tokens"), ("invalid_actions", "invalid_actions"),
+    ("cut_replies", "cut_replies"), ("truncated", "truncated"), ("env_errors", "env_error"),
+    ("reward", "total_reward"), ("prefill_tokens", "prefill_tokens"), ("cached_prompt_tokens", "cached_prompt_tokens"),
+    ("cap", "rollout_cap"), ("is_probe", "is_probe"),
+)
 
 
 def rollout_sums(trajs: list[Trajectory]) -> dict[str, float]:
@@ -244,21 +253,7 @@ def rollout_sums(trajs: list[Trajectory]) -> dict[str, float]:
     Keys as :func:`rollout_stats`'s, each a sum over episodes (``success``: episodes won, ``turns``: turns
     played, ``reward``: points, ...); ``env_errors`` (in :data:`ROLLOUT_COUNTS`) is a count either way.
     """
-    return {
-        "success": float(sum(t.success for t in trajs)),
-        "turns": float(sum(t.num_turns for t in trajs)),
-        "tokens": float(sum(t.num_tokens for t in trajs)),
-        "assistant_tokens": float(sum(t.num_assistant_tokens for t in trajs)),
-        "invalid_actions": float(sum(t.invalid_actions for t in trajs)),
-        "cut_replies": float(sum(t.cut_replies for t in trajs)),
-        "truncated": float(sum(t.truncated for t in trajs)),
-        "env_errors": float(sum(t.env_error for t in trajs)),
-        "reward": float(sum(t.total_reward for t in trajs)),
-        "prefill_tokens": float(sum(t.prefill_tokens for t in trajs)),
-        "cached_prompt_tokens": float(sum(t.cached_prompt_tokens for t in trajs)),
-        "cap": float(sum(t.rollout_cap for t in trajs)),
-        "is_probe": float(sum(t.is_probe for t in trajs)),
-    }
+    return {key: float(sum(map(attrgetter(field), trajs))) for key, field in _SUMMED_FIELDS}
 
 
 def rollout_stats(trajs: list[Trajectory]) -> dict[str, float]:
