@@ -72,12 +72,12 @@ def test_the_shipped_remote_config_builds_without_a_server(model_dirs, games_dir
     cli = OPDCLI(args=["--config", str(REMOTE), f"--model.init_args.student={model_dirs['student']}",
                        f"--data.init_args.env.init_args.games_dir={games_dir}", "--trainer.logger.init_args.save_dir=logs",
                        "--model.init_args.export_dir=export"], run=False)
-    teacher = cli.model.teacher_scorer
+    teacher = cli.model.teacher
     assert isinstance(teacher, RemoteTeacher) and teacher.urls == ["http://127.0.0.1:8001"]
     assert not teacher.pool.connected and teacher.model is None  # nothing asked of the (absent) server yet
     assert (teacher.clients[0].timeout_s, teacher.clients[0].retries, teacher.pool.heartbeat_s) == (120.0, 2, 30.0)
     assert type(cli.model.loss_fn) is TeacherTopKRenormalizedReverseKL and cli.model.loss_fn.k == 50
-    assert cli.model.kl_metric == "kl_sampled" and cli.model.teacher is None
+    assert cli.model.kl_metric == "kl_sampled" and cli.model.teacher_model is None
     assert cli.datamodule.sampling.temperature == 1.0
     assert not [c for c in cli.trainer.callbacks if type(c).__name__ == "TeacherTrajectoryKL"]
 
@@ -93,7 +93,7 @@ def test_two_step_fit_with_the_teacher_served(vllm, served_model_dirs, tmp_path)
     cli = OPDCLI(args=["fit", "--config", str(REMOTE), f"--model.init_args.student={served_model_dirs['student']}",
                        f"--model.init_args.teacher.init_args.urls=[{server.url}]", "--model.init_args.export_dir=export",
                        "--trainer.logger.init_args.save_dir=logs", ENV, *SMALL, "--trainer.max_steps=2"])
-    assert cli.trainer.global_step == 2 and isinstance(cli.model.teacher_scorer, RemoteTeacher)
+    assert cli.trainer.global_step == 2 and isinstance(cli.model.teacher, RemoteTeacher)
     run = tmp_path / "logs" / "opd_remote" / "version_0"
     kl = scalars(run, "train/kl_sampled")
     assert [s for s, _ in kl] == [0, 1] and all(torch.isfinite(torch.tensor(v)) for _, v in kl)
@@ -101,7 +101,7 @@ def test_two_step_fit_with_the_teacher_served(vllm, served_model_dirs, tmp_path)
     assert scalars(run, "teacher/rows") == [(0, 2.0), (1, 4.0)]
     assert [v for _, v in scalars(run, "teacher/retries")] == [0.0, 0.0]
     assert all(v > 0 for _, v in scalars(run, "teacher/prompt_tokens"))
-    assert not cli.model.teacher_scorer.pool.connected  # teardown closed it (heartbeat and request threads stopped)
+    assert not cli.model.teacher.pool.connected  # teardown closed it (heartbeat and request threads stopped)
 
 
 class KillServerAt(L.Callback):
@@ -246,3 +246,61 @@ def test_async_fit_with_teacher_and_sampler_served(vllm, served_model_dirs, tmp_
     assert len(requests) == 3 and requests[0] > 0 and requests == sorted(requests), requests
     assert scalars(run, "sampler/completion_tokens")[-1][1] > 0 and scalars(run, "sampler/pushes")[-1][1] >= 1
     assert scalars(run, "sampler/retries")[-1][1] == 0
+
+
+class WatchWeightsFolder(L.Callback):
+    """Records the served sampler's temporary weights folder (its ``ServerWeightPush``'s, created at the first push)
+    in :data:`WEIGHTS_FOLDERS` after each training step, checking it exists then; then raises ``fail`` (``"error"``: a
+    RuntimeError, ``"interrupt"``: KeyboardInterrupt, as Ctrl-C does) or nothing (``"none"``)."""
+
+    def __init__(self, fail: str = "none") -> None:
+        self.fail = fail
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        folder = trainer.datamodule.generator._push._tmp_dir
+        assert folder is not None and os.path.isdir(folder), folder
+        WEIGHTS_FOLDERS.append(folder)
+        if self.fail == "error":
+            raise RuntimeError("a training step failed (WatchWeightsFolder)")
+        if self.fail == "interrupt":
+            raise KeyboardInterrupt
+
+
+WEIGHTS_FOLDERS: list[str] = []
+
+
+@needs_vllm
+@pytest.mark.parametrize("fail", ["none", "error", "interrupt"])
+def test_no_temporary_weights_folder_outlives_a_fit(vllm, served_model_dirs, fail):
+    """A 1-step fit sampling on the session's sampler server (``RemoteGenerator`` without ``weights_dir``: its pushes
+    go to a temporary folder, the in-process teacher scores): the folder exists during the step and is gone after the
+    fit, whether it ends normally, with an error raised in a training step (``trainer.fit`` re-raises it), or with
+    Ctrl-C (KeyboardInterrupt: Lightning shuts down and exits with status 1). Lightning calls the DataModule's
+    ``teardown`` on a normal end and its ``on_exception`` (not ``teardown``) on the other two; both close the
+    generator (``RolloutSession.close``)."""
+    from tests.rollout.test_remote_generator import sampler
+
+    server = sampler(served_model_dirs["student"])
+    generator = json.dumps({"class_path": "lightning_opd.rollout.remote.RemoteGenerator",
+                            "init_args": {"urls": [server.url], "heartbeat_s": 0}})
+    watch = f"--trainer.callbacks+={{'class_path': 'tests.test_remote_fit.WatchWeightsFolder', " \
+            f"'init_args': {{'fail': '{fail}'}}}}"
+    args = ["fit", "--config", str(BASE), f"--model.init_args.student={served_model_dirs['student']}",
+            f"--model.init_args.teacher={served_model_dirs['teacher']}", "--model.init_args.export_dir=export",
+            "--trainer.logger=false", ENV, *SMALL, f"--data.init_args.generator={generator}", "--trainer.max_steps=1",
+            watch]
+    WEIGHTS_FOLDERS.clear()
+    sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores Ctrl-C while it shuts down after one
+    try:
+        if fail == "none":
+            assert OPDCLI(args=args).trainer.global_step == 1
+        elif fail == "error":
+            with pytest.raises(RuntimeError, match="a training step failed"):
+                OPDCLI(args=args)
+        else:
+            with pytest.raises(SystemExit):
+                OPDCLI(args=args)
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert len(WEIGHTS_FOLDERS) == 1 and os.path.basename(WEIGHTS_FOLDERS[0]).startswith("lightning-opd-weights-")
+    assert not os.path.exists(WEIGHTS_FOLDERS[0]), os.listdir(WEIGHTS_FOLDERS[0])
