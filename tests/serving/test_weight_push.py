@@ -1,8 +1,8 @@
 """One writer per server, for every pusher (:class:`~lightning_opd.serving.weight_push.ServerWeightPush` through
 :meth:`~lightning_opd.serving.pool.ServerPool.writers`): at two learner ranks, rank ``r`` of 2 reloads only the servers
-``urls[r::2]``, both for a served sampler (``RemoteGenerator.push_weights``) and for a served privileged teacher with
-``live`` weights (``PrivilegedTeacher.push``); a rank past the last URL writes no snapshot and reloads nothing; a sampler
-with fewer URLs than ranks is refused at connect.
+``urls[r::2]``, both for a served sampler (``RemoteGenerator.push_weights``) and for a served privileged teacher
+with ``live`` weights (``PrivilegedTeacher.push``); a rank past the last URL writes no snapshot and reloads nothing; a
+sampler with fewer URLs than ranks is refused at connect.
 
 The ranks are the two values :func:`~lightning_opd.serving.pool.rank_world` gives (monkeypatched to ``(0, 2)`` and
 ``(1, 2)``, one process); the servers are plain ``http.server`` handlers that answer ``/health``, ``/v1/models`` and the
