@@ -221,7 +221,8 @@ def report(claims: Sequence[Claim]) -> str:
 def rewrite_results(experiment: str, subsets: Sequence[Sequence[str]]) -> None:
     """Rewrite ``experiment``'s ``compare.md``/``.json`` and ``summary*.md``/``.json`` with the runner's own code (its
     YAML under ``benchmarks/experiments``), from every run's final evaluation."""
-    from lightning_opd.experiments.runner import Runner, load_experiment
+    from lightning_opd.experiments.experiment import load_experiment
+    from lightning_opd.experiments.runner import Runner
 
     runner = Runner(load_experiment(ROOT / "benchmarks" / "experiments" / f"{experiment}.yaml"), cwd=ROOT,
                     echo=lambda *_: None)

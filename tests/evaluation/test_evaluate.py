@@ -238,6 +238,6 @@ def test_evaluate_never_replaces_out_without_force(tmp_path, capsys, monkeypatch
     assert f"--out {out} exists; pass --force to replace it" in capsys.readouterr().err
     assert out.read_text() == "kept"
     monkeypatch.setattr(ev, "evaluate", lambda *a, **k: {"tasks": [], "config": {"backend": "hf"}, "students": []})
-    monkeypatch.setattr(ev, "format_summary", lambda result: "summary")
+    monkeypatch.setattr("lightning_opd.cli.evaluate.format_summary", lambda result: "summary")
     main(["evaluate", *ENV, "--students", str(tmp_path / "no-model"), "--out", str(out), "--force"])
     assert "summary" in capsys.readouterr().out

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning_opd.experiments.runner import Experiment, Runner, load_experiment
+from lightning_opd.experiments.experiment import Experiment, load_experiment
+from lightning_opd.experiments.runner import Runner
 
 ROOT = Path(__file__).resolve().parents[2]
 

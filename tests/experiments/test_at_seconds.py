@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from lightning_opd.experiments.marks import mark_steps
-from lightning_opd.experiments.runner import Runner, load_experiment
+from lightning_opd.experiments.experiment import load_experiment
+from lightning_opd.experiments.runner import Runner
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_lopd.py"))]

@@ -14,7 +14,7 @@ import yaml
 
 from lightning_opd.callbacks.annealing import AnnealingSchedule
 from lightning_opd.analysis.curves import updates_per_batch
-from lightning_opd.experiments.runner import load_experiment
+from lightning_opd.experiments.experiment import load_experiment
 from tests.experiments.arm_configs import resolved_arms
 from lightning_opd.losses import EpisodeReward
 from lightning_opd.rollout.batch import collate_trajectories

@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from lightning_opd.cpu_isa import cpu_name
-from lightning_opd.experiments.runner import Arm, Experiment, Runner, files_sha256, load_experiment
+from lightning_opd.experiments.experiment import Arm, Experiment, load_experiment
+from lightning_opd.experiments.runner import Runner, files_sha256
 from tests.experiments.arm_configs import resolved_arms, without_controllers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -248,7 +249,7 @@ def test_keep_checkpoints_false_deletes_a_pairs_checkpoints_once_it_is_done(tmp_
 def test_summary_of_some_arms_uses_the_seeds_they_all_have(tmp_path, monkeypatch):
     """``--summary --arms``: the claim's arms over every seed they share while another arm lacks one; written
     beside the full summary (which keeps only the seed every arm has), with the contrasts among those arms."""
-    from lightning_opd.experiments.runner import main
+    from lightning_opd.cli.experiment import experiment_command as main
     monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
     arm = {"overrides": ["--trainer.max_steps=2"]}
     path = spec(tmp_path, 0, arms={"a": arm, "b": arm, "c": arm}, contrasts=[["b", "a"], ["c", "a"]])
@@ -277,7 +278,7 @@ def test_summary_of_some_arms_uses_the_seeds_they_all_have(tmp_path, monkeypatch
 def test_a_run_with_arms_fits_only_those_pairs_and_a_later_run_adds_the_rest(tmp_path, monkeypatch):
     """A run with ``--arms``: only those arms' pairs, seed by seed; the comparison of every arm waits for a full
     run, which then fits only the pairs still missing."""
-    from lightning_opd.experiments.runner import main
+    from lightning_opd.cli.experiment import experiment_command as main
     monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
     arm = {"overrides": ["--trainer.max_steps=2"]}
     path = spec(tmp_path, 0, arms={"a": arm, "b": arm, "c": arm}, contrasts=[["c", "b"]])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_opd.experiments.runner import load_experiment
+from lightning_opd.experiments.experiment import load_experiment
 from tests.experiments.arm_configs import resolved_arms, without_controllers
 
 ROOT = Path(__file__).resolve().parents[2]

