@@ -230,10 +230,10 @@ class SearchQAEnvFactory(EnvFactory):
         corpus, rows = (_read_jsonl(f, self.data_dir) for f in files)
         self.top_k, self.max_query_chars, self.max_answer_words = top_k, max_query_chars, max_answer_words
         self.retriever = BM25Retriever([d["text"] for d in corpus], [d["id"] for d in corpus])
-        self._tasks = {r["id"]: r for r in rows}
+        self._records = {r["id"]: r for r in rows}
         train = [r["id"] for r in rows if r["split"] == "train"]
         evals = [r["id"] for r in rows if r["split"] == "eval"]
-        shared = {self._tasks[t]["question"] for t in train} & {self._tasks[t]["question"] for t in evals}
+        shared = {self._records[t]["question"] for t in train} & {self._records[t]["question"] for t in evals}
         if shared:
             raise ValueError(f"train and held-out Search-QA questions overlap ({len(shared)} shared)")
         self._train = train[:num_train] if num_train is not None else train
@@ -245,19 +245,19 @@ class SearchQAEnvFactory(EnvFactory):
     def eval_tasks(self) -> list[str]:
         return list(self._eval)
 
-    def task(self, task_id: str) -> dict:
+    def record(self, task_id: str) -> dict:
         """The question record of ``task_id``.
 
         Raises:
             KeyError: unknown id.
         """
         try:
-            return self._tasks[task_id]
+            return self._records[task_id]
         except KeyError:
             raise KeyError(f"unknown Search-QA task id {task_id!r} in {self.data_dir}") from None
 
     def make(self, task_id: str) -> SearchQAEnv:
-        t = self.task(task_id)
+        t = self.record(task_id)
         return SearchQAEnv(t["question"], t["answer"], self.retriever, self.top_k, self.max_query_chars,
                            self.max_answer_words)
 
@@ -267,7 +267,7 @@ class SearchQAEnvFactory(EnvFactory):
         Raises:
             NotImplementedError: the question has no ``hops`` (a corpus without an expert).
         """
-        t = self.task(task_id)
+        t = self.record(task_id)
         if "hops" not in t:
             raise NotImplementedError(f"Search-QA task {task_id!r} has no 'hops' to build an expert from")
         return [f"<search>{h}</search>" for h in t["hops"]] + [f"<answer>{t['answer']}</answer>"]
@@ -285,7 +285,7 @@ class SearchQAEnvFactory(EnvFactory):
         Raises:
             KeyError: unknown task id, or a gold document id missing from the corpus.
         """
-        t = self.task(task_id)
+        t = self.record(task_id)
         docs = dict(zip(self.retriever.ids, self.retriever.texts))
         lines = []
         if t.get("gold_docs"):

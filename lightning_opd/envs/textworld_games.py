@@ -91,6 +91,43 @@ def _finish(stage: Path, splits: dict[str, list[dict]], header: dict, out: Path)
     stage.rename(out)
 
 
+def _check_counts(num_train: int, num_eval: int, eval_fraction: float) -> None:
+    """Raises ValueError for a negative count, no game asked for, or ``eval_fraction`` outside (0, 1)."""
+    if num_train < 0 or num_eval < 0 or num_train + num_eval < 1:
+        raise ValueError(f"num_train={num_train}, num_eval={num_eval}: both must be >= 0 and one >= 1")
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction={eval_fraction} must be in (0, 1)")
+
+
+def _exhaustion_cause(tried: int, repeats: int, eval_fraction: float, max_attempts: int) -> str:
+    """Why ``tried`` seeds did not give enough games: the game space (most seeds repeated a game) or the budget."""
+    if repeats > tried // 2:
+        return (f"the game space ran out: {repeats} of the {tried} seeds repeated an earlier game; "
+                "increase quest_length, world_size or nb_objects")
+    return (f"the seed budget ran out ({repeats} repeated games; a game falls in the held-out "
+            f"split with probability {eval_fraction}): raise max_attempts (--max-attempts, "
+            f"{max_attempts} here); increase quest_length, world_size or nb_objects only if most "
+            "seeds repeat")
+
+
+def _keep_partial(stage: Path, splits: dict[str, list[dict]], header: dict, out: Path) -> str:
+    """Keep the games made so far in ``<out>.incomplete`` (or drop the empty stage); returns what was kept, in
+    words, for the error message."""
+    made = sum(map(len, splits.values()))
+    if not made:
+        shutil.rmtree(stage, ignore_errors=True)
+        return "no game was made"
+    partial = out.with_name(out.name + INCOMPLETE_SUFFIX)
+    _finish(stage, splits, header, partial)
+    return (f"the {made} games made are kept in {partial} (manifest.json marked \"complete\": false; "
+            f"{out} is untouched)")
+
+
+def _seeds_needed(want: dict[str, int], splits: dict[str, list[dict]], share: dict[str, float], workers: int) -> int:
+    """Seeds expected to fill what is missing, each split filling at its own rate (at least ``workers``)."""
+    return max(workers, math.ceil(max((want[s] - len(splits[s])) / share[s] for s in splits)))
+
+
 def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: GameSpec = GameSpec(),
                seed: int = 0, workers: int = 2, max_attempts: int | None = None, eval_fraction: float = 0.2) -> Path:
     """Generate ``num_train`` training and ``num_eval`` held-out games into ``out``.
@@ -117,10 +154,7 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
             kept: ``<out>.incomplete`` (its manifest has ``"complete": false``); ``out`` is left as it was.
     """
     out = Path(out)
-    if num_train < 0 or num_eval < 0 or num_train + num_eval < 1:
-        raise ValueError(f"num_train={num_train}, num_eval={num_eval}: both must be >= 0 and one >= 1")
-    if not 0.0 < eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction={eval_fraction} must be in (0, 1)")
+    _check_counts(num_train, num_eval, eval_fraction)
     max_attempts = max_attempts or seed_budget(num_train, num_eval, eval_fraction)
     header = {"spec": asdict(spec), "seed": seed, "num_train": num_train, "num_eval": num_eval,
               "eval_fraction": eval_fraction}
@@ -134,31 +168,14 @@ def make_games(out: str | Path, num_train: int = 100, num_eval: int = 50, spec: 
         while any(len(splits[s]) < want[s] for s in splits):
             if next_seed - seed >= max_attempts:
                 tried = next_seed - seed
-                repeats = tried - len(seen)
-                if repeats > tried // 2:
-                    cause = (f"the game space ran out: {repeats} of the {tried} seeds repeated an earlier game; "
-                             "increase quest_length, world_size or nb_objects")
-                else:
-                    cause = (f"the seed budget ran out ({repeats} repeated games; a game falls in the held-out "
-                             f"split with probability {eval_fraction}): raise max_attempts (--max-attempts, "
-                             f"{max_attempts} here); increase quest_length, world_size or nb_objects only if most "
-                             "seeds repeat")
-                made = sum(map(len, splits.values()))
-                kept = "no game was made"
-                if made:
-                    partial = out.with_name(out.name + INCOMPLETE_SUFFIX)
-                    _finish(stage, splits, {**header, "complete": False, "seeds_tried": tried, "cause": cause}, partial)
-                    kept = (f"the {made} games made are kept in {partial} (manifest.json marked \"complete\": false; "
-                            f"{out} is untouched)")
-                else:
-                    shutil.rmtree(stage, ignore_errors=True)
+                cause = _exhaustion_cause(tried, tried - len(seen), eval_fraction, max_attempts)
+                kept = _keep_partial(stage, splits, {**header, "complete": False, "seeds_tried": tried, "cause": cause},
+                                     out)
                 raise RuntimeError(
                     f"only {len(splits['train'])}/{num_train} train and {len(splits['eval'])}/{num_eval} held-out "
                     f"games after {tried} seeds (seeds {seed}-{next_seed - 1}) with {spec}: {cause}. {kept}"
                 )
-            # seeds expected to fill what is missing, each split filling at its own rate
-            n = max(workers, math.ceil(max((want[s] - len(splits[s])) / share[s] for s in splits)))
-            n = min(n, max_attempts - (next_seed - seed))
+            n = min(_seeds_needed(want, splits, share, workers), max_attempts - (next_seed - seed))
             batch = [(s, spec, str(stage)) for s in range(next_seed, next_seed + n)]
             next_seed += n
             for res in pool.map(_generate_one, batch):

@@ -217,18 +217,24 @@ class HFGenerator(Generator):
                 return False
         return len({r.key for r in requests}) == len(requests)
 
-    @torch.no_grad()
-    def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
+    def _sampling_model(self):
+        """The model that samples: the backend's own copy after a weight push, else the attached policy's.
+
+        Raises:
+            RuntimeError: neither is there.
+        """
         if self._own_model is not None:
             model = self._own_model
         else:
             model = self._policy.policy_model if self._policy is not None else None
         if model is None:
             raise RuntimeError("HFGenerator is not attached to a loaded policy model")
-        version = self.policy_version
-        device = next(model.parameters()).device
-        pad_id = self._filler_id
+        return model
 
+    def _model_inputs(self, requests: list[GenerationRequest], version: int, pad_id: int, device):
+        """``(input_ids, attention_mask, cache, cached_lens)`` of one ``generate`` call: the prompts' new suffixes
+        behind the kept KV cache when every request continues its row (:meth:`_reusable`), else the whole prompts,
+        left-padded, with an empty cache. ``cached_lens``: prompt tokens per request served from the cache."""
         if self._reusable(requests, version):
             st = self._state
             rows = torch.tensor([st.rows[r.key] for r in requests], device=device)
@@ -245,8 +251,11 @@ class HFGenerator(Generator):
             cache = DynamicCache()
             cached_lens = [0] * len(requests)
             input_ids, attention_mask = _left_pad([r.prompt_ids for r in requests], pad_id, device)
-        self._state = None
+        return input_ids, attention_mask, cache, cached_lens
 
+    def _sample(self, model, requests: list[GenerationRequest], input_ids: torch.Tensor,
+                attention_mask: torch.Tensor, cache, sampling: SamplingParams, pad_id: int):
+        """``model.generate`` in eval mode under a forked RNG seeded from the requests' episode seeds and turns."""
         self._name_ignored_knobs(model)
         was_training = model.training
         model.eval()
@@ -254,11 +263,38 @@ class HFGenerator(Generator):
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                                     generation_config=self._generation_config(sampling, pad_id),
-                                     synced_gpus=self.collective)  # F10: own weights are never collective
+                return model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                                      generation_config=self._generation_config(sampling, pad_id),
+                                      synced_gpus=self.collective)  # F10: own weights are never collective
         finally:
             model.train(was_training)
+
+    def _kv_state(self, out, requests: list[GenerationRequest], attention_mask: torch.Tensor,
+                  first_eot: torch.Tensor, kept: list[int], new_list: list[list[int]], version: int,
+                  device) -> _KVState:
+        """The KV cache to keep after a call: it holds keys/values of the input and of new tokens 0..n-2 (the last
+        one was not fed)."""
+        n = out.sequences.shape[1] - attention_mask.shape[1]
+        pos = torch.arange(max(n - 1, 0), device=device)
+        new_mask = (pos.unsqueeze(0) < first_eot.unsqueeze(1) + 1).long()  # (B, n-1) 1 = real token
+        base = [r.prompt_ids for r in requests]
+        return _KVState(
+            cache=out.past_key_values,
+            mask=torch.cat([attention_mask, new_mask], dim=1),
+            rows={r.key: i for i, r in enumerate(requests)},
+            cached_ids=[base[i] + new_list[i][: min(kept[i], n - 1)] for i in range(len(requests))],
+            version=version,
+        )
+
+    @torch.no_grad()
+    def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
+        model = self._sampling_model()
+        version = self.policy_version
+        device = next(model.parameters()).device
+        pad_id = self._filler_id
+        input_ids, attention_mask, cache, cached_lens = self._model_inputs(requests, version, pad_id, device)
+        self._state = None
+        out = self._sample(model, requests, input_ids, attention_mask, cache, sampling, pad_id)
 
         in_len = input_ids.shape[1]
         new = out.sequences[:, in_len:]  # (B, n)
@@ -279,15 +315,5 @@ class HFGenerator(Generator):
                                             prompt_tokens_cached=cached_lens[i]))
 
         if self.reuse_kv_cache and out.past_key_values is not None:
-            # the cache holds keys/values of the input and of new tokens 0..n-2 (the last one was not fed)
-            pos = torch.arange(max(n - 1, 0), device=device)
-            new_mask = (pos.unsqueeze(0) < first_eot.unsqueeze(1) + 1).long()  # (B, n-1) 1 = real token
-            base = [r.prompt_ids for r in requests]
-            self._state = _KVState(
-                cache=out.past_key_values,
-                mask=torch.cat([attention_mask, new_mask], dim=1),
-                rows={r.key: i for i, r in enumerate(requests)},
-                cached_ids=[base[i] + new_list[i][: min(kept[i], n - 1)] for i in range(len(requests))],
-                version=version,
-            )
+            self._state = self._kv_state(out, requests, attention_mask, first_eot, kept, new_list, version, device)
         return outputs

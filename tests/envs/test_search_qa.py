@@ -196,12 +196,12 @@ def test_expert_wins_with_reward_one(factory):
     task = factory.eval_tasks()[0]
     env = factory.make(task)
     first = env.reset()
-    assert first == f"Question: {factory.task(task)['question']}\n{FORMAT_HINT}"
+    assert first == f"Question: {factory.record(task)['question']}\n{FORMAT_HINT}"
     actions = factory.expert_actions(task)
-    assert actions[0].startswith("<search>") and actions[-1] == f"<answer>{factory.task(task)['answer']}</answer>"
+    assert actions[0].startswith("<search>") and actions[-1] == f"<answer>{factory.record(task)['answer']}</answer>"
     results = [env.step(env.parse_action(a)) for a in actions]
     assert [r.done for r in results] == [False, False, True]
-    assert results[0].observation.splitlines()[1] == f'Results for "{factory.task(task)["hops"][0]}":'
+    assert results[0].observation.splitlines()[1] == f'Results for "{factory.record(task)["hops"][0]}":'
     assert len(results[0].observation.splitlines()) == 2 + factory.top_k
     assert (results[-1].won, results[-1].reward, env.searches) == (True, 1.0, 2)
 
@@ -210,7 +210,7 @@ def test_wrong_answer_is_lost_with_partial_f1(factory):
     task = factory.train_tasks()[0]
     env = factory.make(task)
     env.reset()
-    gold = factory.task(task)["answer"]
+    gold = factory.record(task)["answer"]
     r = env.step(env.parse_action(f"<answer>{gold} Zzyzx</answer>"))
     assert (r.won, r.lost, r.invalid_action) == (False, True, False)
     assert r.reward == pytest.approx(2 * 0.5 * 1.0 / 1.5)
