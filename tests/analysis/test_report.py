@@ -8,21 +8,13 @@ import math
 from pathlib import Path
 
 import pytest
-from torch.utils.tensorboard import SummaryWriter
 
 from lightning_opd.cli import main
 from lightning_opd.analysis.report import baseline_value, kl_matrix, panels, read_scalars, render_report
+from tests.analysis.scalars import write_scalars as _write
 
 RECORDED = Path(__file__).parents[1] / "fixtures" / "recorded_run"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _write(run: Path, points: dict[str, list[tuple[int, float]]]) -> None:
-    w = SummaryWriter(str(run))
-    for tag, values in points.items():
-        for step, v in values:
-            w.add_scalar(tag, v, step)
-    w.close()
 
 
 def test_kl_matrix_by_hand(tmp_path):

@@ -1,4 +1,4 @@
-"""``lightning-opd`` front end (lightning_opd/cli.py): the help lists every command, ``predict`` is refused,
+"""``lightning-opd`` front end (lightning_opd/cli/__init__.py, fit.py, config_checks.py): the help lists every command, ``predict`` is refused,
 helpers check their arguments before any work and never replace output without ``--force``, config errors
 name the key or file first, ``trainer.gradient_clip_val`` points to ``model.init_args.grad_clip_norm``,
 ``validate`` prints rounded metrics, ``fit`` says where the student went, the debug overlay keeps its own
@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
-from torch.utils.tensorboard import SummaryWriter
 
 from lightning_opd.callbacks.progress import EpisodeProgressBar, StepLinePrinter
 from lightning_opd.cli import COMMANDS, HELPERS, OPDCLI, cause_first, main
@@ -23,21 +21,9 @@ from tests.test_configs import BASE, CONF, build, games_dir, search_qa_dir  # no
 pytestmark = pytest.mark.filterwarnings("ignore:No seed found")
 
 
-@pytest.fixture(autouse=True)
-def _isolate(isolate):
-    yield
-
-
-def _exit(capsys, argv) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    captured = capsys.readouterr()
-    return exc.value.code, captured.err + captured.out
-
-
 # ------------------------------------------------------------------------------------------ --help
-def test_main_help_lists_every_helper_and_no_predict(capsys):
-    code, out = _exit(capsys, ["--help"])
+def test_main_help_lists_every_helper_and_no_predict(exits):
+    code, out = exits(["--help"])
     assert code == 0
     assert set(HELPERS) == set(COMMANDS)
     for name in ("prepare-model", "make-games", "make-search-qa", "merge-adapter", "results", "report", "evaluate",
@@ -46,93 +32,10 @@ def test_main_help_lists_every_helper_and_no_predict(capsys):
     assert "predict" not in out.split("helper commands")[0]  # not offered as a subcommand
 
 
-def test_predict_is_refused_with_what_to_use(capsys):
-    code, out = _exit(capsys, ["predict", "--config", str(BASE)])
+def test_predict_is_refused_with_what_to_use(exits):
+    code, out = exits(["predict", "--config", str(BASE)])
     assert code == 2
     assert "`lightning-opd predict` is not supported" in out and "lightning-opd evaluate" in out
-
-
-# --------------------------------------------------------------------------------- helper arguments
-@pytest.mark.parametrize(("args", "message"), [
-    (["--train", "0", "--eval", "0"], "--train and --eval are both 0: nothing to generate"),
-    (["--train", "-3"], "argument --train: -3 must be >= 0"),
-    (["--eval", "-1"], "argument --eval: -1 must be >= 0"),
-    (["--quest-length", "0"], "argument --quest-length: 0 must be >= 1"),
-    (["--world-size", "0"], "argument --world-size: 0 must be >= 1"),
-    (["--workers", "0"], "argument --workers: 0 must be >= 1"),
-    (["--eval-fraction", "1.5"], "argument --eval-fraction: 1.5 must be in (0, 1)"),
-])
-def test_make_games_rejects_bad_arguments_before_any_work(args, message, capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr("lightning_opd.envs.textworld_games.make_games", _must_not_run)
-    code, out = _exit(capsys, ["make-games", "--out", str(tmp_path / "g"), *args])
-    assert code == 2 and message in out
-    assert not (tmp_path / "g").exists()
-
-
-def _must_not_run(*args, **kwargs):
-    raise AssertionError("the helper started working on bad arguments")
-
-
-def test_make_games_never_replaces_output_without_force(capsys, monkeypatch, tmp_path):
-    out = tmp_path / "games"
-    out.mkdir()
-    (out / "manifest.json").write_text("{}")
-    monkeypatch.setattr("lightning_opd.envs.textworld_games.make_games", _must_not_run)
-    code, text = _exit(capsys, ["make-games", "--out", str(out), "--train", "1", "--eval", "1"])
-    assert code == 2 and f"--out {out} exists; pass --force to replace it" in text
-    assert (out / "manifest.json").read_text() == "{}"
-    calls = []
-    monkeypatch.setattr("lightning_opd.envs.textworld_games.make_games", lambda *a, **k: calls.append((a, k)) or a[0])
-    main(["make-games", "--out", str(out), "--train", "1", "--eval", "2", "--force", "--max-attempts", "7"])
-    (args, kwargs), = calls
-    assert args[:3] == (str(out), 1, 2) and kwargs["max_attempts"] == 7
-
-
-def test_make_search_qa_and_merge_adapter_refuse_existing_output(capsys, monkeypatch, tmp_path):
-    out = tmp_path / "kept"
-    out.mkdir()
-    (out / "file").write_text("x")
-    monkeypatch.setattr("lightning_opd.envs.search_qa_kb.write_search_qa", _must_not_run)
-    code, text = _exit(capsys, ["make-search-qa", "--out", str(out)])
-    assert code == 2 and "exists; pass --force" in text
-    code, text = _exit(capsys, ["make-search-qa", "--out", str(tmp_path / "new"), "--train", "0"])
-    assert code == 2 and "argument --train: 0 must be >= 1" in text
-    base, adapter = tmp_path / "base", tmp_path / "adapter"
-    code, text = _exit(capsys, ["merge-adapter", "--base", str(base), "--adapter", str(adapter), "--out", str(out)])
-    assert code == 2 and f"--base {base} is not a model directory" in text
-    base.mkdir(), adapter.mkdir()
-    (base / "config.json").write_text("{}"), (adapter / "adapter_config.json").write_text("{}")
-    monkeypatch.setattr("lightning_opd.models.loading.merge_adapter", _must_not_run)
-    code, text = _exit(capsys, ["merge-adapter", "--base", str(base), "--adapter", str(adapter), "--out", str(out)])
-    assert code == 2 and "exists; pass --force" in text
-    assert (out / "file").read_text() == "x"
-
-
-# ------------------------------------------------------------------------------------------ results
-def _run(path: Path, points: dict[str, list[tuple[int, float]]]) -> Path:
-    w = SummaryWriter(str(path))
-    for tag, values in points.items():
-        for step, v in values:
-            w.add_scalar(tag, v, step)
-    w.close()
-    return path
-
-
-def test_results_table_and_errors(capsys, tmp_path):
-    a = _run(tmp_path / "a", {"val/success": [(9, 0.5), (19, 0.92)], "val/episodes": [(19, 50.0)]})
-    b = _run(tmp_path / "b", {"train/kl": [(0, 1.0)]})  # has not validated yet
-    main(["results", f"after={a}", str(b)])
-    captured = capsys.readouterr()
-    lines = captured.out.splitlines()
-    assert lines[1].split("|")[1:] == ["       0.920 ", "       50 ", " 19"]
-    assert lines[2].split("|")[1].strip() == "-" and f"{b} has not logged val/success yet" in captured.err
-    code, text = _exit(capsys, ["results", f"after={a}", f"x={tmp_path / 'missing'}"])
-    assert code == 1 and f"run directory '{tmp_path / 'missing'}' does not exist (label 'x')" in text
-    (tmp_path / "empty").mkdir()
-    code, text = _exit(capsys, ["results", str(tmp_path / "empty")])
-    assert code == 1 and "no TensorBoard event files under" in text
-    code, text = _exit(capsys, ["results", str(a), str(b), "--metric", "val/sucess"])
-    assert code == 1 and "no run logged metric 'val/sucess'; did you mean 'val/success' or 'val/episodes'?" in text
 
 
 # ------------------------------------------------------------------------------------- config errors
@@ -147,22 +50,22 @@ def test_cause_first_names_the_full_key():
     assert cause_first("plain message") == "plain message"
 
 
-def test_config_error_shows_the_cause_first(capsys, tmp_path):
-    code, out = _exit(capsys, ["fit", "--config", str(BASE), "--model.init_args.micro_batch_size=abc",
+def test_config_error_shows_the_cause_first(exits, tmp_path):
+    code, out = exits(["fit", "--config", str(BASE), "--model.init_args.micro_batch_size=abc",
                                f"--model.init_args.student={tmp_path / 'none'}"])
     assert code == 2
     assert out.startswith("error: model.init_args.micro_batch_size: Expected a <class 'int'>. Got value: abc")
 
 
-def test_corrupt_yaml_config_names_the_file(capsys, tmp_path):
+def test_corrupt_yaml_config_names_the_file(exits, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  max_steps: [1\n")
-    code, out = _exit(capsys, ["fit", "--config", str(BASE), "--config", str(bad)])
+    code, out = exits(["fit", "--config", str(BASE), "--config", str(bad)])
     assert code == 2 and f"error: config file {bad} is not valid YAML" in out
 
 
-def test_gradient_clip_val_points_to_grad_clip_norm(capsys, tmp_path):
-    code, out = _exit(capsys, ["fit", "--config", str(BASE), "--trainer.gradient_clip_val=0.5",
+def test_gradient_clip_val_points_to_grad_clip_norm(exits, tmp_path):
+    code, out = exits(["fit", "--config", str(BASE), "--trainer.gradient_clip_val=0.5",
                                f"--model.init_args.student={tmp_path / 'none'}"])
     assert code == 2
     assert ("trainer.gradient_clip_val=0.5: OPDModule optimizes manually and clips the gradient norm itself; set "
@@ -170,10 +73,10 @@ def test_gradient_clip_val_points_to_grad_clip_norm(capsys, tmp_path):
 
 
 # --------------------------------------------------------------------------- linked arguments
-def test_bad_max_turns_names_the_data_key_not_the_linked_copy(capsys, games_dir, tmp_path):
+def test_bad_max_turns_names_the_data_key_not_the_linked_copy(exits, games_dir, tmp_path):
     """``model.init_args.max_logged_turns`` is linked to ``data.init_args.max_turns`` (cli.LINKS), applied when
     the classes are built, DataModule first: the DataModule's own check reports the key the user typed."""
-    code, out = _exit(capsys, ["fit", "--config", str(BASE), "--data.init_args.max_turns=-1",
+    code, out = exits(["fit", "--config", str(BASE), "--data.init_args.max_turns=-1",
                                f"--data.init_args.env.init_args.games_dir={games_dir}", "--trainer.logger=false",
                                f"--model.init_args.student={tmp_path / 'none'}"])
     assert code == 2
@@ -181,9 +84,9 @@ def test_bad_max_turns_names_the_data_key_not_the_linked_copy(capsys, games_dir,
     assert "max_logged_turns" not in out and "Traceback" not in out
 
 
-def test_print_config_has_no_frozen_copy_of_a_linked_value(capsys):
+def test_print_config_has_no_frozen_copy_of_a_linked_value(exits):
     for files in ([BASE], [CONF / "textworld" / "turnopd.yaml"], [CONF / "search_qa" / "opd.yaml"]):
-        code, out = _exit(capsys, ["fit", *[a for f in files for a in ("--config", str(f))],
+        code, out = exits(["fit", *[a for f in files for a in ("--config", str(f))],
                                    "--data.init_args.max_turns=5", "--print_config"])
         assert code in (0, None)
         cfg = yaml.safe_load(out)
@@ -222,9 +125,9 @@ def test_run_config_is_logged_as_hyperparameters(capsys, model_dirs, games_dir, 
 
 
 # --------------------------------------------------------------------------------- debug overlay
-def test_debug_overlay_keeps_its_own_export_and_logs(capsys):
+def test_debug_overlay_keeps_its_own_export_and_logs(exits):
     """The README's 2-step smoke run must not overwrite the demo's student or write into its log folder."""
-    code, out = _exit(capsys, ["fit", "--config", str(BASE), "--config", str(CONF / "debug/fast_dev_run.yaml"),
+    code, out = exits(["fit", "--config", str(BASE), "--config", str(CONF / "debug/fast_dev_run.yaml"),
                                "--print_config"])
     assert code in (0, None)
     cfg = yaml.safe_load(out)
