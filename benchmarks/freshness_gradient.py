@@ -428,7 +428,7 @@ def measure(args, env: EnvFactory) -> dict:
                                           args.loss)
     device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
     module.to(device)  # Lightning moves the module back to the CPU after fit; the teacher is outside its tree
-    module.teacher.to(device)
+    module.teacher_model.to(device)
     t1 = time.perf_counter()
     samples, ref = make_samples(dm, snapshots, args.lags, args.samples_per_lag, args.reference)
     t2 = time.perf_counter()

@@ -98,7 +98,7 @@ def run(workload: str, args, machine: Machine) -> dict:
     L.Trainer(accelerator="cpu", max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
               callbacks=[recorder]).fit(model, datamodule=dm)
-    student, teacher = ModelShape.of(model.student), ModelShape.of(model.teacher)
+    student, teacher = ModelShape.of(model.student), ModelShape.of(model.teacher_model)
     timed = recorder.steps[args.warmup:]
     out = {"steps": len(timed), "rollout_s": 0.0, "update_s": 0.0, "generate_s": 0.0, "rollout_roofline_s": 0.0,
            "update_roofline_s": 0.0, "prefill_tokens": 0, "cached_prompt_tokens": 0, "sampled_tokens": 0,

@@ -160,5 +160,5 @@ def test_staleness_monitor_falls_back_to_synchronous_generation(model_dirs):
     trainer.fit(model, datamodule=dm)
     assert [v for v, _ in model.seen] == list(range(6))
     assert all(b == [v, v] for v, b in model.seen[4:]), model.seen
-    assert monitor.sync_fallback.active and dm.producer_lead == 0 and dm.max_allowed_lag == 2
+    assert monitor.sync_fallback.active and dm.lead_in_use == 0 and dm.max_allowed_lag == 2
     assert not dm.session.producer.running

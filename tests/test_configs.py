@@ -339,7 +339,7 @@ def check_search_qa_teacher_sft(cli, tmp):
 def check_self_distill(cli, tmp):
     from lightning_opd.teachers import PrivilegedTeacher
 
-    t = cli.model.teacher_scorer
+    t = cli.model.teacher
     assert isinstance(t, PrivilegedTeacher) and (t.weights, t.ema_decay, t.placement, t.server) == (
         "frozen", 0.99, "before_observation", None)
     assert cli.model.teacher_path is None and type(cli.model.loss_fn) is FullVocabReverseKL
@@ -349,7 +349,7 @@ def check_self_distill(cli, tmp):
 def check_opd_remote(cli, tmp):
     from lightning_opd.teachers import RemoteTeacher
 
-    assert isinstance(cli.model.teacher_scorer, RemoteTeacher) and not cli.model.teacher_scorer.pool.connected
+    assert isinstance(cli.model.teacher, RemoteTeacher) and not cli.model.teacher.pool.connected
 
 
 EXPECT = {"textworld/self_distill.yaml": check_self_distill, "textworld/opd_remote.yaml": check_opd_remote,

@@ -113,7 +113,7 @@ class Record(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.before = _local_state(pl_module, trainer)
         if trainer.global_rank == self.nan_rank and pl_module.policy_version == self.nan_version:
-            self.handle = pl_module.teacher.base_model.norm.register_forward_hook(lambda m, i, out: out * float("nan"))
+            self.handle = pl_module.teacher_model.base_model.norm.register_forward_hook(lambda m, i, out: out * float("nan"))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.handle is not None:
@@ -121,7 +121,7 @@ class Record(L.Callback):
             self.handle = None
         self.unchanged.append(_same(self.before, _local_state(pl_module, trainer)))
         self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
-        report, ratio = outputs.get("freshness"), pl_module.truncated_ratio
+        report, ratio = outputs.get("freshness"), pl_module.weightings.truncated_ratio
         if report is not None and report.diagnostics is not None:
             d = report.diagnostics
             self.samples.append({"lag": d.lag.tolist(), "delta": d.delta.tolist(), "rho": d.rho.tolist(),

@@ -47,7 +47,7 @@ Logged (``staleness/``, per step): ``lag_mean``, ``lag_max`` (versions), ``delta
 :class:`~lightning_opd.losses.freshness.FreshnessReport`), ``lag_bound_dropped_tokens``, ``would_drop_samples``,
 ``lag_bound`` (Δ_max, versions), ``skipped_steps`` and ``skipped_steps_by_lag_bound`` (cumulative) (M3's
 statistics are the learner's ``train/ratio_mean``, ``train/ratio_clip_frac``), and async with producer-side control (§1.5.1: Δ_max caps the producer's
-lead; synchronous fallback) ``producer_lead`` (versions), ``sync_fallback`` (1 while generating
+lead; synchronous fallback) ``producer_lead`` (versions: the lead in use), ``sync_fallback`` (1 while generating
 synchronously from the next step on), ``sync_fallback_step`` (1 when this step ran in the fallback: the producer
 was held at lead 0 while the step waited for its batch) and ``sync_fallback_steps`` (cumulative count of such
 steps). Every mean over samples or tokens and every count is over
@@ -178,7 +178,8 @@ class StalenessMonitor(Callback):
         self.sync_fallback = (SyncFallback(fallback_freshness, low_freshness, patience)
                               if self.producer_control and fallback_freshness is not None else None)
         self.controls_producer = False
-        self.producer_lead: int | None = None
+        #: the producer lead in use after the last hand-over (versions; logged as ``staleness/producer_lead``)
+        self.lead_in_use: int | None = None
         #: steps (rollout iterations) so far that ran in the synchronous fallback (persisted)
         self.sync_fallback_steps = 0
         #: whether the last step ran in the synchronous fallback
@@ -330,7 +331,7 @@ class StalenessMonitor(Callback):
             return
         fallback = self.sync_fallback
         bound = fallback.producer_lag_bound(self.lag_bound) if fallback is not None else int(self.lag_bound)
-        self.producer_lead = int(trainer.datamodule.set_lag_bound(bound))
+        self.lead_in_use = int(trainer.datamodule.set_lag_bound(bound))
 
     def _all_rank_report(self, trainer, pl_module, report: FreshnessReport) -> FreshnessReport:
         """``report`` with the statistics over all data-parallel ranks (:func:`all_rank_stats`, F27); one process:
@@ -346,7 +347,7 @@ class StalenessMonitor(Callback):
         values["skipped_steps"] = float(self.skipped_steps)
         values["skipped_steps_by_lag_bound"] = float(self.skipped_steps_by_lag_bound)
         if self.controls_producer:
-            values["producer_lead"] = float(self.producer_lead if self.producer_lead is not None else -1)
+            values["producer_lead"] = float(self.lead_in_use if self.lead_in_use is not None else -1)
             values["sync_fallback"] = float(self.sync_fallback is not None and self.sync_fallback.active)
             values["sync_fallback_step"] = float(self.in_sync_fallback)
             values["sync_fallback_steps"] = float(self.sync_fallback_steps)

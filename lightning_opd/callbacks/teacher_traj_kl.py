@@ -81,7 +81,7 @@ class TeacherTrajectoryKL(Callback):
             raise ValueError(
                 "TeacherTrajectoryKL plays the teacher's greedy episodes and scores the full-vocabulary KL on them, "
                 f"which needs the teacher's weights in this process, but model.init_args.teacher is "
-                f"{pl_module.teacher_scorer.name}: remove the callback from trainer.callbacks and measure it after the "
+                f"{pl_module.teacher.name}: remove the callback from trainer.callbacks and measure it after the "
                 "fit with `lightning-opd evaluate --teacher DIR` (docs/usage.md)")
 
     @override

@@ -181,9 +181,16 @@ class RolloutDataModule(L.LightningDataModule):
 
     @property
     def producer_lead(self) -> int:
+        """``data.init_args.producer_lead`` (versions), as configured (unused sync); :attr:`lead_in_use` is the one in
+        force."""
+        return self.sync.producer_lead
+
+    @property
+    def lead_in_use(self) -> int:
         """The producer lead in use (versions): ``data.init_args.producer_lead`` async unless
-        :meth:`set_lag_bound` lowered it, 0 sync."""
-        return self.session.producer_lead
+        :meth:`set_lag_bound` lowered it, 0 sync (the weight sync's
+        :attr:`~lightning_opd.rollout.weight_sync.WeightSync.lead_in_use`)."""
+        return self.session.lead_in_use
 
     @property
     def episodes_per_step(self) -> int:

@@ -223,7 +223,7 @@ class ATODModule(OPDModule):
         if not isinstance(schedule, CoefficientSchedule) or schedule.attribute != name:
             raise TypeError(f"set_{name}_schedule: expected a schedule of {name!r} (attribute, start, end, horizon, "
                             f"schedule_name, value_at), got {type(schedule).__name__} "
-                            f"(attribute={getattr(schedule, 'attribute', None)!r})")
+                            f"(attribute={getattr(schedule, 'attribute', None)!r})")  # getattr: any object may come
         self._schedules[name] = schedule
 
     def connect_data(self, datamodule) -> None:
@@ -231,8 +231,8 @@ class ATODModule(OPDModule):
         (``group_size``) and temperature (``sampling.temperature``) from it into :attr:`rollout_groups` (each
         ``None`` where the DataModule has none), for the F22 check."""
         super().connect_data(datamodule)
-        self.rollout_groups = RolloutGroups(getattr(datamodule, "group_size", None),
-                                            getattr(getattr(datamodule, "sampling", None), "temperature", None))
+        self.rollout_groups = RolloutGroups(  # getattr: a DataModule without GRPO groups or sampling has neither
+            getattr(datamodule, "group_size", None), getattr(getattr(datamodule, "sampling", None), "temperature", None))
 
     @property
     def ppo_epochs(self) -> int:
@@ -281,7 +281,7 @@ class ATODModule(OPDModule):
         for name in ("kappa", "rho"):
             cb = schedules.get(name)
             if cb is None:
-                value = float(getattr(self, name))
+                value = float(self.kappa if name == "kappa" else self.rho)
                 plan[name] = ([value] * (last + 1), f"model.init_args.{name}={value}")
             else:
                 plan[name] = ([cb.value_at(s) for s in range(last + 1)],

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from lightning.pytorch.utilities import rank_zero_warn
 
 
@@ -28,7 +29,7 @@ def first_nonfinite_grad(named_parameters: Iterable[tuple[str, torch.nn.Paramete
         grad = p.grad
         if grad is None:
             continue
-        grad = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: this rank's shard, no collective
+        grad = grad.to_local() if isinstance(grad, DTensor) else grad  # FSDP2: this rank's shard, no collective
         if not bool(torch.isfinite(grad).all()):
             return name
     return None

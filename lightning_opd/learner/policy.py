@@ -1,8 +1,10 @@
 """``PolicyModule``: what every trainer of the policy shares (OPD, the SFT teacher recipe).
 
 It owns the student (loaded in ``configure_model``, the FSDP-ready hook), its tokenizer, the policy
-version counter, the non-finite update guard (F28, :attr:`PolicyModule.nonfinite`; the learners decide with it:
-``OPDModule.apply_update``, ``SFTModule.optimizer_step``), held-out evaluation in Lightning's validation/test loops
+version counter, the collectives over data-parallel ranks (:meth:`PolicyModule.reduce_sum`,
+:meth:`PolicyModule.reduce_max`), the non-finite update guard (F28, :attr:`PolicyModule.nonfinite`, with the global
+gradient norm it checks, :meth:`PolicyModule.grad_norm`; the learners decide with it: :meth:`PolicyModule.apply_update`
+in ``OPDModule``'s manual optimization, ``SFTModule.optimizer_step``), held-out evaluation in Lightning's validation/test loops
 and the export of the student as a Hugging Face directory at the end of ``fit``. At ``setup`` it binds the DataModule
 once (``datamodule.connect(self)``, :class:`~lightning_opd.data.RolloutDataModule`) and keeps the
 :class:`~lightning_opd.rollout.weight_sync.WeightSync` that returns, to which the learner reports its
@@ -31,6 +33,8 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 from torchmetrics import MaxMetric, MeanMetric, MinMetric, SumMetric
 
 from lightning_opd.rollout.batch import RolloutBatch
@@ -119,8 +123,19 @@ class PolicyModule(L.LightningModule):
         where it has ``connect`` (``RolloutDataModule``, which binds once), keeping the weight sync it returns. The
         one place a learner reads its DataModule: a subclass that needs a fact about the rollouts takes it here
         (``ATODModule``: group size and temperature)."""
-        if hasattr(datamodule, "connect"):
+        if hasattr(datamodule, "connect"):  # hasattr: only a RolloutDataModule binds (SFT's expert data does not)
             self.weight_sync = datamodule.connect(self)
+
+    @property
+    def max_allowed_lag(self) -> int:
+        """The largest lag a batch may have (versions): the connected weight sync's ``max_allowed_lag`` (0
+        unconnected)."""
+        return self.weight_sync.max_allowed_lag if self.weight_sync is not None else 0
+
+    def _notify_policy_update(self) -> None:
+        """Report the current ``policy_version`` to the connected weight sync (snapshots, pushes)."""
+        if self.weight_sync is not None:
+            self.weight_sync.on_policy_update(self.policy_version, self.policy_state_dict)
 
     # ------------------------------------------------------------------------------------------ model
     @property
@@ -174,6 +189,95 @@ class PolicyModule(L.LightningModule):
         """The student's full ``state_dict`` on CPU (what generators load). A collective on every rank
         when the student is sharded (a full-state gather); detached copies otherwise."""
         return full_state_dict(self.student)
+
+    # ------------------------------------------------------------------------------------ collectives
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum ``value`` over data-parallel ranks (through the trainer's strategy, or plain
+        ``torch.distributed`` when used without a trainer); identity on one process."""
+        return self._all_reduce(value, "sum")
+
+    def reduce_max(self, value: torch.Tensor) -> torch.Tensor:
+        """Maximum of ``value`` over data-parallel ranks, like :meth:`reduce_sum`."""
+        return self._all_reduce(value, "max")
+
+    def _all_reduce(self, value: torch.Tensor, op: str) -> torch.Tensor:
+        if self._trainer is not None:
+            return self.trainer.strategy.reduce(value, reduce_op=op)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            value = value.clone()
+            reduce_op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op]
+            torch.distributed.all_reduce(value, op=reduce_op)
+        return value
+
+    # ------------------------------------------------------------------------- F28 and the update
+    def grad_norm(self) -> tuple[list[torch.nn.Parameter], torch.Tensor, torch.Tensor]:
+        """``(params, norm, full)``: the student's parameters that hold a gradient, the global gradient L2 norm over
+        them before clipping (what ``clip_grad_norm_`` computes; a DTensor under FSDP2) and that norm as a plain 0-d
+        tensor (``full_tensor()`` of a DTensor, a collective)."""
+        params = [p for p in self.student.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # clip_grad_norm_ = this + the clip
+        full = norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2
+        return params, norm, full
+
+    def check_update(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
+        """F28: the first non-finite quantity of this update on any rank (``loss``: this rank's, detached, 0-d;
+        ``grad_norm``: the global norm, 0-d), or ``None``; one all-reduce every rank reaches
+        (:meth:`NonFiniteGuard.check <lightning_opd.learner.nonfinite.NonFiniteGuard.check>`)."""
+        return self.nonfinite.check(loss, grad_norm, self.student.named_parameters, self.reduce_sum,
+                                    self.global_rank, self.trainer.world_size)
+
+    def apply_update(self, opt, sched, loss: torch.Tensor, clip: float, filtered: bool) -> torch.Tensor:
+        """Manual optimization: clip the accumulated gradients and take the optimizer and LR-scheduler step, unless the
+        update is skipped.
+
+        Skipped (:meth:`skip_update`: no gradients reach the optimizer and no scheduler step is taken, so weights,
+        AdamW's moments and step count and the LR stay as they are; Lightning still counts the step: ``global_step``,
+        so ``max_steps`` ends the run):
+
+        * ``filtered``: no supervised token on any rank: the freshness filter kept none (§1.5), or the update had none
+          (an empty step; AdamW's moments would otherwise move the weights on zero gradients);
+        * F28: this rank's ``loss`` or the global gradient norm is NaN/inf on any rank (one all-reduce, so every
+          rank skips together), counted by :attr:`nonfinite`, which raises after ``max_nonfinite_steps`` in a row.
+
+        After an applied step, :meth:`after_optimizer_step` runs (before the scheduler step).
+
+        Returns:
+            the global gradient L2 norm before clipping (a plain tensor, also under FSDP2).
+        """
+        params, norm, full = self.grad_norm()
+        bad = self.check_update(loss.detach(), full)
+        if filtered or bad is not None:
+            if bad is not None:  # may raise NonFiniteUpdateError (on every rank alike)
+                self.nonfinite.skip(self.trainer.global_step, bad)
+            self.skip_update(opt)
+            return full
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        with record_function("opd.optimizer"):
+            opt.step()
+        self.after_optimizer_step()
+        if sched is not None:
+            sched.step()
+        self.nonfinite.applied()
+        return full
+
+    def after_optimizer_step(self) -> None:
+        """Called by :meth:`apply_update` right after an applied optimizer step (before the scheduler's). Default:
+        nothing."""
+
+    @staticmethod
+    def skip_update(opt) -> None:
+        """Take a skipped optimizer update through Lightning's public manual-optimization API: the gradients are
+        dropped (``zero_grad(set_to_none=True)``), then ``opt.step()`` (the ``LightningOptimizer``) is called, so
+        Lightning counts the update (``trainer.global_step``, hence ``max_steps``) while the optimizer changes
+        nothing: ``torch.optim`` optimizers skip every parameter whose ``.grad`` is ``None`` (AdamW: no moment, no
+        step count, no weight decay; weights bit-identical). Callbacks' ``on_before_optimizer_step`` hooks run, with
+        no gradients. No LR-scheduler step: the caller does not take one.
+
+        Args:
+            opt: the ``LightningOptimizer`` of :meth:`~lightning.pytorch.core.LightningModule.optimizers`.
+        """
+        opt.zero_grad(set_to_none=True)
+        opt.step()
 
     # ------------------------------------------------------------------------------------- evaluation
     def _eval_step(self, batch: RolloutBatch, prefix: str) -> None:

@@ -21,8 +21,6 @@ resumed runs included, F28).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
@@ -119,13 +117,9 @@ class SFTModule(PolicyModule):
         (:func:`~lightning_opd.metrics.rank_stats.all_ranks`: one all-reduce, every rank; float64)."""
         n = float(tokens)
         stats = all_ranks({"loss": Mean(float(loss.detach()) * n, n, empty=0.0), "tokens": Sum(n)},
-                          self._reducer("sum"), self._reducer("max"), self.device)
+                          self.reduce_sum, self.reduce_max, self.device)
         self.log("train/loss", stats["loss"], prog_bar=True, batch_size=episodes)
         self.log("train/supervised_tokens", stats["tokens"], batch_size=episodes)
-
-    def _reducer(self, op: str):
-        """``op`` (``"sum"``, ``"max"``) of a tensor over data-parallel ranks, through the trainer's strategy."""
-        return functools.partial(self.trainer.strategy.reduce, reduce_op=op)
 
     # ------------------------------------------------------------------------- F28: non-finite updates
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
@@ -158,13 +152,10 @@ class SFTModule(PolicyModule):
         loss = optimizer_closure()
         loss_now = loss.detach() if loss is not None else torch.zeros((), device=self.device)
         grad_norm = torch.zeros((), device=self.device)
-        if getattr(self.trainer.precision_plugin, "scaler", None) is None:
-            grads = [p.grad for p in self.student.parameters() if p.grad is not None]
-            if grads:
-                grad_norm = torch.nn.utils.get_total_norm(grads)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
-        bad = self.nonfinite.check(loss_now, grad_norm, self.student.named_parameters, self._reducer("sum"),
-                                   self.global_rank, self.trainer.world_size)
+        if getattr(self.trainer.precision_plugin, "scaler", None) is None:  # getattr: only 16-mixed has a GradScaler
+            params, _, full = self.grad_norm()
+            grad_norm = full if params else grad_norm
+        bad = self.check_update(loss_now, grad_norm)
         self.update_skipped = bad is not None
         if bad is not None:
             self.nonfinite.skip(self.trainer.global_step, bad)  # may raise NonFiniteUpdateError (every rank alike)

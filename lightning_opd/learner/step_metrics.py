@@ -83,8 +83,8 @@ class StepRecord:
             k1 estimate, a teacher without ``FULL_VOCAB``), logged as ``train/<kl_name>`` and ``<kl_name>/turn_NN``.
         lags: ``(B,)`` lag of each row on this rank at this step (policy versions; ``-1``: a row without a reply),
             logged as ``rollout/lag_mean`` and ``rollout/lag_min``; ``None``: not logged.
-        producer_lead: the producer lead in force when the step asked for its batch (policy versions; async only),
-            logged as ``rollout/producer_lead``; ``None``: not logged.
+        lead_in_use: the producer lead in force when the step asked for its batch (policy versions; async only; the
+            weight sync's), logged as ``rollout/producer_lead``; ``None``: not logged.
     """
 
     batch: RolloutBatch
@@ -99,7 +99,7 @@ class StepRecord:
     nonfinite_skipped: int = 0
     kl_name: str = "kl"
     lags: torch.Tensor | None = None
-    producer_lead: int | None = None
+    lead_in_use: int | None = None
 
 
 class StepMetrics(torch.nn.Module):
@@ -122,6 +122,9 @@ class StepMetrics(torch.nn.Module):
         self.turn_kl = PerTurnMean(max_logged_turns)
         self.log_text_every_n_steps = log_text_every_n_steps
         self.turn_keys_logged = 0  # 1 + the deepest turn logged in this fit so far
+        #: episodes generated for / used by (reached the loss) the steps so far, all ranks (:meth:`log_rollout_counts`;
+        #: the module saves them in checkpoints as ``rollout_totals``)
+        self.rollout_totals = {"generated": 0, "used": 0}
 
     @property
     def num_turns(self) -> int:
@@ -167,7 +170,7 @@ class StepMetrics(torch.nn.Module):
         """``rollout/*`` over all ranks' episodes (F27): this rank's sums and episode count reduced, then
         divided (0 when no rank has an episode, as :func:`~lightning_opd.rollout.batch.rollout_stats`);
         ``rollout/env_errors`` summed, ``rollout/lag_max`` the maximum; with ``record.lags``, ``rollout/lag_mean`` and
-        ``rollout/lag_min`` over the episodes with a reply (NaN when no rank has one); with ``record.producer_lead``,
+        ``rollout/lag_min`` over the episodes with a reply (NaN when no rank has one); with ``record.lead_in_use``,
         ``rollout/producer_lead``. Collectives every rank reaches."""
         trajs = record.batch.trajectories
         stats: dict[str, RankStat] = {f"rollout/{k}": Sum(v) if k in ROLLOUT_COUNTS else Mean(v, len(trajs), empty=0.0)
@@ -178,8 +181,35 @@ class StepMetrics(torch.nn.Module):
             stats["rollout/lag_mean"] = Mean(float(lags.sum()), float(lags.numel()))
             stats["rollout/lag_min"] = Min(float(lags.min()) if lags.numel() else math.inf)
         values = all_ranks(stats, module.reduce_sum, module.reduce_max, module.device)
-        if record.producer_lead is not None:  # the DataModule's setting, the same on every rank
-            values["rollout/producer_lead"] = float(record.producer_lead)
+        if record.lead_in_use is not None:  # the weight sync's, the same on every rank
+            values["rollout/producer_lead"] = float(record.lead_in_use)
+        return values
+
+    def log_rollout_counts(self, module: L.LightningModule, batch: RolloutBatch) -> dict[str, int]:
+        """Log the step's rollouts through ``module.log``, summed over data-parallel ranks (``module.reduce_sum``, a
+        collective): ``rollouts/generated`` (episodes played for the batch this step trained on), ``rollouts/used``
+        (those with supervised tokens left after the freshness filter M2, i.e. that reached the loss) and the running
+        totals ``rollouts/generated_total`` and ``rollouts/used_total`` (:attr:`rollout_totals`). The producer
+        discards no batch (docs/algorithms.md §1.5.1), so generated - used = M2's drops + episodes without a reply
+        (context full before the first turn); async batches still buffered when fit ends were never trained on and
+        are not counted.
+
+        Args:
+            module: the learner (``reduce_sum``, ``device``, ``log``).
+            batch: the step's batch after its plan (dropped samples have an all-zero loss mask).
+
+        Returns:
+            the four values logged (episodes).
+        """
+        counts = torch.tensor([batch.size, int((batch.loss_mask[:, 1:].sum(1) > 0).sum())], device=module.device)
+        generated, used = (int(x) for x in module.reduce_sum(counts).tolist())
+        self.rollout_totals = {"generated": self.rollout_totals["generated"] + generated,
+                               "used": self.rollout_totals["used"] + used}
+        values = {"rollouts/generated": generated, "rollouts/used": used,
+                  "rollouts/generated_total": self.rollout_totals["generated"],
+                  "rollouts/used_total": self.rollout_totals["used"]}
+        for key, value in values.items():
+            module.log(key, float(value), batch_size=max(1, batch.size))
         return values
 
     def _log_turn_shares(self, module: L.LightningModule, stats: TurnStats, n: int) -> None:

@@ -158,7 +158,7 @@ class FreshnessConfig:
         min_freshness: M2's threshold f_min (in [0, 1)).
         truncated_ratio: M3, the truncated ratio ``sg(min(π_old/π_b, ratio_cap))`` per token, applied by the learner
             (:mod:`lightning_opd.losses.off_policy`; the monitor hands it over with
-            ``OPDModule.configure_truncated_ratio``): ``None`` (default) leaves the learner's setting
+            ``LossWeightings.configure_truncated_ratio``): ``None`` (default) leaves the learner's setting
             (``model.init_args.off_policy``: on for a sampled-token loss at lag >= 1, off for the analytic and top-k
             losses, §7.1); ``True`` turns it on for any loss; ``False`` turns it off (refused for a sampled-token loss
             at lag >= 1 unless ``model.init_args.off_policy.allow_uncorrected=true``).

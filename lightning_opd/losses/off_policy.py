@@ -12,7 +12,8 @@ term: only the state distribution is stale and the ratio stays off unless asked 
 
 The learner (``OPDModule``) owns one :class:`TruncatedRatio` when the ratio is on (its ``off_policy`` argument,
 :class:`OffPolicyConfig`; the ``StalenessMonitor``'s ``freshness.truncated_ratio`` sets it through
-``OPDModule.configure_truncated_ratio``) and decides with :func:`resolve_truncated_ratio` at setup.
+``LossWeightings.configure_truncated_ratio``, :mod:`lightning_opd.learner.weightings`) and decides with
+:func:`resolve_truncated_ratio` at setup.
 """
 
 from __future__ import annotations

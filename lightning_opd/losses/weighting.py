@@ -1,7 +1,8 @@
 """Token weightings of the loss (docs/algorithms.md §0.5): loss-side components the module holds.
 
-``OPDModule`` holds at most one component of each kind, installed through named setters
-(``configure_freshness``, ``configure_turn_blend``), and applies them in this fixed order, which is
+``OPDModule`` holds at most one component of each kind (in ``LossWeightings``, :mod:`lightning_opd.learner.weightings`),
+installed through named setters (``configure_freshness``, ``configure_turn_blend``), and applies them in this fixed
+order, which is
 also the order of their collectives on every rank, whatever the order of the callbacks that install them:
 
 1. freshness, :class:`~lightning_opd.losses.freshness.FreshnessWeighting` (f-OPD M1/M2/M3): once per

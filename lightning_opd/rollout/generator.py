@@ -255,3 +255,9 @@ class Generator(ABC):
         """Let go of what the backend holds outside this process's memory: connections, threads, temporary files
         (a served sampler's snapshot folder). Called when the session ends (the DataModule's teardown, or an error
         or Ctrl-C in fit); a later ``generate`` may start over. Default: nothing."""
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Running totals of this backend on this rank (a served sampler's requests, tokens, seconds, pushes,
+        retries, bytes), logged every step as ``sampler/<key>``. Default: none (``{}``)."""
+        return {}

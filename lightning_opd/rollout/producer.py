@@ -16,7 +16,8 @@ Modes:
   waiting for batch ``v`` holds weights of version ``max(start, v // interval * interval)``, which is never below
   what batch ``v`` waits for, for any lead >= 0. The bounded buffer gives back-pressure. A controller may lower
   the lead (down to 0, synchronous generation) and raise it again up to the configured one while running
-  (:meth:`RolloutProducer.set_producer_lead`; ``RolloutDataModule.set_lag_bound``).
+  (:meth:`RolloutProducer.set_lead_in_use`; ``RolloutDataModule.set_lag_bound``): ``producer_lead`` is the configured
+  lead, ``lead_in_use`` the one in force (the gate above uses it).
 
 Checkpoints: :meth:`RolloutProducer.quiesce` parks the thread between batches and returns every finished
 batch not yet taken by the learner (the buffer, plus a batch waiting for room), so a checkpoint holds
@@ -65,8 +66,8 @@ class RolloutProducer:
         self.make_batch = make_batch
         self.weights_version = weights_version
         self.mode = config.mode
-        self._configured_lead = config.active_producer_lead  # the buffer and max_allowed_lag are sized for it
-        self.producer_lead = config.active_producer_lead  # the lead in use (versions; lowered by set_producer_lead: producer-side control)
+        self.producer_lead = config.active_producer_lead  # configured (0 sync): the buffer, max_allowed_lag sized for it
+        self.lead_in_use = config.active_producer_lead  # versions; lowered by set_lead_in_use: producer-side control
         self.weight_sync_interval = config.weight_sync_interval
         self.start_version = 0  # the learner's version when the thread started (pushed then)
         self.buffer = RolloutBuffer(capacity or max(1, self.producer_lead))
@@ -147,23 +148,23 @@ class RolloutProducer:
 
     def required_version(self, index: int) -> int:
         """Weights version batch ``index`` waits for: the last push at or before learner version
-        ``index - producer_lead``, i.e. ``max(start_version, (index - producer_lead) // weight_sync_interval *
+        ``index - lead_in_use``, i.e. ``max(start_version, (index - lead_in_use) // weight_sync_interval *
         weight_sync_interval)``."""
         interval = self.weight_sync_interval
-        return max(self.start_version, (index - self.producer_lead) // interval * interval)
+        return max(self.start_version, (index - self.lead_in_use) // interval * interval)
 
-    def set_producer_lead(self, producer_lead: int) -> None:
-        """Run at most ``producer_lead`` versions ahead of the pushed weights from now on (``0 <= producer_lead <=``
-        the configured one; 0 = synchronous generation). The gate of the batch not yet started is re-read at once:
+    def set_lead_in_use(self, lead: int) -> None:
+        """Run at most ``lead`` versions ahead of the pushed weights from now on (``0 <= lead <=`` the configured
+        :attr:`producer_lead`; 0 = synchronous generation). The gate of the batch not yet started is re-read at once:
         a lower lead holds it back, a higher one lets it go (waking the thread); batches already made keep their lag.
 
         Raises:
-            ValueError: ``producer_lead`` outside ``[0, data.init_args.producer_lead]`` (0 sync).
+            ValueError: ``lead`` outside ``[0, data.init_args.producer_lead]`` (0 sync).
         """
-        if not 0 <= producer_lead <= self._configured_lead:
-            raise ValueError(f"producer lead {producer_lead} must be in [0, data.init_args.producer_lead="
-                             f"{self._configured_lead}]")
-        self.producer_lead = int(producer_lead)
+        if not 0 <= lead <= self.producer_lead:
+            raise ValueError(f"producer lead {lead} must be in [0, data.init_args.producer_lead="
+                             f"{self.producer_lead}]")
+        self.lead_in_use = int(lead)
         self.notify_version()
 
     def notify_version(self) -> None:
@@ -177,7 +178,7 @@ class RolloutProducer:
             while not self._stop.is_set():
                 self._park()
                 index = self._produced
-                with self._version_changed:  # at most producer_lead + interval - 1 versions behind when consumed
+                with self._version_changed:  # at most lead_in_use + interval - 1 versions behind when consumed
                     while (not self._stop.is_set() and not self._paused.is_set()
                            and self.weights_version() < self.required_version(index)):
                         self._version_changed.wait(self.poll_seconds)

@@ -67,7 +67,6 @@ class RolloutSession:
         self.loop: AgentLoop | None = None
         self.producer: RolloutProducer | None = None
         self.pad_id = 0
-        self._producer_lead = self.sync.active_producer_lead  # the producer lead in use (set_lag_bound)
         self.batches_taken = 0  # training batches handed to the learner
         self.restored: list[list[Trajectory]] = []  # async: batches buffered at the checkpoint, served first
 
@@ -92,7 +91,7 @@ class RolloutSession:
                               max_context_tokens=self.max_context_tokens, max_env_error_rate=self.max_env_error_rate)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         self.producer = RolloutProducer(self.play_batch, lambda: int(self.generator.policy_version), self.sync)
-        self.producer.set_producer_lead(self._producer_lead)  # a bound set before connect
+        self.producer.set_lead_in_use(self.weight_sync.lead_in_use)  # a bound set before connect
         self.weight_sync.attach(self.generator, on_version=self.producer.notify_version)
         return self.weight_sync
 
@@ -183,16 +182,16 @@ class RolloutSession:
         Raises:
             ValueError: ``lag_bound < 0``.
         """
-        self._producer_lead = self.sync.producer_lead_for(lag_bound)
+        lead = self.weight_sync.set_lag_bound(lag_bound)
         if self.producer is not None:
-            self.producer.set_producer_lead(self._producer_lead)
-        return self._producer_lead
+            self.producer.set_lead_in_use(lead)
+        return lead
 
     @property
-    def producer_lead(self) -> int:
+    def lead_in_use(self) -> int:
         """The producer lead in use (versions): the configured one async unless :meth:`set_lag_bound` lowered it,
         0 sync."""
-        return self._producer_lead
+        return self.weight_sync.lead_in_use
 
     # ----------------------------------------------------------------------------------------- resume
     def state_dict(self) -> dict:

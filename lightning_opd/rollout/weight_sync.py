@@ -10,10 +10,13 @@ Three lag quantities, three names (versions = rollout iterations, docs/algorithm
 * ``lag_bound``, the f-OPD lag bound Δ_max (``FreshnessWeighting.lag_bound``; starts at ``StalenessMonitor``'s
   ``initial_lag_bound``, moved by its adaptive rule): the
   largest lag the freshness filter keeps; a loss-side decision, not a property of the data. Async, it also caps
-  the producer (producer-side control, PROPOSED, docs/algorithms.md §1.5): the lead in use becomes
-  :meth:`SyncConfig.producer_lead_for` ``(Δ_max)`` ``= min(producer_lead, max(0, Δ_max - weight_sync_interval + 1))``
-  (``RolloutDataModule.set_lag_bound``), so batches started after the change are at most Δ_max behind;
+  the producer (producer-side control, PROPOSED, docs/algorithms.md §1.5): the lead in use,
+  :attr:`WeightSync.lead_in_use`, becomes :meth:`SyncConfig.producer_lead_for` ``(Δ_max)``
+  ``= min(producer_lead, max(0, Δ_max - weight_sync_interval + 1))`` (:meth:`WeightSync.set_lag_bound`, through
+  ``RolloutDataModule.set_lag_bound``), so batches started after the change are at most Δ_max behind;
   ``max_allowed_lag`` stays the configured ceiling (batches already buffered were made under the old lead).
+
+``producer_lead`` always names the configured value; ``lead_in_use`` the value in force now.
 
 Modes: ``sync`` (the generator follows the live student: every batch lag 0), ``sync`` with ``forced_lag=k``
 (the generator samples with a CPU copy of version ``max(0, v - k)``: deterministic staleness), ``async`` (a
@@ -119,8 +122,9 @@ class WeightSync:
         config: the validated configuration.
 
     State: the forced-lag CPU copies of the last ``forced_lag + 1`` versions (:meth:`snapshots`, saved in the
-    DataModule's checkpoint) and the last version pushed since :meth:`attach`/:meth:`restore` (``None``: none,
-    so the next update or producer start pushes whatever the generator claims to hold, F18).
+    DataModule's checkpoint), the last version pushed since :meth:`attach`/:meth:`restore` (``None``: none,
+    so the next update or producer start pushes whatever the generator claims to hold, F18) and the producer lead
+    in use (:attr:`lead_in_use`).
     """
 
     def __init__(self, config: SyncConfig) -> None:
@@ -129,11 +133,38 @@ class WeightSync:
         self._on_version: Callable[[], None] | None = None
         self._snapshots: dict[int, Mapping[str, torch.Tensor]] = {}
         self.pushed_version: int | None = None
+        #: the producer lead in use (versions): ``config.producer_lead`` async until :meth:`set_lag_bound` lowers it,
+        #: 0 sync
+        self.lead_in_use: int = config.active_producer_lead
 
     @property
     def max_allowed_lag(self) -> int:
         """See :attr:`SyncConfig.max_allowed_lag`."""
         return self.config.max_allowed_lag
+
+    @property
+    def async_lead(self) -> int | None:
+        """:attr:`lead_in_use` in async mode (what the learner logs as ``rollout/producer_lead``); ``None`` otherwise
+        (sync, ``forced_lag``: no producer runs ahead)."""
+        return self.lead_in_use if self.config.mode == "async" else None
+
+    def set_lag_bound(self, lag_bound: int) -> int:
+        """Producer-side control: :attr:`lead_in_use` becomes :meth:`SyncConfig.producer_lead_for` ``(lag_bound)``
+        (versions; 0 = synchronous generation; always 0 sync). Returns it; the session hands it to its producer.
+
+        Raises:
+            ValueError: ``lag_bound < 0``.
+        """
+        self.lead_in_use = self.config.producer_lead_for(lag_bound)
+        return self.lead_in_use
+
+    def sampler_metrics(self) -> dict[str, float]:
+        """The attached generator's running totals (:attr:`~lightning_opd.rollout.generator.Generator.stats`: a served
+        sampler's requests, tokens, seconds, pushes, retries, bytes; this rank) as ``sampler/<key>``; none for the
+        in-process backends or before :meth:`attach`."""
+        if self.generator is None:
+            return {}
+        return {f"sampler/{k}": float(v) for k, v in self.generator.stats.items()}
 
     def attach(self, generator, on_version: Callable[[], None] | None = None) -> None:
         """Drive ``generator`` (a :class:`~lightning_opd.rollout.generator.Generator`): when this component

@@ -99,6 +99,30 @@ class Teacher:
         """Called by ``OPDModule`` right after each optimizer step that changed the student's weights (not after a
         skipped update), e.g. to update an EMA copy. Default: nothing."""
 
+    def close(self) -> None:
+        """Stop what this teacher runs beside the fit (heartbeats, request threads, weight pushers); called by
+        ``OPDModule.teardown``. Default: nothing."""
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Running totals this teacher keeps on this rank (e.g. a served teacher's requests, tokens, seconds), logged
+        every step as ``teacher/<key>``; a teacher may start a new window when it is read (read once per step).
+        Default: none (``{}``)."""
+        return {}
+
+    def observe_kl(self, batch: RolloutBatch, kl: torch.Tensor, keep: torch.Tensor) -> None:
+        """The per-token KL of one (real, not padding) micro-batch of the step, after its backward: ``kl`` ``(b, T-1)``
+        (nats) and ``keep`` ``(b, T-1)`` bool, the supervised positions of ``batch``'s rows (a teacher that routes rows
+        to several teachers keeps per-teacher sums for :meth:`step_metrics`). Default: nothing."""
+
+    def step_metrics(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor], kl_name: str,
+                     device: torch.device | str) -> dict[str, float]:
+        """The teacher's scalars of the step, called once per step on every rank (a collective where a teacher
+        reduces its sums with ``reduce_sum``, the sum over data-parallel ranks): by default :attr:`stats` as
+        ``teacher/<key>`` (this rank's). ``kl_name`` is the KL's metric name (``kl`` or ``kl_sampled``); ``device``
+        the one of the tensors to reduce."""
+        return {f"teacher/{k}": float(v) for k, v in self.stats.items()}
+
     def state_dict(self) -> dict:
         """What a resumed run needs to continue this teacher exactly (saved in the checkpoint by ``OPDModule``, e.g.
         an EMA copy's weights). Default: nothing (``{}``)."""
@@ -170,6 +194,23 @@ def check_teacher_fits(loss, teacher: Teacher) -> None:
         f"{teacher.name} provides only {sorted(s.value for s in teacher.provides)}: use one of "
         f"{', '.join(losses_for(teacher.provides)) or '(no loss)'} with this teacher, or a teacher that provides "
         f"{need.value} (the in-process teacher provides all)")
+
+
+def check_teacher_serves(loss, teacher: Teacher) -> None:
+    """Refuse a loss/teacher pair the learner cannot train with (at construction of the module, when both are known):
+    :func:`check_teacher_fits`, and a teacher that provides ``SAMPLED_TOKEN`` when it lacks ``FULL_VOCAB`` (every loss
+    then reads ``log p_T(a_t)`` for ``teacher_logprobs`` and its ``kl``).
+
+    Raises:
+        ValueError: see :func:`check_teacher_fits`; a teacher without ``full_vocab`` nor ``sampled_token``, naming it,
+            what it provides and the loss.
+    """
+    check_teacher_fits(loss, teacher)
+    if TeacherSignal.FULL_VOCAB not in teacher.provides and TeacherSignal.SAMPLED_TOKEN not in teacher.provides:
+        raise ValueError(
+            f"teacher {teacher.name} provides only {sorted(s.value for s in teacher.provides)}: a teacher without "
+            f"full_vocab must also provide sampled_token (the log-prob of the sampled token, which "
+            f"{type(loss).__name__} logs and estimates the KL with)")
 
 
 def first_difference(mine: list[int], theirs: list[int]) -> int:

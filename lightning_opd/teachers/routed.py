@@ -7,9 +7,11 @@ refused, naming the task). Each teacher may be any :class:`~lightning_opd.teache
 endpoint, the in-process model), so the teachers need not fit in one process.
 
 What it provides is what every teacher provides, without ``FULL_VOCAB`` (hidden states and heads of different
-teachers do not merge into one head): the sampled-token and top-K losses train with it. The module logs, per
-teacher, its share of the step's supervised tokens and the mean per-token KL on its tokens
-(``teacher/<name>/token_share``, ``teacher/<name>/kl_sampled``; PROPOSED, docs/algorithms.md §6.4).
+teachers do not merge into one head): the sampled-token and top-K losses train with it. It keeps, per teacher, the
+step's supervised tokens and KL on them (:meth:`RoutedTeacher.observe_kl`, fed by the module after every
+micro-batch) and gives the module, every step, each teacher's share of the step's supervised tokens and its mean
+per-token KL (``teacher/<name>/token_share``, ``teacher/<name>/kl_sampled``; :meth:`RoutedTeacher.step_metrics`,
+PROPOSED, docs/algorithms.md §6.4).
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class RoutedTeacher(Teacher):
         if TeacherSignal.SAMPLED_TOKEN not in self.provides:
             raise ValueError(f"RoutedTeacher: the teachers {sorted(self.teachers)} have no common sampled_token signal "
                              f"(common: {sorted(s.value for s in common)})")
+        #: ``(2, n_teachers)`` fp64 sums of the current step on this rank: per teacher, KL over its supervised tokens
+        #: and the token count (:meth:`observe_kl` adds, :meth:`step_metrics` reduces and resets)
+        self._step_sums: torch.Tensor | None = None
 
     @property
     def names(self) -> list[str]:
@@ -127,13 +132,40 @@ class RoutedTeacher(Teacher):
 
     def close(self) -> None:
         for t in self.teachers.values():
-            if hasattr(t, "close"):
-                t.close()
+            t.close()
 
     @property
     def stats(self) -> dict[str, float]:
         """The teachers' request totals (those that keep them), keyed ``<name>/<total>``."""
-        return {f"{n}/{k}": v for n, t in self.teachers.items() for k, v in getattr(t, "stats", {}).items()}
+        return {f"{n}/{k}": v for n, t in self.teachers.items() for k, v in t.stats.items()}
+
+    def observe_kl(self, batch: RolloutBatch, kl: torch.Tensor, keep: torch.Tensor) -> None:
+        """Add each row's ``(b, T-1)`` KL (nats) over its supervised positions ``keep`` and its supervised tokens to
+        its teacher's step sums (:meth:`route`)."""
+        if self._step_sums is None:
+            self._step_sums = torch.zeros(2, len(self.names), dtype=torch.float64, device=kl.device)
+        owner = self.route(batch).to(kl.device)  # (b,)
+        self._step_sums[0].index_add_(0, owner, torch.where(keep, kl, 0.0).sum(1).double())
+        self._step_sums[1].index_add_(0, owner, keep.sum(1).double())
+
+    def step_metrics(self, reduce_sum, kl_name: str, device: torch.device | str) -> dict[str, float]:
+        """Per teacher, ``teacher/<name>/token_share`` (fraction of the step's supervised tokens, all ranks) and
+        ``teacher/<name>/<kl_name>`` (nats/token on its tokens, all ranks; NaN when it had none), then the teachers'
+        request totals (:attr:`stats`, ``teacher/<name>/<total>``, this rank). One all-reduce every rank reaches;
+        starts the next step's sums."""
+        out: dict[str, float] = {}
+        names = self.names
+        sums = self._step_sums if self._step_sums is not None else torch.zeros(
+            2, len(names), dtype=torch.float64, device=device)
+        sums = reduce_sum(sums.to(device))
+        total = float(sums[1].sum())
+        for i, name in enumerate(names):
+            tokens = float(sums[1, i])
+            out[f"teacher/{name}/token_share"] = tokens / total if total else 0.0
+            out[f"teacher/{name}/{kl_name}"] = float(sums[0, i]) / tokens if tokens else float("nan")
+        self._step_sums = None
+        out.update(super().step_metrics(reduce_sum, kl_name, device))
+        return out
 
     def score(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor, signals: Collection[TeacherSignal],
               temperature: float = 1.0, top_k: int | None = None, chunk_size: int = 256) -> TeacherScores:

@@ -47,7 +47,7 @@ def test_logged_kl_is_the_students_kl_on_the_teachers_trajectories(model_dirs, t
 def test_zero_for_the_teacher_itself_under_validate(model_dirs, tmp_path):
     cb = TeacherTrajectoryKL(cache_dir=str(tmp_path / "cache"), max_tasks=1)
     trainer, model = _run(model_dirs, tmp_path, cb, student=model_dirs["teacher"], fn="validate")
-    assert model.teacher is None and cb._teacher is not None  # validate: the callback loaded its own teacher
+    assert model.teacher_model is None and cb._teacher is not None  # validate: the callback loaded its own teacher
     assert float(trainer.callback_metrics["val/teacher_traj_kl"]) == 0.0 and len(cb._trajectories) == 1
 
 

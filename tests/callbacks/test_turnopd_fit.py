@@ -48,7 +48,7 @@ def test_fit_with_depth_controller_and_turn_blend(model_dirs):
                         num_sanity_val_steps=0, callbacks=[ctrl, blend, caps])
     trainer.fit(model, datamodule=dm)
 
-    assert model.turn_blend is blend.weighting and model.freshness is None and blend.horizon == steps
+    assert model.weightings.turn_blend is blend.weighting and model.weightings.freshness is None and blend.horizon == steps
     probes = [k for k, (_, flags, _) in enumerate(model.batches) if all(flags)]
     assert probes == [0, 1, 3] and all(not any(f) for k, (_, f, _) in enumerate(model.batches) if k not in probes)
     for k, (dm_cap, flags, rollout_caps) in enumerate(model.batches):

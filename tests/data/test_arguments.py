@@ -26,6 +26,6 @@ def test_bad_arguments_name_their_key(kwargs, message):
 
 def test_edge_values_are_accepted():
     dm = RolloutDataModule(env=KeywordEnvFactory(), producer_lead=0, eval_max_turns=1, max_env_error_rate=1.0)
-    assert (dm.producer_lead, dm.eval_max_turns, dm.session.max_env_error_rate, dm.max_allowed_lag) == (0, 1, 1.0, 0)
+    assert (dm.lead_in_use, dm.eval_max_turns, dm.session.max_env_error_rate, dm.max_allowed_lag) == (0, 1, 1.0, 0)
     async_dm = RolloutDataModule(env=KeywordEnvFactory(), mode="async", producer_lead=2, weight_sync_interval=2)
     assert (async_dm.producer_lead, async_dm.max_allowed_lag) == (2, 3)  # producer lead vs the largest lag of a batch

@@ -158,7 +158,7 @@ def test_lag_bound_zero_is_synchronous_generation(tokenizer):
     """Producer-side control: ``set_lag_bound(0)`` (the fallback) with pushes every version makes every batch
     with the weights of the version that trains on it, although ``producer_lead`` is 3."""
     dm, policy, gen = _dm(tokenizer, mode="async", producer_lead=3, weight_sync_interval=1)
-    assert dm.set_lag_bound(0) == 0 == dm.producer_lead
+    assert dm.set_lag_bound(0) == 0 == dm.lead_in_use
     seen = _learn(dm, policy, 6)
     assert seen == [(v, [v, v]) for v in range(6)]
     assert dm.max_allowed_lag == 3  # the on-policy check keeps the configured ceiling

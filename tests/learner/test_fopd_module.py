@@ -29,14 +29,15 @@ class ExactBehaviour(ATODModule):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.seen: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._token_weights, self.weightings.token_weights = self.weightings.token_weights, self.token_weights
 
     def plan_batch(self, batch, student_logprobs=None):
         blp = batch.behaviour_logprobs.clone()
         blp[:, 1:] = torch.where(batch.loss_mask[:, 1:] > 0, student_logprobs, blp[:, 1:])
         return super().plan_batch(replace(batch, behaviour_logprobs=blp), student_logprobs)
 
-    def token_weights(self, batch, token_loss):
-        weights = super().token_weights(batch, token_loss)
+    def token_weights(self, batch, token_loss):  # wraps LossWeightings.token_weights
+        weights = self._token_weights(batch, token_loss)
         keep = batch.loss_mask[:, 1:] > 0
         self.seen.append((self.trainer.global_step, weights[keep].detach().clone(),
                           token_loss.student_logprobs[keep].detach().clone(), batch.old_logprobs[:, 1:][keep].clone()))
@@ -77,8 +78,8 @@ def test_plan_batch_gives_a_row_without_a_reply_no_lag(model_dirs):
     batch, student = no_reply_batch()
     planned = module.plan_batch(batch, student)
     assert torch.equal(planned.loss_mask, batch.loss_mask)  # group 0 survives
-    st = module.freshness.report().stats
+    st = module.weightings.freshness.report().stats
     assert (st["lag_mean"], st["lag_max"], st["dropped_samples"], st["dropped_groups"]) == (1.0, 1.0, 0.0, 0.0)
     assert st["freshness_min"] == pytest.approx(1 / (1 + math.exp(-3)))
     torch.testing.assert_close(planned.sample_weight[[0, 2, 3]], torch.ones(3))  # equal freshness: weights 1
-    assert module.sample_lags(batch).tolist() == [1, NO_LAG, 1, 1]
+    assert module.lags.sample_lags(module.policy_version, batch).tolist() == [1, NO_LAG, 1, 1]

@@ -244,7 +244,7 @@ def test_f04_observation_tokens_never_reach_the_hybrid_loss(model_dirs, batch, n
     b = with_freshness(module, batch) if freshness else batch
     sums, grads = run(module, b)
     # the teacher is perturbed in every pass that uses it: T-DUR's collection pass and the loss
-    with teacher_noise_off_the_loss(module.teacher, b):
+    with teacher_noise_off_the_loss(module.teacher_model, b):
         sums2, grads2 = run(module, b)
     assert torch.equal(sums["loss"], sums2["loss"]) and all(torch.equal(grads[k], grads2[k]) for k in grads)
 

@@ -162,7 +162,7 @@ def test_teacher_scored_at_the_sampling_temperature(model_dirs, tokenizer, tempe
     batch = make_batch(tokenizer, temperature)
     out, mask, _ = module.token_losses(batch)
     with torch.no_grad():
-        logits = module.teacher(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        logits = module.teacher_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
     expect = log_probs(logits, temperature).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     keep = mask > 0
     torch.testing.assert_close(out.teacher_logprobs[keep], expect[keep])
@@ -206,7 +206,7 @@ def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer,
     batch = with_scheme(module, make_batch(tokenizer), scheme)
     sums, grads = step_grads(module, batch)
 
-    with teacher_noise_off_the_loss(module.teacher, batch):
+    with teacher_noise_off_the_loss(module.teacher_model, batch):
         sums2, grads2 = step_grads(module, batch)
     assert torch.equal(sums["loss"], sums2["loss"])
     for name in grads:

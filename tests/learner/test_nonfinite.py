@@ -38,7 +38,7 @@ class NaNAt(L.Callback):
         if pl_module.policy_version not in self.versions:
             return
         if self.where in ("teacher", "student"):
-            model = pl_module.teacher if self.where == "teacher" else pl_module.student
+            model = pl_module.teacher_model if self.where == "teacher" else pl_module.student
             self.handle = model.base_model.norm.register_forward_hook(lambda m, i, out: out * float("nan"))
         else:
             self.handle = dict(pl_module.student.named_parameters())[PARAM].register_hook(lambda g: g * float("nan"))

@@ -60,7 +60,7 @@ def test_plain_async_sampled_token_fit_applies_the_ratio_by_default(model_dirs):
     without it), logged with the indicator and the update counts."""
     model, logged = _opd(model_dirs, SampledTokenReverseKL()), Logged()
     _fit(model, _dm(mode="async", producer_lead=2), 3, [logged])
-    assert isinstance(model.truncated_ratio, TruncatedRatio) and model.truncated_ratio.cap == 2.0
+    assert isinstance(model.weightings.truncated_ratio, TruncatedRatio) and model.weightings.truncated_ratio.cap == 2.0
     for step in logged.steps:
         assert step["train/truncated_ratio"] == 1.0 and step["train/uncorrected_off_policy"] == 0.0
         assert 0.0 < step["train/ratio_mean"] <= 2.0 and 0.0 <= step["train/ratio_clip_frac"] <= 1.0
@@ -72,7 +72,7 @@ def test_plain_async_sampled_token_fit_applies_the_ratio_by_default(model_dirs):
 def test_the_analytic_loss_still_runs_async_without_a_ratio(model_dirs):
     model, logged = _opd(model_dirs, FullVocabReverseKL()), Logged()
     _fit(model, _dm(mode="async", producer_lead=2), 2, [logged])
-    assert model.truncated_ratio is None
+    assert model.weightings.truncated_ratio is None
     assert [s["train/truncated_ratio"] for s in logged.steps] == [0.0, 0.0]
     assert all("train/ratio_mean" not in s for s in logged.steps)
     assert all(s["train/uncorrected_off_policy"] == 0.0 for s in logged.steps)
@@ -81,7 +81,7 @@ def test_the_analytic_loss_still_runs_async_without_a_ratio(model_dirs):
 def test_synchronous_sampled_token_fit_needs_no_ratio(model_dirs):
     model = _opd(model_dirs, SampledTokenReverseKL())
     _fit(model, _dm(), 1)
-    assert model.truncated_ratio is None
+    assert model.weightings.truncated_ratio is None
 
 
 @pytest.mark.parametrize("how", ["module", "monitor"])
@@ -104,7 +104,7 @@ def test_the_explicit_opt_out_runs_uncorrected_and_the_run_logs_it(model_dirs):
                          off_policy=OffPolicyConfig(truncated_ratio=False, allow_uncorrected=True)), Logged()
     with pytest.warns(UserWarning, match="WITHOUT the importance ratio"):
         _fit(model, _dm(forced_lag=1), 2, [logged])
-    assert model.truncated_ratio is None
+    assert model.weightings.truncated_ratio is None
     assert [s["train/uncorrected_off_policy"] for s in logged.steps] == [1.0, 1.0]
 
 
@@ -112,9 +112,9 @@ def test_a_monitor_config_with_the_ratio_on_hands_it_to_the_learner(model_dirs):
     """``FreshnessConfig(truncated_ratio=True)`` (the tutorial's M3, with the analytic loss): the module applies it."""
     model = _opd(model_dirs, FullVocabReverseKL())
     model.configure_freshness(FreshnessWeighting(FreshnessConfig(truncated_ratio=True, ratio_cap=3.0)))
-    assert model.truncated_ratio is not None and model.truncated_ratio.cap == 3.0
+    assert model.weightings.truncated_ratio is not None and model.weightings.truncated_ratio.cap == 3.0
     model.configure_freshness(None)
-    assert model.truncated_ratio is None
+    assert model.weightings.truncated_ratio is None
 
 
 # ------------------------------------------------------------------------------ defect 2: lag in applied updates
@@ -122,14 +122,14 @@ def test_applied_lag_leaves_out_the_skipped_steps(model_dirs):
     """Learner at version 5; the step that published version 4 applied no update (its weights are version 3's).
     Behaviour versions 3, 4, 5, -1: lags 5-3-1 = 1 (4 in (3, 5]), 5-4 = 1 (4 not in (4, 5]), 0, NO_LAG."""
     model = _opd(model_dirs, FullVocabReverseKL())
-    model.policy_version, model.skipped_versions = 5, [4]
+    model.policy_version, model.lags.skipped_versions = 5, [4]
     versions = torch.tensor([3, 4, 5, -1])
-    assert model.applied_lag(versions[:3]).tolist() == [1, 1, 0]
+    assert model.lags.applied_lag(model.policy_version, versions[:3]).tolist() == [1, 1, 0]
 
     class Rows:
         behaviour_version = versions
 
-    assert model.sample_lags(Rows()).tolist() == [1, 1, 0, NO_LAG]
+    assert model.lags.sample_lags(model.policy_version, Rows()).tolist() == [1, 1, 0, NO_LAG]
 
 
 def test_a_skipped_step_ages_no_batch_and_survives_a_checkpoint(model_dirs):
@@ -144,13 +144,13 @@ def test_a_skipped_step_ages_no_batch_and_survives_a_checkpoint(model_dirs):
     assert [s["train/applied_updates"] for s in logged.steps] == [1.0, 0.0, 1.0, 1.0, 1.0]
     assert [s["train/samples_per_update"] for s in logged.steps] == [2.0, 0.0, 2.0, 2.0, 2.0]
     # version 2 no longer counts for any batch the learner can get (at most 2 iterations old at version 5): pruned
-    assert model.policy_version == 5 and model.skipped_versions == []
-    model.skipped_versions = [4]
+    assert model.policy_version == 5 and model.lags.skipped_versions == []
+    model.lags.skipped_versions = [4]
     checkpoint: dict = {}
     model.on_save_checkpoint(checkpoint)
     other = _opd(model_dirs, FullVocabReverseKL())
     other.on_load_checkpoint(checkpoint)
-    assert other.skipped_versions == [4]
+    assert other.lags.skipped_versions == [4]
 
 
 # ------------------------------------------------------------------------------------- defect 6: the indicator
@@ -160,13 +160,13 @@ def test_off_policy_indicator_from_hand_made_sums(model_dirs):
     update with 4 samples."""
     model = _opd(model_dirs, SampledTokenReverseKL())
     sums = {"kl": torch.tensor(3.0), "k1": torch.tensor(2.0)}
-    out = model.off_policy_step_metrics(sums, torch.tensor(4.0), 1, applied=1, used=4)
+    out = model.weightings.off_policy_metrics(sums, torch.tensor(4.0), True, 1, 4, model.reduce_sum, model.device)
     assert out == pytest.approx({"train/kl_k1": 0.5, "train/off_policy_gap": 0.25, "train/truncated_ratio": 0.0,
                                  "train/uncorrected_off_policy": 0.0, "train/applied_updates": 1.0,
                                  "train/samples_per_update": 4.0})
-    model.truncated_ratio = TruncatedRatio()
-    model.truncated_ratio._sums = torch.tensor([3.5, 1.0, 3.0, 2.0], dtype=torch.float64)
-    out = model.off_policy_step_metrics(sums, torch.tensor(4.0), 1, applied=0, used=0)
+    model.weightings.truncated_ratio = TruncatedRatio()
+    model.weightings.truncated_ratio._sums = torch.tensor([3.5, 1.0, 3.0, 2.0], dtype=torch.float64)
+    out = model.weightings.off_policy_metrics(sums, torch.tensor(4.0), True, 0, 0, model.reduce_sum, model.device)
     assert out["train/ratio_mean"] == pytest.approx(3.5 / 3) and out["train/ratio_clip_frac"] == pytest.approx(1 / 3)
     assert out["train/off_policy_gap_corrected"] == pytest.approx(0.75 - 2.0 / 3)
     assert out["train/samples_per_update"] == 0.0 and out["train/truncated_ratio"] == 1.0
@@ -207,11 +207,11 @@ def test_a_ratio_other_than_one_scales_the_step_loss(model_dirs, on, expected):
 
     model = FixedTokenLoss(student=model_dirs["student"], teacher=model_dirs["teacher"], loss=SampledTokenReverseKL(),
                            micro_batch_size=2, ratios=[1.5, 3.0], log_text_every_n_steps=0)
-    model.truncated_ratio = TruncatedRatio(2.0) if on else None
+    model.weightings.truncated_ratio = TruncatedRatio(2.0) if on else None
     batch, _ = _batch(lags=[1, 1], groups=[0, 1], drift=[0.0, 0.0], version=5)
     sums, _ = model.backward_step(batch, torch.tensor(8.0), lambda loss: None)
     assert float(sums["loss"]) == pytest.approx(expected)
     if on:
         # ratios 1.5 x4, 2 x4 (clipped); k1 = log p_S - log p_T = -1 + log r (teacher 0)
         weighted = 4 * 1.5 * (-1 + math.log(1.5)) + 4 * 2.0 * (-1 + math.log(3.0))
-        assert model.truncated_ratio.sums == pytest.approx((8 * 1.75, 4.0, 8.0, weighted), rel=1e-6)
+        assert model.weightings.truncated_ratio.sums == pytest.approx((8 * 1.75, 4.0, 8.0, weighted), rel=1e-6)

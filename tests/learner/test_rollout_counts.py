@@ -46,6 +46,6 @@ def test_generated_and_used_per_step_and_cumulative(model_dirs):
     model.on_save_checkpoint(checkpoint)
     assert checkpoint["rollout_totals"] == {"generated": 9, "used": 6}
     resumed = OPDModule(student=model_dirs["student"], teacher=model_dirs["teacher"])
-    assert resumed.rollout_totals == {"generated": 0, "used": 0}
+    assert resumed.step_metrics.rollout_totals == {"generated": 0, "used": 0}
     resumed.on_load_checkpoint(checkpoint)
-    assert resumed.rollout_totals == {"generated": 9, "used": 6}
+    assert resumed.step_metrics.rollout_totals == {"generated": 9, "used": 6}

@@ -98,6 +98,6 @@ def test_lag_mean_and_min_leave_out_rows_without_a_reply():
     values = StepMetrics._rollout_values(one_process, record)
     assert math.isnan(values["rollout/lag_mean"]) and math.isnan(values["rollout/lag_min"])
     assert "rollout/producer_lead" not in values
-    record.lags, record.producer_lead = torch.tensor([-1, 3, 1]), 2
+    record.lags, record.lead_in_use = torch.tensor([-1, 3, 1]), 2
     values = StepMetrics._rollout_values(one_process, record)
     assert (values["rollout/lag_mean"], values["rollout/lag_min"], values["rollout/producer_lead"]) == (2.0, 1.0, 2.0)

@@ -12,6 +12,7 @@ import torch
 
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.learner import OPDModule
+from lightning_opd.learner.weightings import check_behaviour_signal
 from lightning_opd.losses import SampledTokenReverseKL
 from lightning_opd.losses.divergences import log_probs
 from lightning_opd.rollout.weight_sync import SyncConfig, WeightSync
@@ -76,12 +77,12 @@ def test_refused_where_every_batch_has_lag_zero(model_dirs, config, refused):
     if refused:
         with pytest.raises(ValueError, match=r"model.init_args.loss.init_args.signal=behaviour .* data.init_args.mode="
                                              r"sync and data.init_args.forced_lag=0"):
-            m.check_behaviour_signal()
+            check_behaviour_signal(m.loss_fn, m.weight_sync)
     else:
-        m.check_behaviour_signal()
+        check_behaviour_signal(m.loss_fn, m.weight_sync)
     m.weight_sync = WeightSync(SyncConfig())  # the recomputed signal is fine anywhere
     m.loss_fn = SampledTokenReverseKL()
-    m.check_behaviour_signal()
+    check_behaviour_signal(m.loss_fn, m.weight_sync)
 
 
 class StaleSignalRecorder(RecordingOPD):

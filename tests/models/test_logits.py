@@ -55,7 +55,7 @@ def test_module_logprobs_equal_the_models_forward(family, tokenizer, tmp_path):
     batch = make_batch(tokenizer, temperature=0.7)
     keep = batch.loss_mask[:, 1:] > 0
     want_s = model_logprobs(module.student, batch, 0.7)[keep]
-    want_t = model_logprobs(module.teacher, batch, 0.7)[keep]
+    want_t = model_logprobs(module.teacher_model, batch, 0.7)[keep]
     out, _, _ = module.token_losses(batch)
     for got, want in ((module.student_logprobs(batch)[keep], want_s), (out.student_logprobs[keep], want_s),
                       (module.teacher_logprobs(batch)[keep], want_t), (out.teacher_logprobs[keep], want_t)):

@@ -99,7 +99,7 @@ def test_set_lead_holds_back_and_releases_the_lag_gate():
     p.start()
     try:
         assert _wait(lambda: len(tl.made) == 4)
-        p.set_producer_lead(0)
+        p.set_lead_in_use(0)
         for v in (1, 2, 3):
             tl.version = v
             p.notify_version()
@@ -110,7 +110,7 @@ def test_set_lead_holds_back_and_releases_the_lag_gate():
         assert _wait(lambda: len(tl.made) == 5)
         time.sleep(0.05)
         assert tl.made == [0, 0, 0, 0, 4]
-        p.set_producer_lead(2)  # wakes the thread itself: no version change needed
+        p.set_lead_in_use(2)  # wakes the thread itself: no version change needed
         assert _wait(lambda: len(tl.made) == 7)
         time.sleep(0.1)
         assert tl.made == [0, 0, 0, 0, 4, 4, 4]
@@ -124,7 +124,7 @@ def test_set_lead_holds_back_and_releases_the_lag_gate():
 def test_set_lead_refuses_a_lead_outside_the_configured_one(lead):
     p = RolloutProducer(lambda: [], lambda: 0, SyncConfig("async", 3))
     with pytest.raises(ValueError, match=rf"producer lead {lead} must be in \[0, data.init_args.producer_lead=3\]"):
-        p.set_producer_lead(lead)
+        p.set_lead_in_use(lead)
 
 
 def test_back_pressure_blocks_a_full_buffer():

@@ -57,7 +57,7 @@ def test_held_out_pass_plays_every_task_once(policy):
 def test_lag_bound_sets_the_producer_lead(policy, bound, lead):
     """async, producer lead 2, pushes every 2 versions: lead = min(2, max(0, bound - (2 - 1)))."""
     s = _session(policy, sync=SyncConfig(mode="async", producer_lead=2, weight_sync_interval=2))
-    assert s.producer_lead == 2
-    assert s.set_lag_bound(bound) == lead == s.producer_lead  # before connect: kept for the producer
+    assert s.lead_in_use == 2
+    assert s.set_lag_bound(bound) == lead == s.lead_in_use  # before connect: kept for the producer
     s.connect(policy)
-    assert s.producer.producer_lead == lead
+    assert s.producer.lead_in_use == lead

@@ -109,8 +109,8 @@ def test_opd_step_from_the_remote_teacher_equals_the_in_process_step(served_mode
     local_mod = make_module(served_model_dirs, loss_cls, micro_batch_size=4)
     from tests.teachers.test_teacher_signals import LogitsTeacher
 
-    local_mod.teacher_scorer = LogitsTeacher(local_mod.teacher, len(tokenizer))  # the same signals, by hand
-    assert remote_mod.kl_metric == "kl_sampled" and remote_mod.teacher is None
+    local_mod.teacher = LogitsTeacher(local_mod.teacher_model, len(tokenizer))  # the same signals, by hand
+    assert remote_mod.kl_metric == "kl_sampled" and remote_mod.teacher_model is None
     sums_r, grads_r = step_grads(remote_mod, batch)
     sums_l, grads_l = step_grads(local_mod, batch)
     assert abs(float(sums_r["loss"]) - float(sums_l["loss"])) < 1e-4 * max(1.0, abs(float(sums_l["loss"])))

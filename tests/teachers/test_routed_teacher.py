@@ -74,7 +74,7 @@ def test_per_teacher_token_share_and_kl_are_logged(served_model_dirs, endpoints,
                          teacher=routed(endpoints, tokenizer))
     batch = make_batch(tokenizer, 1.0)
     step_grads(module, batch)
-    got = module.teacher_step_metrics()
+    got = module.teacher.step_metrics(module.reduce_sum, module.kl_metric, module.device)
     mask = batch.loss_mask[:, 1:] > 0
     tokens = mask.sum(1).double()  # (4,)
     student = module.student_logprobs(batch)  # (4, T-1)
@@ -86,7 +86,8 @@ def test_per_teacher_token_share_and_kl_are_logged(served_model_dirs, endpoints,
     assert math.isclose(got["teacher/one/kl_sampled"], float(kl[:2].sum() / tokens[:2].sum()), rel_tol=1e-4, abs_tol=1e-5)
     assert math.isclose(got["teacher/two/kl_sampled"], float(kl[2:].sum() / tokens[2:].sum()), rel_tol=1e-4, abs_tol=1e-5)
     assert got["teacher/one/requests"] >= 1 and got["teacher/two/retries"] == 0
-    assert module.teacher_step_metrics()["teacher/one/token_share"] == 0.0  # reset after each step
+    again = module.teacher.step_metrics(module.reduce_sum, module.kl_metric, module.device)
+    assert again["teacher/one/token_share"] == 0.0  # reset after each step
 
 
 def test_yaml_names_several_teachers(model_dirs, tmp_path):
@@ -116,8 +117,8 @@ model:
     parser = ArgumentParser()
     parser.add_subclass_arguments(L.LightningModule, "model")
     module = parser.instantiate(parser.parse_path(str(config))).model
-    assert isinstance(module, OPDModule) and isinstance(module.teacher_scorer, RoutedTeacher)
-    assert module.teacher_scorer.names == ["cook", "coin"] and module.teacher_path is None
-    assert [t.urls for t in module.teacher_scorer.teachers.values()] == [["http://127.0.0.1:8001"],
+    assert isinstance(module, OPDModule) and isinstance(module.teacher, RoutedTeacher)
+    assert module.teacher.names == ["cook", "coin"] and module.teacher_path is None
+    assert [t.urls for t in module.teacher.teachers.values()] == [["http://127.0.0.1:8001"],
                                                                          ["http://127.0.0.1:8002"]]
     assert module.kl_metric == "kl_sampled"

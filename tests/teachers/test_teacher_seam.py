@@ -11,7 +11,7 @@ from lightning_opd.learner import OPDModule
 from lightning_opd.losses import (ClippedSurrogate, ForwardKL, FullVocabReverseKL, GeneralizedJSD,
                                   SampledTokenReverseKL, StudentTopKRenormalizedReverseKL, TeacherSignal,
                                   TeacherTopKForwardKL, TeacherTopKRenormalizedReverseKL)
-from lightning_opd.teachers import InProcessTeacher, Teacher, check_teacher_fits, losses_for
+from lightning_opd.teachers import InProcessTeacher, Teacher, check_teacher_fits, check_teacher_serves, losses_for
 from tests.helpers import save_model_dir
 from tests.learner.test_module import make_batch
 
@@ -55,7 +55,7 @@ def test_a_top_k_teacher_fits_the_teacher_top_k_losses_only():
     with pytest.raises(ValueError, match=r"StudentTopKRenormalizedReverseKL needs the teacher's full_vocab.*"
                                          r"TopKTeacher provides only \['sampled_token', 'top_k'\]"):
         check_teacher_fits(StudentTopKRenormalizedReverseKL(), TopKTeacher())
-    OPDModule.check_teacher(TeacherTopKForwardKL(), TopKTeacher())  # a fitting pair: the losses' signal path (§6.5)
+    check_teacher_serves(TeacherTopKForwardKL(), TopKTeacher())  # a fitting pair: the losses' signal path (§6.5)
 
 
 def test_the_module_refuses_a_loss_its_teacher_cannot_serve_at_construction(model_dirs, monkeypatch):

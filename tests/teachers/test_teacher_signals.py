@@ -16,7 +16,7 @@ from lightning_opd.losses import (FullVocabReverseKL, SampledTokenReverseKL, Tea
                                   TeacherTopKRenormalizedReverseKL)
 from lightning_opd.models.logits import output_head, trunk_hidden_states
 from lightning_opd.rollout.batch import RolloutBatch
-from lightning_opd.teachers import InProcessTeacher, Teacher, TeacherScores, check_teacher_fits
+from lightning_opd.teachers import InProcessTeacher, Teacher, TeacherScores, check_teacher_fits, check_teacher_serves
 from tests.helpers import make_model
 from tests.learner.test_module import make_batch, make_module, step_grads
 
@@ -122,20 +122,20 @@ def test_opd_module_trains_a_micro_batch_through_a_teacher_without_full_vocab(mo
     """One ``training_step`` micro-batch pass (``backward_step``: token losses, aggregation, backward) with the
     in-process teacher, then with :class:`LogitsTeacher` on the same teacher weights (its own full forward): the same
     step loss (<= 1e-6 nats) and gradients; the logged kl is the k1 estimate."""
-    batch, in_process = batches[0.7], module.teacher_scorer
+    batch, in_process = batches[0.7], module.teacher
     module.loss_fn = LOSSES[name]()
     assert module.kl_metric == "kl"
     sums_in, grads_in = step_grads(module, batch)
 
     remote_like = LogitsTeacher(in_process.model, module.vocab_size)
-    module.check_teacher(module.loss_fn, remote_like)
-    module.teacher_scorer = remote_like
+    check_teacher_serves(module.loss_fn, remote_like)
+    module.teacher = remote_like
     try:
         assert module.kl_metric == "kl_sampled"
         out, mask, _ = module.token_losses(batch)
         sums_re, grads_re = step_grads(module, batch)
     finally:
-        module.teacher_scorer = in_process
+        module.teacher = in_process
 
     assert abs(sums_re["loss"].item() - sums_in["loss"].item()) <= 1e-6  # nats (the step loss, §0.5)
     torch.testing.assert_close(sums_re["entropy"], sums_in["entropy"], rtol=0, atol=1e-5)
@@ -156,8 +156,8 @@ def test_full_vocabulary_loss_with_a_top_k_teacher_is_refused_naming_the_losses_
     assert ("use one of SampledTokenReverseKL, TeacherTopKForwardKL, TeacherTopKRenormalizedReverseKL, ClippedSurrogate"
             " with this teacher") in msg
     with pytest.raises(ValueError, match="FullVocabReverseKL needs the teacher's full_vocab"):
-        OPDModule.check_teacher(FullVocabReverseKL(), top_k_teacher)
-    OPDModule.check_teacher(TeacherTopKForwardKL(tail_bucket=True), top_k_teacher)  # fits: no error
+        check_teacher_serves(FullVocabReverseKL(), top_k_teacher)
+    check_teacher_serves(TeacherTopKForwardKL(tail_bucket=True), top_k_teacher)  # fits: no error
 
 
 def test_a_teacher_without_full_vocab_must_report_the_sampled_token():
@@ -166,4 +166,4 @@ def test_a_teacher_without_full_vocab_must_report_the_sampled_token():
 
     with pytest.raises(ValueError, match=r"TopKOnly provides only \['top_k'\]: a teacher without full_vocab must also "
                                          r"provide sampled_token"):
-        OPDModule.check_teacher(TeacherTopKForwardKL(), TopKOnly())
+        check_teacher_serves(TeacherTopKForwardKL(), TopKOnly())

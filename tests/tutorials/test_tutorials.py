@@ -273,7 +273,7 @@ def test_04_gpu_yaml_builds_model_data_and_strategy(generator, model_dirs, fake_
     assert model.teacher_dtype == "bfloat16" and model.dtype_name == "float32" and model.gradient_checkpointing
     assert isinstance(model.loss_fn, FullVocabReverseKL) and model.loss_fn.chunk_size == 1024
     assert model.micro_batch_size == 2 and model.step_metrics.num_turns == 12
-    assert model.student is None and model.teacher is None  # weights load in configure_model (sharded at fit)
+    assert model.student is None and model.teacher_model is None  # weights load in configure_model (sharded at fit)
     dm = cli.datamodule
     assert isinstance(dm, RolloutDataModule) and dm.episodes_per_step == 16 and dm.max_turns == 12
     assert dm.mode == "sync" and dm.sampling.max_new_tokens == 64 and dm.max_context_tokens == 6144
