@@ -383,6 +383,20 @@ def _paired_values(tables: Mapping[str, Mapping[Key, float]], keys: list[Key]) -
     return values
 
 
+def _check_bootstrap_args(tables: Mapping, resamples: int, level: float, cluster: str, runs: str) -> None:
+    """Raises ValueError (naming the value) for :func:`paired_bootstrap`'s bad arguments."""
+    if not tables:
+        raise ValueError("paired_bootstrap needs at least one arm")
+    if resamples < 1:
+        raise ValueError(f"resamples={resamples} must be >= 1")
+    if not 0 < level < 1:
+        raise ValueError(f"level={level} must be in (0, 1), e.g. 0.95")
+    if cluster not in ("task", "episode"):
+        raise ValueError(f"cluster={cluster!r}: use 'task' (resample tasks with all their seeds) or 'episode'")
+    if runs not in ("seed", "none"):
+        raise ValueError(f"runs={runs!r}: use 'seed' (each seed is a training run) or 'none' (episode seeds only)")
+
+
 def paired_bootstrap(tables: Mapping[str, Mapping[Key, float]], *, resamples: int = 10_000, level: float = 0.95,
                      seed: int = 0, cluster: str = "task", intersect: bool = False, higher_is_better: bool = True,
                      metric: str = "value", runs: str = "none") -> Comparison:
@@ -414,16 +428,8 @@ def paired_bootstrap(tables: Mapping[str, Mapping[Key, float]], *, resamples: in
             shared key, a non-finite value (names the arm and key), ``resamples < 1``, ``level`` outside
             (0, 1), an unknown ``cluster`` or ``runs``.
     """
-    if not tables:
-        raise ValueError("paired_bootstrap needs at least one arm")
-    if resamples < 1:
-        raise ValueError(f"resamples={resamples} must be >= 1")
-    if not 0 < level < 1:
-        raise ValueError(f"level={level} must be in (0, 1), e.g. 0.95")
-    if cluster not in ("task", "episode"):
-        raise ValueError(f"cluster={cluster!r}: use 'task' (resample tasks with all their seeds) or 'episode'")
-    if runs not in ("seed", "none"):
-        raise ValueError(f"runs={runs!r}: use 'seed' (each seed is a training run) or 'none' (episode seeds only)")
+    # long for its docstring (the arguments); the code is ~40 lines, in the order of the module docstring
+    _check_bootstrap_args(tables, resamples, level, cluster, runs)
     labels = list(tables)
     keys = _paired_keys(tables, intersect)
     values = _paired_values(tables, keys)  # (A, n)

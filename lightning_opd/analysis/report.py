@@ -138,8 +138,6 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.ticker import MaxNLocator
 
     series = read_scalars(run_dir)
     levels = {label: baseline_value(label, v) for label, v in (baselines or {}).items()}  # fail before drawing
@@ -149,8 +147,24 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None,
     fig, axes = plt.subplots(len(chosen) + 1, 1, figsize=(9, 3.2 * (len(chosen) + 1)), constrained_layout=True,
                              squeeze=False)
     axes = axes[:, 0]
+    _draw_kl_heat_map(fig, axes[0], series)
+    for ax, panel in zip(axes[1:], chosen):
+        _draw_panel(ax, panel, series, levels)
+    fig.suptitle(f"lightning-opd run: {run_dir}")
+    png = out / "report.png"
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    page = out / "report.html"
+    page.write_text(_html_page(run_dir, png, series, levels))
+    return png, page
+
+
+def _draw_kl_heat_map(fig, ax, series: dict) -> None:
+    """The per-turn reverse KL (nats/token) as a turns x steps heat map on ``ax`` (a note when none is logged)."""
+    import numpy as np
+    from matplotlib.ticker import MaxNLocator
+
     turns, steps, matrix = kl_matrix(series)
-    ax = axes[0]
     if matrix:
         image = ax.imshow(np.array(matrix, dtype=float), aspect="auto", origin="lower", cmap="viridis",
                           interpolation="nearest", extent=(-0.5, len(steps) - 0.5, min(turns) - 0.5, max(turns) + 0.5))
@@ -163,36 +177,40 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None,
         ax.text(0.5, 0.5, "no kl/turn_* logged in this run", ha="center", va="center", transform=ax.transAxes)
     ax.set_title("Per-turn reverse KL" if kl_prefix(series) == "kl" else "Per-turn reverse KL (k1 estimate)")
     ax.set_xlabel("step")
-    for ax, (title, tags, unit, kind) in zip(axes[1:], chosen):
-        for tag in tags:
-            xs, ys = series[tag]
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=tag)
-        if kind == "fraction":
-            ax.set_ylim(-0.02, 1.02)
-            for i, (label, level) in enumerate(levels.items()):
-                ax.axhline(level, linestyle="--", linewidth=1, color=f"C{len(tags) + i}", label=f"{label} ({level:.2f})")
-        if kind == "integer":
-            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend(fontsize=8, loc="best")
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(unit)
-    fig.suptitle(f"lightning-opd run: {run_dir}")
-    png = out / "report.png"
-    fig.savefig(png, dpi=90)
-    plt.close(fig)
+
+
+def _draw_panel(ax, panel: tuple, series: dict, levels: dict[str, float]) -> None:
+    """One :func:`panels` entry ``(title, tags, unit, kind)`` on ``ax``; the baselines as dashed lines on a
+    ``fraction`` panel (success)."""
+    from matplotlib.ticker import MaxNLocator
+
+    title, tags, unit, kind = panel
+    for tag in tags:
+        xs, ys = series[tag]
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=tag)
+    if kind == "fraction":
+        ax.set_ylim(-0.02, 1.02)
+        for i, (label, level) in enumerate(levels.items()):
+            ax.axhline(level, linestyle="--", linewidth=1, color=f"C{len(tags) + i}", label=f"{label} ({level:.2f})")
+    if kind == "integer":
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8, loc="best")
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(unit)
+
+
+def _html_page(run_dir: str | Path, png: Path, series: dict, levels: dict[str, float]) -> str:
+    """The HTML report: the PNG inlined, then the last value of every scalar and the baselines."""
     rows = "".join(f"<tr><td>{html.escape(t)}</td><td>{xs[-1]}</td><td>{_num(ys[-1])}</td></tr>"
                    for t, (xs, ys) in sorted(series.items()))
     rows += "".join(f"<tr><td>baseline: {html.escape(label)}</td><td></td><td>{_num(level)}</td></tr>"
                     for label, level in levels.items())
-    page = out / "report.html"
-    page.write_text(
-        f"<!doctype html><html><head><meta charset='utf-8'><title>lightning-opd report</title></head><body>"
-        f"<h1>{html.escape(str(run_dir))}</h1>"
-        f"<img alt='run report' src='data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()}'>"
-        f"<h2>Last value of every scalar</h2><table border='1'><tr><th>tag</th><th>step</th><th>value</th></tr>"
-        f"{rows}</table></body></html>")
-    return png, page
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>lightning-opd report</title></head><body>"
+            f"<h1>{html.escape(str(run_dir))}</h1>"
+            f"<img alt='run report' src='data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()}'>"
+            f"<h2>Last value of every scalar</h2><table border='1'><tr><th>tag</th><th>step</th><th>value</th></tr>"
+            f"{rows}</table></body></html>")
 
 
 def _num(value: float) -> str:
