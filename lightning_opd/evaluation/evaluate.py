@@ -413,12 +413,41 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
             student/teacher tokenizer mismatch (F01), a model whose head path differs from its own
             forward (F20, ``UnsupportedArchitectureError``), or a bad setting (names the flag).
     """
-    from lightning_opd.evaluation.teacher_kl import kl_by_outcome, teacher_trajectories, trajectory_kl, zero_kl
-    from lightning_opd.models.loading import load_causal_lm, load_tokenizer
-    from lightning_opd.models.logits import check_head_path
-    from lightning_opd.models.tokenizers import check_tokenizers_compatible
-
     settings = settings or EvalSettings()
+    env, env_id, tasks = _environment_and_tasks(env_class, env_args, games, split, limit, settings)
+    specs = [parse_student(s) for s in students]
+    names = [n for n, _ in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--students: labels {names} repeat; name them LABEL=PATH")
+    device = settings.resolved_device()
+    backends = Backends(settings)
+    config = {"env": env_id, "split": split, "limit": limit, "seeds": list(settings.seeds), "avg_k": settings.avg_k,
+              "temperature": settings.temperature, "max_turns": settings.max_turns,
+              "max_new_tokens": settings.max_new_tokens, "max_context_tokens": settings.max_context_tokens,
+              "batch_size": settings.batch_size, "backend": backends.kind, "device": str(device),
+              "dtype": settings.dtype, "teacher": teacher, "base": base}
+    result: dict = {"format": FORMAT, "config": config, "tasks": list(tasks), "teacher": None, "students": []}
+    side = None
+    try:
+        if teacher is not None:
+            side, result["teacher"] = _teacher_side(teacher, env, env_id, tasks, settings, device, backends, cache_dir)
+        for name, path in specs:
+            result["students"].append(_evaluate_one(name, path, base, env, tasks, settings, device, backends, side))
+    finally:
+        backends.close()
+    result["engine_starts"] = backends.engine_starts
+    if out is not None:
+        write_text_atomic(out, json.dumps(json_safe(result), indent=1))  # non-finite floats as null
+    return result
+
+
+def _environment_and_tasks(env_class: str, env_args: dict | None, games: str | None, split: str, limit: int | None,
+                           settings: EvalSettings) -> tuple[object, dict, list[str]]:
+    """The environment factory, its identity (for the cache key and the output) and the tasks of ``split``.
+
+    Raises:
+        ValueError: an unknown ``split``, ``limit < 1`` or no tasks.
+    """
     if split not in ("eval", "train"):
         raise ValueError(f"--split {split!r}: use eval (held-out tasks) or train")
     if limit is not None and limit < 1:
@@ -432,78 +461,98 @@ def evaluate(students: Sequence[str], *, env_class: str = DEFAULT_ENV, env_args:
     tasks = tasks[:limit] if limit is not None else tasks
     if not tasks:
         raise ValueError(f"{env_class} has no {split} tasks")
-    specs = [parse_student(s) for s in students]
-    names = [n for n, _ in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"--students: labels {names} repeat; name them LABEL=PATH")
-    device = settings.resolved_device()
-    backends = Backends(settings)
-    config = {"env": env_id, "split": split, "limit": limit, "seeds": list(settings.seeds), "avg_k": settings.avg_k,
-              "temperature": settings.temperature, "max_turns": settings.max_turns,
-              "max_new_tokens": settings.max_new_tokens, "max_context_tokens": settings.max_context_tokens,
-              "batch_size": settings.batch_size, "backend": backends.kind, "device": str(device),
-              "dtype": settings.dtype, "teacher": teacher, "base": base}
-    result: dict = {"format": FORMAT, "config": config, "tasks": list(tasks), "teacher": None, "students": []}
-    teacher_model = teacher_tok = teacher_trajs = None
-    teacher_states: dict = {}  # the teacher's hidden states on its own trajectories, computed once for all students
-    played: list = []  # non-empty once the teacher's episodes were played here (not read from the cache)
-    teacher_checked = False
-    try:
-        if teacher is not None:
-            t0 = time.perf_counter()
-            teacher_tok = load_tokenizer(teacher)
-            teacher_model = load_causal_lm(teacher, settings.dtype).to(device).eval()
-            handle = PolicyHandle(teacher_tok, teacher_model, str(teacher))
+    return env, env_id, tasks
 
-            def teacher_loop():
-                played.append(True)
-                return backends.loop(env, handle, str(teacher))
 
-            teacher_trajs, path = teacher_trajectories(
-                teacher_loop, teacher, env_id, tasks,
-                max_turns=settings.max_turns, max_new_tokens=settings.max_new_tokens,
-                max_context_tokens=settings.max_context_tokens, cache_dir=cache_dir, batch_size=settings.batch_size)
-            result["teacher"] = {"path": str(teacher), "cache": None if path is None else str(path),
-                                 "greedy": summarise([episode_record(t, settings.seeds[0]) for t in teacher_trajs]),
-                                 "episodes": [episode_record(t, seed) for seed in settings.seeds for t in teacher_trajs],
-                                 "seconds": round(time.perf_counter() - t0, 1)}
-        for name, path in specs:
-            t0 = time.perf_counter()
-            student = load_student(name, path, base, settings.dtype, device)
-            handle = PolicyHandle(student.tokenizer, student.model, student.engine_path)
-            entry = {"name": name, "path": student.path, "kind": student.kind,
-                     "policy_version": student.policy_version, "global_step": student.global_step,
-                     "train_seconds": student.train_seconds, "rollouts": student.rollouts}
-            is_teacher = teacher is not None and student.kind == "hf" and Path(path).resolve() == Path(teacher).resolve()
-            reuse = teacher_trajs if is_teacher and played else None  # the same greedy episodes: not played twice
-            records, own_trajs = evaluate_student(backends.loop(env, handle, student.engine_path), tasks, settings, reuse)
-            entry |= records
-            if teacher_trajs is not None:
-                vocab = check_tokenizers_compatible(student.tokenizer, teacher_tok, path, teacher)
-                check_head_path(student.model, vocab, f"--students {path}")  # F20: the KL's head path is exact
-                if not teacher_checked:
-                    check_head_path(teacher_model, vocab, f"--teacher {teacher}")
-                    teacher_checked = True
-                pad = student.tokenizer.pad_token_id
-                pad_id = int(pad if pad is not None else student.tokenizer.eos_token_id)
-                if is_teacher:  # KL(teacher || teacher) = 0 on every token: counted, not computed
-                    kl = zero_kl(teacher_trajs)
-                else:
-                    kl = trajectory_kl(student.model, teacher_model, teacher_trajs, vocab, pad_id,
-                                       teacher_states=teacher_states)
-                entry["teacher_traj_kl"] = [
-                    {"task_id": t, "seed": seed, "kl": v["kl_sum"] / v["tokens"], "tokens": v["tokens"]}
-                    for seed in settings.seeds for t, v in kl.per_task.items() if v["tokens"]]
-                entry["summary"]["teacher_traj_kl"] = {"mean": kl.mean, "per_turn": kl.per_turn,
-                                                       "tokens_per_turn": kl.tokens_per_turn, "tokens": kl.tokens}
-                if settings.own_traj_kl:
-                    entry["summary"]["own_traj_kl"] = kl_by_outcome(student.model, teacher_model, own_trajs, vocab, pad_id)
-            entry["seconds"] = round(time.perf_counter() - t0, 1)
-            result["students"].append(entry)
-            del student
-    finally:
-        backends.close()
-    result["engine_starts"] = backends.engine_starts
-    if out is not None:
-        write_text_atomic(out, json.dumps(json_safe(result), indent=1))  # non-finite floats as null
-    return result
+@dataclass
+class _TeacherSide:
+    """The teacher of one evaluation: its model and tokenizer, its greedy trajectories of the tasks, its hidden states
+    on them (computed once for all students), whether its episodes were played here (``played`` non-empty; not read
+    from the cache) and whether its head path was checked (F20)."""
+
+    path: str
+    model: torch.nn.Module
+    tokenizer: object
+    trajectories: list[Trajectory]
+    played: list
+    states: dict = field(default_factory=dict)
+    checked: bool = False
+
+
+def _teacher_side(teacher: str, env, env_id: dict, tasks: Sequence[str], settings: EvalSettings, device,
+                  backends: Backends, cache_dir: str | None) -> tuple[_TeacherSide, dict]:
+    """Load the teacher and play (or read from the cache) its greedy trajectories; returns them and the output's
+    ``teacher`` record (its greedy summary and episodes, keyed like the students', and the seconds it took)."""
+    from lightning_opd.evaluation.teacher_kl import teacher_trajectories
+    from lightning_opd.models.loading import load_causal_lm, load_tokenizer
+
+    t0 = time.perf_counter()
+    teacher_tok = load_tokenizer(teacher)
+    teacher_model = load_causal_lm(teacher, settings.dtype).to(device).eval()
+    handle = PolicyHandle(teacher_tok, teacher_model, str(teacher))
+    played: list = []
+
+    def teacher_loop():
+        played.append(True)
+        return backends.loop(env, handle, str(teacher))
+
+    teacher_trajs, path = teacher_trajectories(
+        teacher_loop, teacher, env_id, tasks,
+        max_turns=settings.max_turns, max_new_tokens=settings.max_new_tokens,
+        max_context_tokens=settings.max_context_tokens, cache_dir=cache_dir, batch_size=settings.batch_size)
+    record = {"path": str(teacher), "cache": None if path is None else str(path),
+              "greedy": summarise([episode_record(t, settings.seeds[0]) for t in teacher_trajs]),
+              "episodes": [episode_record(t, seed) for seed in settings.seeds for t in teacher_trajs],
+              "seconds": round(time.perf_counter() - t0, 1)}
+    return _TeacherSide(teacher, teacher_model, teacher_tok, teacher_trajs, played), record
+
+
+def _evaluate_one(name: str, path: str, base: str | None, env, tasks: Sequence[str], settings: EvalSettings, device,
+                  backends: Backends, side: _TeacherSide | None) -> dict:
+    """One student's entry of the output: its greedy and sampled episodes and, with a teacher, its KL on the
+    teacher's trajectories and on its own (the student is freed when this returns)."""
+    t0 = time.perf_counter()
+    student = load_student(name, path, base, settings.dtype, device)
+    handle = PolicyHandle(student.tokenizer, student.model, student.engine_path)
+    entry = {"name": name, "path": student.path, "kind": student.kind,
+             "policy_version": student.policy_version, "global_step": student.global_step,
+             "train_seconds": student.train_seconds, "rollouts": student.rollouts}
+    is_teacher = side is not None and student.kind == "hf" and Path(path).resolve() == Path(side.path).resolve()
+    reuse = side.trajectories if is_teacher and side.played else None  # the same greedy episodes: not played twice
+    records, own_trajs = evaluate_student(backends.loop(env, handle, student.engine_path), tasks, settings, reuse)
+    entry |= records
+    if side is not None:
+        _score_against_teacher(entry, student, path, side, is_teacher, own_trajs, settings)
+    entry["seconds"] = round(time.perf_counter() - t0, 1)
+    return entry
+
+
+def _score_against_teacher(entry: dict, student: LoadedStudent, path: str, side: _TeacherSide, is_teacher: bool,
+                           own_trajs: list[Trajectory], settings: EvalSettings) -> None:
+    """Add the student's reverse KL (nats/token) on the teacher's trajectories to ``entry`` (per task under every
+    seed, and its summary), and on its own greedy episodes by outcome unless ``own_traj_kl`` is off.
+
+    Raises:
+        ValueError: the tokenizers differ (F01) or a head path differs from the model's forward (F20)."""
+    from lightning_opd.evaluation.teacher_kl import kl_by_outcome, trajectory_kl, zero_kl
+    from lightning_opd.models.logits import check_head_path
+    from lightning_opd.models.tokenizers import check_tokenizers_compatible
+
+    vocab = check_tokenizers_compatible(student.tokenizer, side.tokenizer, path, side.path)
+    check_head_path(student.model, vocab, f"--students {path}")  # F20: the KL's head path is exact
+    if not side.checked:
+        check_head_path(side.model, vocab, f"--teacher {side.path}")
+        side.checked = True
+    pad = student.tokenizer.pad_token_id
+    pad_id = int(pad if pad is not None else student.tokenizer.eos_token_id)
+    if is_teacher:  # KL(teacher || teacher) = 0 on every token: counted, not computed
+        kl = zero_kl(side.trajectories)
+    else:
+        kl = trajectory_kl(student.model, side.model, side.trajectories, vocab, pad_id, teacher_states=side.states)
+    entry["teacher_traj_kl"] = [
+        {"task_id": t, "seed": seed, "kl": v["kl_sum"] / v["tokens"], "tokens": v["tokens"]}
+        for seed in settings.seeds for t, v in kl.per_task.items() if v["tokens"]]
+    entry["summary"]["teacher_traj_kl"] = {"mean": kl.mean, "per_turn": kl.per_turn,
+                                           "tokens_per_turn": kl.tokens_per_turn, "tokens": kl.tokens}
+    if settings.own_traj_kl:
+        entry["summary"]["own_traj_kl"] = kl_by_outcome(student.model, side.model, own_trajs, vocab, pad_id)
