@@ -106,3 +106,22 @@ class EnvFactory(ABC):
             the text, or ``None``: this environment (or this task) has none (the default).
         """
         return None
+
+
+class TaskListFactory(EnvFactory):
+    """An :class:`EnvFactory` whose train and held-out task ids are two lists made at construction
+    (``_train``, ``_eval``; set them, e.g. with :meth:`_keep_first`)."""
+
+    _train: list[str]
+    _eval: list[str]
+
+    def _keep_first(self, train: list[str], evals: list[str], num_train: int | None, num_eval: int | None) -> None:
+        """Keep the first ``num_train`` train and ``num_eval`` held-out task ids (``None``: all)."""
+        self._train = train[:num_train] if num_train is not None else train
+        self._eval = evals[:num_eval] if num_eval is not None else evals
+
+    def train_tasks(self) -> list[str]:
+        return list(self._train)
+
+    def eval_tasks(self) -> list[str]:
+        return list(self._eval)

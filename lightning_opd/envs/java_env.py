@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lightning_opd.envs.base import EnvFactory
+from lightning_opd.envs.base import TaskListFactory
 from lightning_opd.envs.java_engines import EnginePool, check_count, check_eval_split, check_positive, launch_engine
 from lightning_opd.envs.textworld_env import parse_action
 
@@ -95,7 +95,7 @@ class JavaEngineEpisode:
             self._engine = None
 
 
-class JavaEngineEnvFactory(EnvFactory):
+class JavaEngineEnvFactory(TaskListFactory):
     """Tasks of a JVM benchmark on the package's own splits, and a pool of its engines.
 
     Args:
@@ -167,12 +167,6 @@ class JavaEngineEnvFactory(EnvFactory):
             raise ValueError(f"{label}: train and {self.eval_split} {noun} overlap")
         self._train += [task_id("train", w) for w in train[:num_train]]
         self._eval += [task_id(self.eval_split, w) for w in held_out[:num_eval]]
-
-    def train_tasks(self) -> list[str]:
-        return list(self._train)
-
-    def eval_tasks(self) -> list[str]:
-        return list(self._eval)
 
     def privileged_context(self, task_id: str) -> str | None:
         """``"A walkthrough that wins this game: act1; act2; ..."`` (the :meth:`expert_actions`). PROPOSED,

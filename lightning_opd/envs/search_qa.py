@@ -34,7 +34,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from lightning_opd.envs.base import EnvFactory, StepResult
+from lightning_opd.envs.base import StepResult, TaskListFactory
 
 SYSTEM_PROMPT = ("You answer questions by searching a knowledge base. Reply with <search>query</search> "
                  "or, when you know it, <answer>answer</answer>.")
@@ -200,7 +200,7 @@ def _read_jsonl(path: Path, data_dir: Path) -> list[dict]:
     return rows
 
 
-class SearchQAEnvFactory(EnvFactory):
+class SearchQAEnvFactory(TaskListFactory):
     """Search-QA tasks from a data directory (``corpus.jsonl``, ``questions.jsonl``, ``manifest.json``).
 
     Args:
@@ -236,14 +236,7 @@ class SearchQAEnvFactory(EnvFactory):
         shared = {self._records[t]["question"] for t in train} & {self._records[t]["question"] for t in evals}
         if shared:
             raise ValueError(f"train and held-out Search-QA questions overlap ({len(shared)} shared)")
-        self._train = train[:num_train] if num_train is not None else train
-        self._eval = evals[:num_eval] if num_eval is not None else evals
-
-    def train_tasks(self) -> list[str]:
-        return list(self._train)
-
-    def eval_tasks(self) -> list[str]:
-        return list(self._eval)
+        self._keep_first(train, evals, num_train, num_eval)
 
     def record(self, task_id: str) -> dict:
         """The question record of ``task_id``.

@@ -33,7 +33,7 @@ import json
 import re
 from pathlib import Path
 
-from lightning_opd.envs.base import EnvFactory, StepResult, user_message
+from lightning_opd.envs.base import StepResult, TaskListFactory, user_message
 
 SYSTEM_PROMPT = "You play a text adventure. Reply with exactly one command from the list."
 HIDDEN_COMMAND_PREFIXES = ("examine", "look", "inventory")
@@ -194,7 +194,7 @@ class TextWorldEnv:
             self._env = None
 
 
-class TextWorldEnvFactory(EnvFactory):
+class TextWorldEnvFactory(TaskListFactory):
     """TextWorld games made by ``lightning-opd make-games`` (``<games_dir>/{train,eval}/*.z8`` plus
     ``manifest.json``).
 
@@ -249,16 +249,9 @@ class TextWorldEnvFactory(EnvFactory):
         overlap = {self._games[t]["hash"] for t in train} & {self._games[t]["hash"] for t in evals}
         if overlap:
             raise ValueError(f"train and held-out TextWorld games overlap ({len(overlap)} shared hashes)")
-        self._train = train[:num_train] if num_train is not None else train
-        self._eval = evals[:num_eval] if num_eval is not None else evals
+        self._keep_first(train, evals, num_train, num_eval)
         if not self._train and not self._eval:
             raise ValueError(f"no games listed in {manifest}")
-
-    def train_tasks(self) -> list[str]:
-        return list(self._train)
-
-    def eval_tasks(self) -> list[str]:
-        return list(self._eval)
 
     def game_file(self, task_id: str) -> Path:
         try:
