@@ -252,7 +252,7 @@ class PrivilegedTeacher(Teacher):
         out = {"hint_top1": hits / turns if turns else float("nan"), "hint_turns": float(turns)}
         if self.server is None:
             return out
-        return {**getattr(self.server, "stats", {}), **out, "pushes": float(self._pushes),
+        return {**self.server.stats, **out, "pushes": float(self._pushes),
                 "push_seconds": self._push_s}
 
     def hint_use(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor,
@@ -289,7 +289,7 @@ class PrivilegedTeacher(Teacher):
 
     def close(self) -> None:
         """Close the served teacher's client and remove a temporary snapshot directory."""
-        if self.server is not None and hasattr(self.server, "close"):
+        if self.server is not None:
             self.server.close()
         if self._pusher is not None:
             self._pusher.close()
