@@ -94,7 +94,7 @@ def test_lag_mean_and_min_leave_out_rows_without_a_reply():
     like that the step's lag mean and min are NaN, not 0; otherwise over the rows with a reply (lags 3 and 1)."""
     one_process = SimpleNamespace(device="cpu", reduce_sum=lambda t: t, reduce_max=lambda t: t)
     record = SimpleNamespace(batch=SimpleNamespace(trajectories=[]), lag_max=0, lags=torch.tensor([-1, -1]),
-                             producer_lead=None)
+                             lead_in_use=None)
     values = StepMetrics._rollout_values(one_process, record)
     assert math.isnan(values["rollout/lag_mean"]) and math.isnan(values["rollout/lag_min"])
     assert "rollout/producer_lead" not in values
