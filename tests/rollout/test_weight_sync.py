@@ -156,3 +156,24 @@ def test_plain_sync_never_pushes_or_gathers():
     ws.on_policy_update(1, state)
     ws.before_batch(1)
     assert gen.pushed == [] and calls == [] and gen.follow_policy is True
+
+
+def test_lead_in_use_is_the_weight_syncs_and_the_configured_lead_stays():
+    """``producer_lead`` is the configured lead; ``lead_in_use`` the one in force (what the learner logs, async
+    only: ``async_lead``)."""
+    ws = WeightSync(SyncConfig("async", 3))
+    assert (ws.config.producer_lead, ws.lead_in_use, ws.async_lead) == (3, 3, 3)
+    assert ws.set_lag_bound(1) == 1 == ws.lead_in_use == ws.async_lead and ws.config.producer_lead == 3
+    sync = WeightSync(SyncConfig(forced_lag=1))
+    assert sync.set_lag_bound(4) == 0 and sync.async_lead is None
+
+
+def test_sampler_metrics_are_the_generators_stats():
+    ws = WeightSync(SyncConfig())
+    assert ws.sampler_metrics() == {}  # nothing attached
+
+    class Served:
+        stats = {"requests": 2, "seconds": 0.5}
+
+    ws.attach(Served())
+    assert ws.sampler_metrics() == {"sampler/requests": 2.0, "sampler/seconds": 0.5}
