@@ -93,7 +93,7 @@ class TeacherTrajectoryKL(Callback):
 
     # ----------------------------------------------------------------------------------------- helpers
     def _teacher_model(self, pl_module):
-        teacher = getattr(pl_module, "teacher", None)
+        teacher = getattr(pl_module, "teacher_model", None)  # getattr: an SFT learner has no teacher
         if teacher is not None:
             return teacher
         if self._teacher is None:
