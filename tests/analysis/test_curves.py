@@ -1,4 +1,5 @@
-"""The experiment summary (lightning_opd/analysis/curves.py): Same-Step and Least-Time selection, time to a
+"""The experiment summary (lightning_opd/analysis/curves.py: the selections; summary.py: the tables they share hand-made
+points with, so both are tested here): Same-Step and Least-Time selection, time to a
 target, final vs best checkpoint and the per-turn KL by outcome, on hand-made checkpoints whose answers are
 worked out in the comments."""
 
