@@ -39,6 +39,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def output_args(p: argparse.ArgumentParser, default: str | None, out_help: str = "output directory",
+                force_help: str = "replace an existing --out directory") -> None:
+    """Add the ``--out`` (default ``default``) and ``--force`` arguments every command that writes a directory
+    has (checked with :func:`refuse_existing`)."""
+    p.add_argument("--out", default=default, help=out_help)
+    p.add_argument("--force", action="store_true", help=force_help)
+
+
 def refuse_existing(p: argparse.ArgumentParser, out: str, force: bool) -> None:
     """``p.error`` (exit 2) when ``out`` exists and is not empty and ``--force`` was not given."""
     path = Path(out)

