@@ -282,6 +282,7 @@ class FreshnessWeighting:
             reduce_sum: sums over data-parallel ranks; called exactly once (also with ``B = 0``, F19), so
                 ``freshness_mean``, ``freshness_kept_mean`` and ``kept_tokens`` are the same on every rank.
         """
+        # long as one sequence on purpose: the M1/M2 decisions, then the step's one collective (F19), then its report
         self._report = FreshnessReport()
         if learner_logprobs is None:  # on every rank alike: configuration
             return BatchPlan()
