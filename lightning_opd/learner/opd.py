@@ -232,6 +232,7 @@ class OPDModule(PolicyModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         check_behaviour_signal(self.loss_fn, self.weight_sync)
+        self.weightings.strict_lag = self.strict_on_policy  # as set now (a test or user may change it after init)
         self.weightings.resolve(self.max_allowed_lag)  # the truncated ratio for this fit (§7.1)
 
     # ------------------------------------------------------------------------------------- rollout counts

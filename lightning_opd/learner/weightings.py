@@ -8,7 +8,7 @@ callbacks that install them:
    the kept ones; installed by the ``StalenessMonitor`` (``OPDModule.configure_freshness``);
 2. the truncated importance ratio ``sg(min(π_old/π_b, C))`` (§1.4 M3, §7.1;
    :class:`~lightning_opd.losses.off_policy.TruncatedRatio`): decided at setup from ``model.init_args.off_policy``
-   or a controller's override (``OPDModule.configure_truncated_ratio``), the loss and the largest lag the data can
+   or a controller's override (:meth:`LossWeightings.configure_truncated_ratio`), the loss and the largest lag the data can
    produce (:meth:`LossWeightings.resolve`);
 3. TurnOPD's turn blend (:class:`~lightning_opd.losses.turn_blend.TurnBlendWeighting`, §2.4), installed by the
    ``TurnLossBlend`` callback (``OPDModule.configure_turn_blend``).
@@ -89,16 +89,17 @@ class LossWeightings:
 
     def configure_truncated_ratio(self, truncated_ratio: bool | None, ratio_cap: float = 2.0,
                                   key: str = "StalenessMonitor init_args.freshness.truncated_ratio",
-                                  max_allowed_lag: int = 0) -> None:
+                                  max_allowed_lag: int | None = None) -> None:
         """A controller's setting of the ratio: ``None`` leaves ``off_policy`` in force; ``True``/``False`` replace its
-        ``truncated_ratio`` (and ``ratio_cap``), ``key`` naming it. Resolved now at ``max_allowed_lag`` (and again at
-        setup with the data's lag).
+        ``truncated_ratio`` (and ``ratio_cap``), ``key`` naming it. Resolved now at ``max_allowed_lag`` (versions;
+        ``None``: the lag of the last :meth:`resolve`, so a controller's call mid-fit is checked against the data's
+        lag) and again at setup with the data's lag.
 
         Raises:
             UncorrectedOffPolicyError: see :meth:`resolve`.
         """
         self._ratio_override = None if truncated_ratio is None else (bool(truncated_ratio), float(ratio_cap), key)
-        self.resolve(max_allowed_lag)
+        self.resolve(self.max_allowed_lag if max_allowed_lag is None else max_allowed_lag)
 
     def resolve(self, max_allowed_lag: int) -> None:
         """Decide the truncated ratio (PROPOSED, docs/algorithms.md §7.1) from the override or ``off_policy``, the

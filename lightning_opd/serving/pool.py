@@ -108,6 +108,7 @@ class ServerPool:
                                  "at least one URL per rank (rank r uses urls[r::world_size], so each server has one "
                                  "writer of its weights)")
             clients = self.writers()
+        self.max_model_len = None  # the servers of this connect only (a reconnect after close() reads them again)
         for client in clients:
             if not client.healthy():
                 raise ServerError(client.url, f"/health does not answer 200 ({self.role} {self.name}, timeout "

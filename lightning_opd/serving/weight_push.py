@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Mapping
 
@@ -85,6 +86,9 @@ class ServerWeightPush:
 
         if self.weights_dir is None and self._tmp_dir is None:
             self._tmp_dir = tempfile.mkdtemp(prefix="lightning-opd-weights-")
+            # removed by close(), and otherwise when this pusher is collected or the process exits: an exception or
+            # Ctrl-C in fit skips the LightningModule's teardown, which closes a served privileged teacher
+            weakref.finalize(self, shutil.rmtree, self._tmp_dir, True)
         base = Path(self.weights_dir or self._tmp_dir)
         rank, world = rank_world()
         sub = Path(f"rank{rank}") if world > 1 else Path()

@@ -210,6 +210,10 @@ class PrivilegedTeacher(Teacher):
             raise ValueError(f"PrivilegedTeacher placement={placement!r}: use one of {PLACEMENTS}")
         if push_every < 1:
             raise ValueError(f"PrivilegedTeacher push_every={push_every} must be >= 1 (optimizer steps between pushes)")
+        if server is not None and weights != "frozen" and not hasattr(server, "pool"):  # pushes need its ServerPool
+            raise ValueError(f"PrivilegedTeacher weights={weights!r} with server={type(server).__name__}: pushing "
+                             "weights needs a served teacher (lightning_opd.teachers.remote.RemoteTeacher) as "
+                             "model.init_args.teacher.init_args.server, or weights='frozen'")
         self.weights, self.ema_decay, self.placement = weights, float(ema_decay), placement
         self.server, self.push_every = server, int(push_every)
         if server is not None:
@@ -366,8 +370,9 @@ class PrivilegedTeacher(Teacher):
             raise RuntimeError(f"teacher {self.name}: push needs a server and attach_student()")
         breakdown = self._pusher.push(self.server.pool, self.model.state_dict(), self._steps)
         self.pushed_version = self._steps
-        self._pushes += 1
-        self._push_s += breakdown["total"]
+        if self.server.pool.writers():  # a rank past the last URL writes nothing (one writer per server)
+            self._pushes += 1
+            self._push_s += breakdown["total"]
         return breakdown["total"]
 
     def state_dict(self) -> dict:

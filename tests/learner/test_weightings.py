@@ -52,6 +52,11 @@ def test_the_ratio_is_resolved_from_the_loss_and_the_lag():
     assert w.truncated_ratio.cap == 3.0 and w.needs_learner_logprobs
     with pytest.raises(UncorrectedOffPolicyError, match="freshness.truncated_ratio=false"):
         w.configure_truncated_ratio(False, max_allowed_lag=1)
+    mid_fit = LossWeightings(SampledTokenReverseKL())
+    mid_fit.resolve(2)  # setup: the data's lag
+    with pytest.raises(UncorrectedOffPolicyError):  # a controller's opt-out without a lag is checked at that lag
+        mid_fit.configure_truncated_ratio(False)
+    assert mid_fit.max_allowed_lag == 2
     opted_out = LossWeightings(SampledTokenReverseKL(), OffPolicyConfig(truncated_ratio=False, allow_uncorrected=True))
     with pytest.warns(UserWarning, match="WITHOUT the importance ratio"):
         opted_out.resolve(1)

@@ -253,6 +253,10 @@ def test_bad_arguments_are_refused():
         PrivilegedTeacher("ema", ema_decay=1.0)
     with pytest.raises(ValueError, match="placement='user'"):
         PrivilegedTeacher(placement="user")
+    from lightning_opd.teachers.in_process import InProcessTeacher
+
+    with pytest.raises(ValueError, match="weights='live' with server=InProcessTeacher: pushing weights needs"):
+        PrivilegedTeacher("live", server=InProcessTeacher("unused", vocab_size=8))  # only a served teacher can take pushes
 
 
 # ------------------------------------------------------------------------------------------ environments
