@@ -52,7 +52,7 @@ import torch
 from torch.profiler import record_function
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_opd.learner.lags import AppliedLags, OffPolicyBatchError
+from lightning_opd.learner.lags import AppliedLags
 from lightning_opd.learner.policy import PolicyModule, check_dtype
 from lightning_opd.learner.positions import micro_batch_layout, per_position, sampled_token_score, supervised_positions
 from lightning_opd.learner.step_metrics import StepMetrics, StepRecord

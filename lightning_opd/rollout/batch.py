@@ -8,7 +8,7 @@ are never trained on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Collection, Sequence
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, wait
 from typing import Hashable, Mapping, Sequence
 
 import torch

@@ -127,11 +127,10 @@ class RemoteTeacher(Teacher):
             TokenizerMismatchError: a server's tokenizer or chat template differs from the student's (naming the
                 URL and the first differing token or turn, F01).
         """
-        check = None
-        if self.check_tokenizer and self.tokenizer is not None:
-            def check(client: ServerClient, served: dict) -> None:
-                check_server_tokenizer(client, self.model, self.tokenizer, served.get("root"))
-        self.pool.connect(check)
+        def check_tokenizer(client: ServerClient, served: dict) -> None:
+            check_server_tokenizer(client, self.model, self.tokenizer, served.get("root"))
+
+        self.pool.connect(check_tokenizer if self.check_tokenizer and self.tokenizer is not None else None)
 
     def close(self) -> None:
         """Stop heartbeats and the request pool."""
