@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lightning_opd.cpu_isa import cpu_name
+
 CONFIGS = ("opd", "atod", "fopd", "turnopd")
 
 
@@ -162,7 +164,7 @@ def main() -> None:
                            cwd=Path.cwd(), capture_output=True, text=True)
     result = {"package": probe.stdout.strip() or probe.stderr[-500:], "cwd": str(Path.cwd()),
               "commit": git_head(Path.cwd()), "uncommitted": git_dirty(Path.cwd()), "steps": args.steps,
-              "omp_num_threads": 1, "configs": {}}
+              "omp_num_threads": 1, "cpu": cpu_name(), "configs": {}}
     with tempfile.TemporaryDirectory(prefix="behaviour_hashes_") as tmp:
         for name in args.configs:
             result["configs"][name] = run_fit(name, args, Path(tmp))
