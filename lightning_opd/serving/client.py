@@ -1,21 +1,51 @@
-"""HTTP to one ``vllm serve`` endpoint: bounded timeouts, retries with backoff, a heartbeat, errors naming the URL.
+"""HTTP to one ``vllm serve`` endpoint: total deadlines, retries with backoff, a heartbeat, API keys, errors naming
+the URL.
 
-Every request has a timeout (``timeout_s``); a transient failure (connection refused or reset, a timeout, an
-answer that broke off mid-body, HTTP 5xx / 429) is retried ``retries`` times with exponential backoff
-(``backoff_s * 2**i``) and counted (:attr:`ServerClient.retry_count`, logged by the callers); what still fails
-raises :class:`ServerError` naming the URL, the route and what failed, so a dead or stuck server ends the run
-within ``timeout_s * (retries + 1) + sum(backoffs)`` seconds instead of hanging it. A 4xx answer (a malformed
-request, e.g. a top-k above the server's ``--max-logprobs``) is not retried. :class:`Heartbeat` polls ``/health`` in a
-thread for long runs and reports the first failure to the next request.
+Every attempt has a total deadline of ``timeout_s`` seconds (connect, headers and the whole body: the body is read
+in pieces and the clock checked between them, each socket read bounded by the time left, so a server that sends one
+byte a second cannot stretch it, F33); a transient failure (connection refused or reset, the deadline, an answer that
+broke off mid-body, HTTP 5xx / 429) is retried ``retries`` times with exponential backoff (``backoff_s * 2**i``) and
+counted (:attr:`ServerClient.retry_count`, logged by the callers); what still fails raises :class:`ServerError`
+naming the URL, the route and what failed, so a dead, stuck or trickling server ends the run within::
+
+    deadline = timeout_s * (retries + 1) + backoff_s * (2**retries - 1)   # seconds
+
+instead of hanging it (the defaults' numbers: docs/scaling.md "Deadlines and retries"). A 4xx answer (a malformed
+request, e.g. a top-k above the server's ``--max-logprobs``) is not retried. :class:`Heartbeat` polls ``/health``
+(under the same per-attempt deadline) in a thread for long runs and reports the first failure to the next request.
+
+API keys (F35): a server started with ``--api-key`` (or vLLM's ``VLLM_API_KEY``) refuses requests without
+``Authorization: Bearer <key>``. The client sends the key from the environment only, ``LIGHTNING_OPD_API_KEY`` or
+else ``VLLM_API_KEY`` (:data:`API_KEY_ENV`), never from a config argument, and never writes it in an error, a log line
+or its ``repr``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from typing import Any
 
 import requests
+import urllib3.exceptions
+
+#: the environment variables the API key is read from, in order (the first one set wins)
+API_KEY_ENV = ("LIGHTNING_OPD_API_KEY", "VLLM_API_KEY")
+
+
+def api_key_from_env() -> tuple[str | None, str | None]:
+    """``(key, the variable it came from)`` from :data:`API_KEY_ENV`; ``(None, None)`` when none is set."""
+    for name in API_KEY_ENV:
+        value = os.environ.get(name)
+        if value:
+            return value, name
+    return None, None
+
+
+class _Deadline(Exception):
+    """An attempt ran past its total deadline."""
 
 
 class ServerError(RuntimeError):
@@ -26,6 +56,9 @@ class ServerError(RuntimeError):
     """
 
     def __init__(self, url: str, what: str) -> None:
+        key, _ = api_key_from_env()
+        if key:  # an echo of the key (a proxy's error page) never reaches a log line
+            what = what.replace(key, "<redacted>")
         super().__init__(f"{url}: {what}")
         self.url = url
 
@@ -38,9 +71,15 @@ class ServerClient:
 
     Args:
         url: base URL, e.g. ``http://127.0.0.1:8000`` (a trailing ``/`` or ``/v1`` is dropped).
-        timeout_s: per-request timeout (seconds; connect and read).
+        timeout_s: total deadline of one attempt (seconds: connect, headers and the whole body). The default, 120 s,
+            is about 10x the slowest measured teacher request (12.5 s: a 1,200-token episode's top-50 on 2 loaded CPU
+            cores, docs/scaling.md); a whole request ends within ``timeout_s * (retries + 1) + backoff_s *
+            (2**retries - 1)`` = 363 s with the defaults.
         retries: retries of a transient failure (>= 0).
         backoff_s: first backoff (seconds), doubled each retry.
+
+    The API key, when a server needs one, comes from the environment only (:data:`API_KEY_ENV`; read here, at
+    construction).
 
     Raises:
         ValueError: a URL without ``http://``/``https://``, ``timeout_s <= 0``, ``retries < 0`` or ``backoff_s < 0``.
@@ -64,6 +103,7 @@ class ServerClient:
         self.bytes_sent = 0  #: request bodies sent so far (bytes, JSON)
         self.bytes_received = 0  #: answer bodies received so far (bytes)
         self.heartbeat: Heartbeat | None = None
+        self._key, self._key_env = api_key_from_env()  # never in a message or the repr
         self._local = threading.local()  # one requests.Session per thread (Session is not thread-safe)
 
     @property
@@ -73,20 +113,73 @@ class ServerClient:
             s = self._local.session = requests.Session()
         return s
 
-    def healthy(self, timeout_s: float | None = None) -> bool:
-        """``GET /health`` answered 200 within ``timeout_s`` (default: the client's)."""
+    def __repr__(self) -> str:
+        key = f"API key from ${self._key_env}" if self._key else "no API key"
+        return f"ServerClient({self.url!r}, timeout_s={self.timeout_s:g}, retries={self.retries}, {key})"
+
+    @property
+    def deadline_s(self) -> float:
+        """The longest one :meth:`request` can take (seconds): ``timeout_s * (retries + 1) + backoff_s *
+        (2**retries - 1)``."""
+        return self.timeout_s * (self.retries + 1) + self.backoff_s * (2 ** self.retries - 1)
+
+    def _attempt(self, method: str, route: str, payload: Any, timeout: float) -> tuple[int, bytes, int]:
+        """One try under a total deadline of ``timeout`` seconds: ``(HTTP status, body, bytes sent)``.
+
+        Raises:
+            _Deadline: the deadline passed (connecting, waiting for headers, or between pieces of the body).
+            requests.RequestException: connection failures; ``ChunkedEncodingError`` for a body that broke off.
+        """
+        end = time.monotonic() + timeout
+        headers = {"Authorization": f"Bearer {self._key}"} if self._key else None
         try:
-            return self.session.get(self.url + "/health", timeout=timeout_s or self.timeout_s).status_code == 200
-        except requests.RequestException:
+            r = self.session.request(method, self.url + route, json=payload, timeout=timeout, stream=True,
+                                     headers=headers)
+        except requests.Timeout as e:
+            raise _Deadline from e
+        try:
+            sent = len(r.request.body or b"")
+            conn = getattr(r.raw, "connection", None)
+            sock = getattr(conn, "sock", None)
+            chunks: list[bytes] = []
+            while True:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise _Deadline
+                if sock is not None:
+                    sock.settimeout(left)  # each socket read ends by the deadline
+                try:
+                    chunk = r.raw.read1(1 << 16, decode_content=True)
+                except urllib3.exceptions.TimeoutError as e:
+                    raise _Deadline from e
+                except (urllib3.exceptions.HTTPError, OSError) as e:
+                    raise requests.exceptions.ChunkedEncodingError(e) from e
+                if not chunk:
+                    r.raw.release_conn()  # read to the end: the connection goes back to the pool for reuse
+                    return r.status_code, b"".join(chunks), sent
+                chunks.append(chunk)
+        finally:
+            r.close()
+
+    def healthy(self, timeout_s: float | None = None) -> bool:
+        """``GET /health`` answered 200 within ``timeout_s`` seconds in total (default: the client's deadline per
+        attempt)."""
+        try:
+            return self._attempt("GET", "/health", None, timeout_s or self.timeout_s)[0] == 200
+        except (_Deadline, requests.RequestException):
             return False
 
     def request(self, method: str, route: str, payload: Any = None, timeout_s: float | None = None) -> Any:
         """``method route`` with a JSON body; the JSON answer (``None`` for an empty body).
 
+        ``timeout_s`` (default: the client's) is the total deadline of each attempt; the whole call ends within
+        ``timeout_s * (retries + 1) + backoff_s * (2**retries - 1)`` seconds.
+
         Raises:
-            ServerError: after the retries, naming the URL, the route and the failure (connection, timeout after
-                ``timeout_s`` s, HTTP status and the server's message); at once for a 4xx or a body that is not
-                JSON; at once when the heartbeat saw the server fail.
+            ServerError: after the retries, naming the URL, the route and the failure (connection, the deadline of
+                ``timeout_s`` s, HTTP status and the server's message); at once for a 4xx (HTTP 401/403: naming the
+                environment variable of the API key) or a body that is not JSON; at once when the heartbeat saw the
+                server fail.
         """
         if self.heartbeat is not None:
             self.heartbeat.check()
@@ -97,11 +190,11 @@ class ServerClient:
                 self.retry_count += 1
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
-                r = self.session.request(method, self.url + route, json=payload, timeout=timeout)
-                self.bytes_sent += len(r.request.body or b"")
-                self.bytes_received += len(r.content)
-            except requests.Timeout:
-                last = f"{method} {route} timed out after timeout_s={timeout:g} s"
+                status, body, sent = self._attempt(method, route, payload, timeout)
+                self.bytes_sent += sent
+                self.bytes_received += len(body)
+            except _Deadline:
+                last = f"{method} {route} ran past its deadline of timeout_s={timeout:g} s"
                 continue
             except requests.ConnectionError as e:
                 last = f"{method} {route}: cannot connect ({type(e).__name__}: {e}); is the server running?"
@@ -109,19 +202,30 @@ class ServerClient:
             except requests.RequestException as e:  # e.g. ChunkedEncodingError: the server died mid-answer
                 last = f"{method} {route}: the answer broke off ({type(e).__name__}: {e}); did the server die?"
                 continue
-            if r.status_code in TRANSIENT_STATUS:
-                last = f"{method} {route} answered HTTP {r.status_code}: {r.text[:500]}"
+            text = body.decode("utf-8", errors="replace")
+            if status in TRANSIENT_STATUS:
+                last = f"{method} {route} answered HTTP {status}: {text[:500]}"
                 continue
-            if r.status_code >= 400:
-                raise ServerError(self.url, f"{method} {route} answered HTTP {r.status_code}: {r.text[:1000]}")
+            if status >= 400:
+                raise ServerError(self.url, f"{method} {route} answered HTTP {status}: {text[:1000]}"
+                                  f"{self._key_hint(status)}")
             self.request_count += 1
-            if not r.content:
+            if not body:
                 return None
             try:
-                return r.json()
+                return json.loads(body)
             except ValueError:
-                raise ServerError(self.url, f"{method} {route} answered a body that is not JSON: {r.text[:300]!r}")
+                raise ServerError(self.url, f"{method} {route} answered a body that is not JSON: {text[:300]!r}")
         raise ServerError(self.url, f"{last} ({self.retries + 1} attempts, retries={self.retries})")
+
+    def _key_hint(self, status: int) -> str:
+        """What to do about an HTTP 401/403 ('' for other statuses)."""
+        if status not in (401, 403):
+            return ""
+        if self._key is None:
+            return (f" (the server requires an API key: set {API_KEY_ENV[0]} (or {API_KEY_ENV[1]}) in the learner's "
+                    "environment to the server's --api-key / VLLM_API_KEY)")
+        return f" (the server refused the API key from ${self._key_env}: set it to the server's --api-key)"
 
     def post(self, route: str, payload: Any = None, timeout_s: float | None = None) -> Any:
         """``POST route`` (see :meth:`request`)."""
@@ -138,12 +242,15 @@ class ServerClient:
             ServerError: naming the URL, when ``/metrics`` cannot be read (no retries: a monitoring read).
         """
         try:
-            r = self.session.get(self.url + "/metrics", timeout=self.timeout_s)
-            r.raise_for_status()
+            status, body, _ = self._attempt("GET", "/metrics", None, self.timeout_s)
+        except _Deadline as e:
+            raise ServerError(self.url, f"GET /metrics ran past its deadline of timeout_s={self.timeout_s:g} s") from e
         except requests.RequestException as e:
             raise ServerError(self.url, f"GET /metrics failed ({type(e).__name__}: {e})") from e
+        if status != 200:
+            raise ServerError(self.url, f"GET /metrics answered HTTP {status}{self._key_hint(status)}")
         out: dict[str, float] = {}
-        for line in r.text.splitlines():
+        for line in body.decode("utf-8", errors="replace").splitlines():
             if not line or line.startswith("#"):
                 continue
             name_labels, _, value = line.rpartition(" ")
@@ -175,7 +282,7 @@ class Heartbeat(threading.Thread):
     Args:
         client: the server's client.
         interval_s: seconds between polls.
-        timeout_s: seconds each poll may take.
+        timeout_s: seconds each poll may take in total (the client's per-attempt deadline, :meth:`ServerClient.healthy`).
         misses: consecutive failed polls that mean down (>= 1).
     """
 
