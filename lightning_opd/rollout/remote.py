@@ -47,6 +47,13 @@ never lands between another rank's requests); fewer URLs than ranks is refused
 (:class:`~lightning_opd.serving.pool.ServerPool`, which also holds the health and model checks, the heartbeats, the
 request threads and the running totals).
 
+The version a reply is stamped with is the one its server confirms (F31): after each ``generate`` call, one ``GET
+/weight_info`` per server that answered (~5 ms; see :meth:`RemoteGenerator._confirm`) must name the version this
+generator last pushed. A restarted server (a crash and a supervisor's restart, a preempted node) serves the
+checkpoint it started from and reports ``default``: it is given the last pushed snapshot again, confirmed, and its
+replies of the call are sampled again; only when that cannot be done (the snapshot is gone, the reload fails) the call
+raises :class:`~lightning_opd.serving.client.ServerError` naming the server and both versions.
+
 Every failure raises :class:`~lightning_opd.serving.client.ServerError` naming the URL, within the client's timeout
 and retries (``timeout_s * (retries + 1) + backoffs``); a heartbeat (``heartbeat_s``) reports a server that died
 between calls at the next request.
@@ -57,6 +64,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import FIRST_EXCEPTION, wait
+from pathlib import Path
 from typing import Hashable, Mapping, Sequence
 
 import torch
@@ -64,6 +72,18 @@ import torch
 from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
                                              SamplingParams)
 from lightning_opd.serving import ServerClient, ServerError, ServerPool, ServerWeightPush
+
+
+class _SnapshotPush(ServerWeightPush):
+    """:class:`~lightning_opd.serving.weight_push.ServerWeightPush` that remembers the last snapshot it wrote, so a
+    restarted server can be given the pushed weights again without the learner's state."""
+
+    #: ``(local directory, the path the servers read)`` of the last snapshot written (``None``: none yet)
+    last_snapshot: tuple[Path, str] | None = None
+
+    def write_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> tuple[Path, str]:
+        self.last_snapshot = super().write_snapshot(state, version)
+        return self.last_snapshot
 
 
 def sampler_server_args(max_model_len: int = 2048) -> list[str]:
@@ -119,14 +139,14 @@ class RemoteGenerator(Generator):
             raise ValueError(f"RemoteGenerator: max_concurrency={max_concurrency} must be >= 1, heartbeat_s="
                              f"{heartbeat_s} >= 0, push_timeout_s={push_timeout_s} > 0")
         #: this rank's sampler servers (``urls[r::W]``); running totals: requests, replies' prompt tokens (prefilled /
-        #: cached), completion tokens, seconds waiting, pushes and their seconds
+        #: cached), completion tokens, seconds waiting, pushes and their seconds, re-pushes to a restarted server
         self.pool = ServerPool(
             urls, owner=type(self).__name__, role="sampler", model=model, timeout_s=timeout_s, retries=retries,
             backoff_s=backoff_s, heartbeat_s=heartbeat_s, max_concurrency=max_concurrency, per_rank=True,
             start_hint="`lightning-opd serve --model STUDENT_DIR --dev-mode -- --enable-prefix-caching ...` "
                        "(lightning_opd.rollout.remote.sampler_server_args)",
             totals={"requests": 0, "prompt_tokens": 0, "prompt_tokens_cached": 0, "completion_tokens": 0,
-                    "seconds": 0.0, "pushes": 0, "push_seconds": 0.0})
+                    "seconds": 0.0, "pushes": 0, "push_seconds": 0.0, "repushes": 0})
         self.seed = int(seed)
         self.weights_dir = weights_dir
         self.server_weights_dir = server_weights_dir
@@ -141,7 +161,7 @@ class RemoteGenerator(Generator):
         self.follow_policy = True
         self._routes: dict[Hashable, int] = {}  # episode key -> index into self.clients
         self._load: list[int] = []  # episodes routed to each server
-        self._push = ServerWeightPush(weights_dir, server_weights_dir, push_timeout_s)
+        self._push = _SnapshotPush(weights_dir, server_weights_dir, push_timeout_s)
 
     @property
     def urls(self) -> list[str]:
@@ -205,7 +225,8 @@ class RemoteGenerator(Generator):
     @property
     def stats(self) -> dict[str, float]:
         """Totals since start (the pool's: requests, prompt tokens prefilled / cached, completion tokens, seconds
-        waiting, pushes and their seconds) plus retries and bytes sent/received over all routes (JSON bodies)."""
+        waiting, pushes and their seconds, ``repushes`` to a restarted server, :meth:`_confirm`) plus retries and
+        bytes sent/received over all routes (JSON bodies)."""
         return self.pool.stats
 
     def server_versions(self) -> dict[str, str | None]:
@@ -279,10 +300,28 @@ class RemoteGenerator(Generator):
         self._load = [0] * len(self.clients)
 
     def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
+        """The replies, each stamped with the version its server confirmed after the call (:meth:`_confirm`); the
+        replies of a server that no longer held it (restarted) are sampled again once it serves the pushed weights.
+
+        Raises:
+            ServerError: a server failed, or reports another version and cannot be given the pushed weights again.
+        """
         self.connect()
         self._ensure_current()
         version = self.policy_version
         jobs = [(self.clients[self._route(r.key)], r) for r in requests]
+        outs = self._run(jobs, sampling, version)
+        stale = self._confirm({c.url: c for c, _ in jobs}.values(), repush=True)
+        if stale:  # sampled (partly) by other weights: again from the re-pushed servers, then confirmed again
+            redo = [i for i, (c, _) in enumerate(jobs) if c.url in stale]
+            for i, out in zip(redo, self._run([jobs[i] for i in redo], sampling, version)):
+                outs[i] = out
+            self._confirm([c for c in self.clients if c.url in stale], repush=False)
+        return outs
+
+    def _run(self, jobs: list[tuple[ServerClient, GenerationRequest]], sampling: SamplingParams,
+             version: int) -> list[GenerationOutput]:
+        """One reply per ``(server, request)``, concurrently; the first failure fails the call at once."""
         t0 = time.monotonic()
         futures = [self.pool.executor.submit(self._sample, client, r, sampling, version) for client, r in jobs]
         wait(futures, return_when=FIRST_EXCEPTION)  # a dead server fails the call now, not after the others
@@ -293,6 +332,64 @@ class RemoteGenerator(Generator):
             raise failed.exception()
         self.pool.count(seconds=time.monotonic() - t0)
         return [f.result() for f in futures]
+
+    def _confirm(self, clients, repush: bool) -> set[str]:
+        """Check that each of ``clients`` still holds the pushed version (F31): one ``GET /weight_info`` per server,
+        read *after* its replies (measured on the tiny server: ~5 ms; none before the first push, when the servers
+        serve the checkpoint they started from). Only this generator's pushes set the version (one writer per
+        server, under the generator's lock), and a restarted server reports vLLM's ``default``, so a server that
+        reports the pushed version after a call served every reply of that call with it: no check per reply, and
+        no reply is stamped across a restart. A server that reports another version (restarted, or written by
+        another learner) is given the last pushed snapshot again (``repush``: pause, reload, version, resume, as
+        :meth:`push_weights`; the snapshot is still on disk until the next push, so this costs one reload, not the
+        learner's state) and confirmed; the user expects the run to go on with the weights it pushed, and the
+        replies are sampled again by the caller. Returns the URLs re-pushed.
+
+        Raises:
+            ServerError: ``/weight_info`` does not answer, or a server reports another version and ``repush`` is
+                off, the snapshot is gone, or the reload fails: naming the URL, the version it reports and the one
+                expected (resume the fit from ``last.ckpt``, which pushes its weights anew).
+        """
+        if self._server_version is None:
+            return set()
+        expected = str(self._server_version)
+        stale = set()
+        for client in clients:
+            reported = (client.get("/weight_info") or {}).get("weight_version")
+            if reported == expected:
+                continue
+            if not repush:
+                raise self._version_error(client, reported, "after the pushed weights were loaded again")
+            self._repush(client, reported)
+            stale.add(client.url)
+        return stale
+
+    def _repush(self, client: ServerClient, reported: str | None) -> None:
+        """Give ``client`` the last pushed snapshot again and confirm its version (see :meth:`_confirm`).
+
+        Raises:
+            ServerError: the snapshot is gone, the reload fails or the server still reports another version.
+        """
+        snapshot = self._push.last_snapshot
+        if snapshot is None or not (snapshot[0] / "model.safetensors").is_file():
+            raise self._version_error(client, reported, f"and the last pushed snapshot "
+                                      f"{snapshot[0] if snapshot else '(none)'} is gone")
+        t0 = time.monotonic()
+        try:
+            self._push.reload(client, snapshot[1], self._server_version, self.pool.lock)
+        except ServerError as err:
+            raise self._version_error(client, reported, f"and pushing it again failed ({err})") from err
+        now = (client.get("/weight_info") or {}).get("weight_version")
+        if now != str(self._server_version):
+            raise self._version_error(client, now, "after the pushed weights were loaded again")
+        self.pool.count(repushes=1, push_seconds=time.monotonic() - t0)
+
+    def _version_error(self, client: ServerClient, reported: str | None, what: str) -> ServerError:
+        return ServerError(client.url, f"the sampler server reports weight version {reported!r}, not the pushed "
+                           f"version {self._server_version} (GET /weight_info: it restarted and serves the checkpoint "
+                           f"it started from, or another learner pushes to it) {what}; its replies would be stamped "
+                           "with a version they were not sampled with. Restart the server and resume the fit from "
+                           "last.ckpt (it pushes its weights first); give each server one learner")
 
     def _sample(self, client: ServerClient, request: GenerationRequest, sampling: SamplingParams,
                 version: int) -> GenerationOutput:
