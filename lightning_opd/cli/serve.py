@@ -22,7 +22,10 @@ def serve_parser() -> argparse.ArgumentParser:
                "docs/scaling.md).")
     p.add_argument("--model", required=True, help="Hugging Face model directory (weights, config, tokenizer)")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (0.0.0.0: every interface, for learners on other machines)")
+                   help="address to listen on (0.0.0.0: every interface, for learners on other machines; with "
+                        "--dev-mode refused unless --allow-public-dev-routes: keep a sampler on 127.0.0.1 and reach "
+                        "it through an SSH tunnel or a proxy forwarding only /v1/*). An API key goes in the server's "
+                        "VLLM_API_KEY and the learners' LIGHTNING_OPD_API_KEY, never on a command line")
     p.add_argument("--port", type=int_at_least(0), default=8000, help="TCP port (0: a free one)")
     p.add_argument("--max-model-len", type=int_at_least(1), default=2048,
                    help="context limit in tokens (prompt + reply); at least data.init_args.max_context_tokens")
@@ -33,7 +36,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-enforce-eager", action="store_true",
                    help="let vLLM compile / capture graphs (GPUs; on CPU eager starts in ~80 s instead of minutes)")
     p.add_argument("--dev-mode", action="store_true",
-                   help="VLLM_SERVER_DEV_MODE=1: the weight-update routes a remote sampler needs")
+                   help="VLLM_SERVER_DEV_MODE=1: the weight-update routes a remote sampler needs (unguarded by "
+                        "--api-key; refused on a non-loopback --host unless --allow-public-dev-routes)")
+    p.add_argument("--allow-public-dev-routes", action="store_true",
+                   help="allow --dev-mode on a non-loopback --host: anyone who reaches the port can call "
+                        "/collective_rpc and replace the weights; only on a network you trust")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="OMP_NUM_THREADS of the server")
     p.add_argument("--cpus", type=cpu_list, default=None,
                    help="pin the server to these CPUs (taskset -c syntax: 0 / 0,1 / 0-3), so a learner overlaps")
@@ -52,11 +59,12 @@ def serve_command(argv: list[str]) -> None:
     waits for ``/health``, prints the URL and the seconds it took, then waits until Ctrl-C or SIGTERM and stops the
     server's process group. Exit status: 0 after Ctrl-C/SIGTERM; 1 when the server does not become healthy within
     ``--start-timeout-s`` or exits on its own (the message names the URL and ends with its log's last lines); 2 for
-    bad arguments.
+    bad arguments, and for ``--dev-mode`` on a non-loopback ``--host`` without ``--allow-public-dev-routes`` (F35).
     """
     import importlib.util
 
     from lightning_opd.serving import VLLMServer
+    from lightning_opd.serving.server import check_dev_mode_host
 
     own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = serve_parser()
@@ -66,8 +74,13 @@ def serve_command(argv: list[str]) -> None:
                 "(make teacher)")
     if a.start_timeout_s <= 0:
         p.error(f"--start-timeout-s {a.start_timeout_s} must be > 0")
+    try:
+        check_dev_mode_host(a.host, a.dev_mode, a.allow_public_dev_routes)
+    except ValueError as err:
+        p.error(str(err))
     server = VLLMServer(a.model, host=a.host, port=a.port or None, log_path=a.log, dev_mode=a.dev_mode,
                         threads=a.threads, cpus=a.cpus, start_timeout_s=a.start_timeout_s,
+                        allow_public_dev_routes=a.allow_public_dev_routes,
                         max_model_len=a.max_model_len, dtype=a.dtype, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
                         seed=a.seed, enforce_eager=not a.no_enforce_eager, extra_args=extra)
     print(f"command: {server.shell_command()}", flush=True)

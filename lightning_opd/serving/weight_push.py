@@ -81,7 +81,9 @@ class ServerWeightPush:
 
     def write_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> tuple[Path, str]:
         """``state`` as ``<weights_dir>[/rank<r>]/v<version>/model.safetensors``, written atomically: ``(local
-        directory, the path the servers read)``. Tensors sharing storage (tied embeddings) are written as copies."""
+        directory, the path the servers read)``. Tensors sharing storage (tied embeddings) are written as copies. The
+        directory is owner-only (0o700) and the file too (0o600, F35): a server reading it runs as the same user (or
+        reads through a group/ACL the operator grants)."""
         from safetensors.torch import save_file
 
         if self.weights_dir is None and self._tmp_dir is None:
@@ -103,8 +105,13 @@ class ServerWeightPush:
             t = t.clone() if ptr in seen else t.contiguous()
             seen.add(ptr)
             tensors[key] = t
-        local = write_dir_atomic(base / sub / name, lambda d: save_file(tensors, str(d / "model.safetensors"),
-                                                                        metadata={"format": "pt"}))
+
+        def write(d: Path) -> None:  # d is mkdtemp's (0o700) while the file is written and made owner-only
+            save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+            (d / "model.safetensors").chmod(0o600)
+
+        local = write_dir_atomic(base / sub / name, write)
+        local.chmod(0o700)  # owner-only (F35): the learner's weights are not for other users of the machine
         remote = str(Path(self.server_weights_dir) / sub / name) if self.server_weights_dir else str(local)
         return local, remote
 
