@@ -59,7 +59,8 @@ class RemoteTeacher(Teacher):
         heartbeat_s: poll ``/health`` this often between requests (seconds; 0: off).
         max_concurrency: requests in flight at once (all URLs together).
         sequences_per_request: episode rows per ``/v1/completions`` request (the server batches them).
-        check_tokenizer: check, once at :meth:`load`, that the server tokenizes like the student (F01).
+        check_tokenizer: check, once at :meth:`load`, that the server tokenizes like the student (F01) and serves
+            no vocabulary rows beyond the student's ``V`` (F36).
 
     Raises:
         ValueError: no URL, a malformed URL, or a non-positive knob.
@@ -126,9 +127,13 @@ class RemoteTeacher(Teacher):
             ServerError: a server is down or does not serve ``model`` (naming its URL).
             TokenizerMismatchError: a server's tokenizer or chat template differs from the student's (naming the
                 URL and the first differing token or turn, F01).
+            VocabularyMismatchError: a served model with more vocabulary rows (padded embeddings) than the student's
+                tokenizer has ids, naming both sizes (:func:`check_served_vocabulary`, F36).
         """
         def check_tokenizer(client: ServerClient, served: dict) -> None:
             check_server_tokenizer(client, self.model, self.tokenizer, served.get("root"))
+            if self.vocab_size is not None:
+                check_served_vocabulary(client, self.model, self.vocab_size)  # F36
 
         self.pool.connect(check_tokenizer if self.check_tokenizer and self.tokenizer is not None else None)
 
@@ -155,8 +160,9 @@ class RemoteTeacher(Teacher):
             RuntimeError: called before :meth:`load`.
             ValueError: ``temperature != 1`` (vLLM's prompt log-probs are at temperature 1, F02); a signal not
                 provided; ``TOP_K`` without ``top_k >= 1``; a row longer than the server's ``max_model_len``.
-            ServerError: a server failed (down, timeout, HTTP error, or an answer missing a position or with a
-                non-finite log-prob), naming its URL.
+            ServerError: a server failed (down, timeout, HTTP error, or an answer missing a position, with a
+                non-finite log-prob or with an id beyond the vocabulary ``V``: F36), naming its URL
+                (:func:`parse_prompt_logprobs`).
         """
         self.check_request(signals, top_k)
         if not self.pool.connected:
@@ -191,29 +197,7 @@ class RemoteTeacher(Teacher):
         for g, (url, logprobs) in zip(groups, answers):
             for r, lp in zip(g, logprobs):
                 per_row[r] = (url, lp)
-        n = len(rows_l)
-        sampled = torch.empty(n, dtype=torch.float32)
-        top_ids = torch.zeros(n, k, dtype=torch.long)
-        top_lp = torch.full((n, k), -math.inf, dtype=torch.float32)
-        for i, (r, c) in enumerate(zip(rows_l, cols_l)):
-            url, lp = per_row[r]
-            target = int(ids_cpu[r, c + 1])
-            entry = lp[c + 1] if c + 1 < len(lp) else None
-            if not entry or str(target) not in entry:
-                raise ServerError(url, f"malformed prompt_logprobs: no log-prob of token {target} at position {c + 1} "
-                                  f"of row {r} (got {len(lp)} positions)")
-            value = float(entry[str(target)]["logprob"])
-            if not math.isfinite(value) and value != -math.inf:
-                raise ServerError(url, f"non-finite teacher log-prob {value} at position {c + 1} of row {r}")
-            sampled[i] = value
-            if k:
-                ranked = sorted(((int(v["rank"]), int(t), float(v["logprob"])) for t, v in entry.items()))
-                ranked = [x for x in ranked if x[0] <= k][:k]
-                if len(ranked) < k:
-                    raise ServerError(url, f"malformed prompt_logprobs: {len(ranked)} of the top-{k} at position "
-                                      f"{c + 1} of row {r}; was the server started with --max-logprobs -1?")
-                top_ids[i] = torch.tensor([x[1] for x in ranked])
-                top_lp[i] = torch.tensor([x[2] for x in ranked])
+        sampled, top_ids, top_lp = parse_prompt_logprobs(per_row, ids_cpu, rows_l, cols_l, k, self.vocab_size)
         device = batch.input_ids.device
         out = TeacherScores(sampled_logprobs=sampled.to(device))
         if want_topk:
@@ -233,6 +217,120 @@ class RemoteTeacher(Teacher):
                               f"prompt_logprobs for {len(group)} prompts")
         self.pool.count(requests=1, rows=len(group), prompt_tokens=sum(len(prompts[r]) for r in group))
         return client.url, [ch["prompt_logprobs"] for ch in choices]
+
+
+def parse_prompt_logprobs(per_row: dict[int, tuple[str, list]], ids: torch.Tensor, rows: list[int], cols: list[int],
+                          k: int, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The teacher's scores at the ``N`` positions ``(rows[i], cols[i])`` from the servers' ``prompt_logprobs``.
+
+    Position ``(r, c)`` predicts ``ids[r, c + 1]``: prompt position ``c + 1`` of row ``r``'s request.
+
+    Args:
+        per_row: row -> ``(url, prompt_logprobs)`` as the server at ``url`` answered (a list over prompt positions
+            of ``{token id: {"logprob", "rank", ...}}``, ``None`` at position 0).
+        ids: ``(B, T)`` long, the batch's token ids (CPU).
+        rows, cols: the ``N`` scored positions.
+        k: top-k entries wanted per position (0: sampled token only).
+        vocab_size: the shared vocabulary ``V`` (``None``: ids are not checked).
+
+    Returns:
+        ``sampled`` ``(N,)`` fp32 log-probs (nats), ``top_ids`` ``(N, k)`` long and ``top_lp`` ``(N, k)`` fp32, most
+        likely first.
+
+    Raises:
+        ServerError: naming the URL, the batch row and the prompt position, when a position or its top-k is missing,
+            a log-prob is not finite (``-inf``/NaN would reach the loss as ``inf``/NaN, F36), or a top-k id is
+            ``>= V`` (a padded embedding row the student cannot have sampled, F36).
+    """
+    n = len(rows)
+    sampled = torch.empty(n, dtype=torch.float32)
+    top_ids = torch.zeros(n, k, dtype=torch.long)
+    top_lp = torch.full((n, k), -math.inf, dtype=torch.float32)
+    for i, (r, c) in enumerate(zip(rows, cols)):
+        url, lp = per_row[r]
+        where = f"at position {c + 1} of batch row {r}"
+        target = int(ids[r, c + 1])
+        entry = lp[c + 1] if c + 1 < len(lp) else None
+        if not entry or str(target) not in entry:
+            raise ServerError(url, f"malformed prompt_logprobs: no log-prob of token {target} {where} "
+                              f"(got {len(lp)} positions)")
+        sampled[i] = _finite_logprob(url, entry[str(target)], target, where)
+        if not k:
+            continue
+        ranked = sorted((int(v["rank"]), int(t), v) for t, v in entry.items())
+        ranked = [x for x in ranked if x[0] <= k][:k]
+        if len(ranked) < k:
+            raise ServerError(url, f"malformed prompt_logprobs: {len(ranked)} of the top-{k} {where}; was the "
+                              "server started with --max-logprobs -1?")
+        beyond = [t for _, t, _ in ranked if vocab_size is not None and not 0 <= t < vocab_size]
+        if beyond:
+            raise ServerError(url, f"teacher top-{k} id {beyond[0]} {where} is beyond the vocabulary V={vocab_size} "
+                              "(the tokenizer's ids): the served model has more embedding rows than the tokenizer; "
+                              "serve one trimmed to it (F36)")
+        top_ids[i] = torch.tensor([t for _, t, _ in ranked])
+        top_lp[i] = torch.tensor([_finite_logprob(url, v, t, where) for _, t, v in ranked])
+    return sampled, top_ids, top_lp
+
+
+def _finite_logprob(url: str, value: dict, token: int, where: str) -> float:
+    """``value["logprob"]`` as a float; raises :class:`ServerError` when it is not finite (F36)."""
+    out = float(value["logprob"])
+    if not math.isfinite(out):
+        raise ServerError(url, f"non-finite teacher log-prob {out} of token {token} {where}: a -inf/NaN score "
+                          "would reach the loss as inf/NaN (F36); check the served model's weights and dtype")
+    return out
+
+
+class VocabularyMismatchError(TokenizerMismatchError):
+    """The served model's embedding has more rows than the student's tokenizer has ids (F36)."""
+
+
+def check_served_vocabulary(client: ServerClient, model: str, vocab_size: int) -> int:
+    """Refuse a served model whose vocabulary (embedding rows) is larger than the shared vocabulary ``V`` (F36).
+
+    Why refuse, not renormalise: vLLM's ``prompt_logprobs`` are normalised over every row of the served model's
+    head, padded rows beyond the tokenizer included, while the in-process teacher and the student normalise over
+    the first ``V`` (their heads are cut to ``[:V]``, :func:`~lightning_opd.models.logits.output_head`, F01b). The
+    server returns only the sampled and top-k ids' log-probs, never the padded rows' mass, so its log-probs cannot
+    be renormalised over ``V`` short of asking for all rows at every position (``V`` entries per token); every loss
+    (sampled-token, top-k) compares exact log-probs, so the served ones, off by ``-log(1 - padded rows' mass)`` nats
+    (2.6e-3 for near-zero padded rows as issue 60 measured; 0.57 on tests/teachers/test_teacher_vocab.py's random
+    model, whose 64 padded rows are as large as the real ones), would bias it silently. The refusal is at setup,
+    before any rollout; the probe's padded mass is in the message.
+
+    The probe: one 2-token request with ``prompt_logprobs=-1`` (every row of the served head; the server runs with
+    ``--max-logprobs -1``); the number of entries it returns is the served vocabulary. It costs one answer of
+    ``V`` entries (~80 bytes each: ~4 MB at V = 49k), once per server at connect.
+
+    Returns:
+        The served vocabulary (rows), ``<= vocab_size``.
+
+    Raises:
+        VocabularyMismatchError: the served vocabulary exceeds ``vocab_size``, naming both sizes, the padded rows'
+            probability on the probe and what to do.
+        ServerError: the server failed or refused the probe (naming its URL).
+    """
+    probe = [0, min(1, vocab_size - 1)]
+    answer = client.post("/v1/completions", {"model": model, "prompt": probe, "max_tokens": 1, "temperature": 1.0,
+                                             "prompt_logprobs": -1, "add_special_tokens": False})
+    try:
+        entry = answer["choices"][0]["prompt_logprobs"][1]
+        served = {int(t): float(v["logprob"]) for t, v in entry.items()}
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise ServerError(client.url, f"malformed answer to the vocabulary probe (prompt_logprobs=-1): {e!r}; was "
+                          "the server started with --max-logprobs -1?") from None
+    rows = max(served) + 1 if served else 0
+    if rows > vocab_size:
+        padded = sum(math.exp(v) for t, v in served.items() if t >= vocab_size and math.isfinite(v))
+        raise VocabularyMismatchError(
+            f"teacher at {client.url}: the served model {model!r} has {rows} vocabulary rows but the student's "
+            f"tokenizer has V={vocab_size} ids: the server normalises its log-probs over all {rows} rows, the student "
+            f"and the in-process teacher over the first {vocab_size} (the padded rows held {padded:.3g} of the "
+            f"probability on a probe, {-math.log1p(-min(padded, 1 - 1e-12)):.3g} nats per log-prob), so the loss "
+            "would compare different distributions (F36). Serve a model whose embedding is trimmed to the tokenizer "
+            "(model.resize_token_embeddings(len(tokenizer)); model.save_pretrained(DIR)), or use the in-process "
+            "teacher (model.init_args.teacher: DIR)")
+    return rows
 
 
 def check_server_tokenizer(client: ServerClient, model: str, tokenizer, root: str | None = None) -> None:
