@@ -55,7 +55,7 @@ replies of the call are sampled again; only when that cannot be done (the snapsh
 raises :class:`~lightning_opd.serving.client.ServerError` naming the server and both versions.
 
 Every failure raises :class:`~lightning_opd.serving.client.ServerError` naming the URL, within the client's timeout
-and retries (``timeout_s * (retries + 1) + backoffs``); a heartbeat (``heartbeat_s``) reports a server that died
+and retries (``ServerClient.deadline_s = timeout_s * (retries + 1) + backoff_s * (2**retries - 1)``); a heartbeat (``heartbeat_s``) reports a server that died
 between calls at the next request.
 """
 
@@ -111,7 +111,9 @@ class RemoteGenerator(Generator):
         urls: the sampler servers' base URLs, e.g. ``http://10.0.0.7:8002`` (started from the student's model
             directory with :func:`sampler_server_args` and dev mode).
         model: the served model name (``None``: the first one ``/v1/models`` lists).
-        timeout_s: per-request timeout (seconds): a whole reply of ``max_new_tokens`` must arrive within it.
+        timeout_s: total deadline of one attempt (seconds, F33): a whole reply of ``max_new_tokens`` must arrive
+            within it. Default 300: about 11x the measured 27 s of one step's replies on 2 loaded cores; a hung
+            server is declared dead within 903 s at the default retries (docs/scaling.md, "Deadlines and retries").
         retries: retries of a transient failure (counted in :attr:`stats`), backoff from ``backoff_s`` seconds,
             doubled each retry.
         heartbeat_s: poll ``/health`` this often (seconds; 0: off); a failure is raised at the next request.

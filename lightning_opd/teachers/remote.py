@@ -53,7 +53,9 @@ class RemoteTeacher(Teacher):
     Args:
         urls: base URL(s), e.g. ``http://10.0.0.5:8001``; requests are spread over them.
         model: the served model name (``None``: the first one ``/v1/models`` lists).
-        timeout_s: per-request timeout (seconds).
+        timeout_s: total deadline of one attempt (seconds, F33). Default 120: about 10x the measured 12.5 s of a
+            ~1,200-token score request on 2 loaded cores; a hung server is declared dead within 363 s at the
+            default retries (docs/scaling.md, "Deadlines and retries").
         retries: retries of a transient failure (counted in :attr:`stats`), with exponential backoff from
             ``backoff_s`` seconds.
         heartbeat_s: poll ``/health`` this often between requests (seconds; 0: off).
