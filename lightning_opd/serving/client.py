@@ -53,14 +53,19 @@ class ServerError(RuntimeError):
 
     Attributes:
         url: the endpoint's base URL.
+        down: the server did not answer (connection failure, deadline, an answer that broke off, HTTP 5xx/429 after
+            the retries, a failed heartbeat): another replica may take the request
+            (:meth:`~lightning_opd.serving.pool.ServerPool.call`). ``False``: it answered something unusable (a 4xx,
+            a malformed body), which another replica of the same model would answer too.
     """
 
-    def __init__(self, url: str, what: str) -> None:
+    def __init__(self, url: str, what: str, down: bool = False) -> None:
         key, _ = api_key_from_env()
         if key:  # an echo of the key (a proxy's error page) never reaches a log line
             what = what.replace(key, "<redacted>")
         super().__init__(f"{url}: {what}")
         self.url = url
+        self.down = down
 
 
 TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -169,23 +174,26 @@ class ServerClient:
         except (_Deadline, requests.RequestException):
             return False
 
-    def request(self, method: str, route: str, payload: Any = None, timeout_s: float | None = None) -> Any:
+    def request(self, method: str, route: str, payload: Any = None, timeout_s: float | None = None,
+                retries: int | None = None) -> Any:
         """``method route`` with a JSON body; the JSON answer (``None`` for an empty body).
 
-        ``timeout_s`` (default: the client's) is the total deadline of each attempt; the whole call ends within
-        ``timeout_s * (retries + 1) + backoff_s * (2**retries - 1)`` seconds.
+        ``timeout_s`` (default: the client's) is the total deadline of each attempt, ``retries`` (default: the
+        client's) the retries of a transient failure; the whole call ends within ``timeout_s * (retries + 1) +
+        backoff_s * (2**retries - 1)`` seconds.
 
         Raises:
             ServerError: after the retries, naming the URL, the route and the failure (connection, the deadline of
-                ``timeout_s`` s, HTTP status and the server's message); at once for a 4xx (HTTP 401/403: naming the
-                environment variable of the API key) or a body that is not JSON; at once when the heartbeat saw the
-                server fail.
+                ``timeout_s`` s, HTTP status and the server's message; ``down=True``); at once when the heartbeat saw
+                the server fail (``down=True``); at once for a 4xx (HTTP 401/403: naming the environment variable of
+                the API key) or a body that is not JSON (``down=False``).
         """
         if self.heartbeat is not None:
             self.heartbeat.check()
         timeout = timeout_s or self.timeout_s
+        retries = self.retries if retries is None else int(retries)
         last = ""
-        for attempt in range(self.retries + 1):
+        for attempt in range(retries + 1):
             if attempt:
                 self.retry_count += 1
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
@@ -216,7 +224,7 @@ class ServerClient:
                 return json.loads(body)
             except ValueError:
                 raise ServerError(self.url, f"{method} {route} answered a body that is not JSON: {text[:300]!r}")
-        raise ServerError(self.url, f"{last} ({self.retries + 1} attempts, retries={self.retries})")
+        raise ServerError(self.url, f"{last} ({retries + 1} attempts, retries={retries})", down=True)
 
     def _key_hint(self, status: int) -> str:
         """What to do about an HTTP 401/403 ('' for other statuses)."""
@@ -227,13 +235,14 @@ class ServerClient:
                     "environment to the server's --api-key / VLLM_API_KEY)")
         return f" (the server refused the API key from ${self._key_env}: set it to the server's --api-key)"
 
-    def post(self, route: str, payload: Any = None, timeout_s: float | None = None) -> Any:
+    def post(self, route: str, payload: Any = None, timeout_s: float | None = None,
+             retries: int | None = None) -> Any:
         """``POST route`` (see :meth:`request`)."""
-        return self.request("POST", route, payload, timeout_s)
+        return self.request("POST", route, payload, timeout_s, retries)
 
-    def get(self, route: str, timeout_s: float | None = None) -> Any:
+    def get(self, route: str, timeout_s: float | None = None, retries: int | None = None) -> Any:
         """``GET route`` (see :meth:`request`)."""
-        return self.request("GET", route, None, timeout_s)
+        return self.request("GET", route, None, timeout_s, retries)
 
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus ``/metrics``, summed over label sets: ``{metric name: value}``.
@@ -311,7 +320,7 @@ class Heartbeat(threading.Thread):
     def check(self) -> None:
         """Raise :class:`ServerError` when the heartbeat saw the server go down."""
         if self.error is not None:
-            raise ServerError(self.client.url, self.error)
+            raise ServerError(self.client.url, self.error, down=True)
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -51,33 +51,89 @@ class ServerWeightPush:
         self.push_timeout_s = float(push_timeout_s)
         self._tmp_dir: str | None = None
         self._snapshot: Path | None = None  # the last pushed snapshot directory (local path)
+        #: ``(local directory, the path the servers read)`` of the last snapshot a push served (``None``: none yet),
+        #: and its version: what a server that rejoins (or restarted) is given again
+        self.last_snapshot: tuple[Path, str] | None = None
+        self.last_version: int | None = None
         #: seconds of the last push: ``write`` (the snapshot), ``reload`` (all servers, pause to resume), ``total``
         self.last_breakdown: dict[str, float] = {}
 
     def push(self, pool: ServerPool, state: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Write ``state`` once and make every server this rank writes (``pool.writers()``, one writer per server)
-        serve it, stamped ``version`` (concurrently on the pool's request threads once it is connected); returns
-        :attr:`last_breakdown` (seconds; all 0 on a rank that writes to no server).
+        """Write ``state`` once and make every live server this rank writes (``pool.writers()``, one writer per
+        server) serve it, stamped ``version`` (concurrently on the pool's request threads once it is connected);
+        returns :attr:`last_breakdown` (seconds; all 0 on a rank that writes to no server).
+
+        A server that fails a step is resumed (best effort: it is not left paused) and marked dead in ``pool``
+        (F34); it rejoins through :meth:`ServerPool.rejoin <lightning_opd.serving.pool.ServerPool.rejoin>`, whose
+        owner gives it the last snapshot (:attr:`last_snapshot`) again. Dead servers are not written.
 
         Raises:
-            ServerError: a server failed a step (naming it and the step); that server stays paused with weights of
-                an unknown version (restart it).
+            ServerError: the push failed on every server it went to (naming each and the step), or no live server
+                is left to write.
         """
-        clients = pool.writers()
-        if not clients:
+        writers = pool.writers()
+        if not writers:
             self.last_breakdown = {"write": 0.0, "reload": 0.0, "total": 0.0}
             return self.last_breakdown
+        clients = [c for c in writers if c.url not in pool.dead]
+        if not clients:
+            raise pool.dead_error(writers)
         t0 = time.perf_counter()
         local, remote = self.write_snapshot(state, int(version))
         t1 = time.perf_counter()
+
+        def reload(client: ServerClient) -> ServerError | None:
+            try:
+                self.reload(client, remote, int(version), pool.lock)
+            except ServerError as err:
+                return err
+            return None
+
         run = pool.executor.map if pool.executor is not None else map
-        list(run(lambda c: self.reload(c, remote, int(version), pool.lock), clients))
+        failed = [(c, e) for c, e in zip(clients, run(reload, clients)) if e is not None]
+        for client, err in failed:
+            self.resume(client)
+            pool.mark_dead(client, str(err).removeprefix(f"{client.url}: "))
+        if len(failed) == len(clients):
+            raise failed[0][1] if len(failed) == 1 else pool.dead_error(writers)
         t2 = time.perf_counter()
         previous, self._snapshot = self._snapshot, local
+        self.last_snapshot, self.last_version = (local, remote), int(version)
         if previous is not None and previous != local:
             shutil.rmtree(previous, ignore_errors=True)
         self.last_breakdown = {"write": t1 - t0, "reload": t2 - t1, "total": time.perf_counter() - t0}
         return self.last_breakdown
+
+    def restore(self, pool: ServerPool, client: ServerClient) -> None:
+        """Give ``client`` (back from the dead, or restarted) the last snapshot a push served, stamped with its
+        version; nothing when no push happened yet (it serves the weights it started from, as every server does).
+
+        Raises:
+            ServerError: ``client`` is not one this rank writes (one writer per server), the snapshot is gone, or a
+                reload step failed (the server is resumed, best effort).
+        """
+        if self.last_snapshot is None or self.last_version is None:
+            return
+        if client.url not in {c.url for c in pool.writers()}:
+            raise ServerError(client.url, "its weights are written by another learner rank (one writer per server); "
+                              "this rank does not take it back")
+        local, remote = self.last_snapshot
+        if not (local / "model.safetensors").is_file():
+            raise ServerError(client.url, f"the last pushed snapshot {local} (version {self.last_version}) is gone")
+        try:
+            self.reload(client, remote, self.last_version, pool.lock)
+        except ServerError:
+            self.resume(client)
+            raise
+
+    def resume(self, client: ServerClient) -> bool:
+        """``POST /resume`` once (a short deadline, no retries): a server whose push failed after its pause is not
+        left paused for other clients. Returns whether it answered."""
+        try:
+            ServerClient(client.url, min(self.push_timeout_s, 10.0), retries=0).post("/resume")
+            return True
+        except ServerError:
+            return False
 
     def write_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> tuple[Path, str]:
         """``state`` as ``<weights_dir>[/rank<r>]/v<version>/model.safetensors``, written atomically: ``(local
@@ -150,3 +206,4 @@ class ServerWeightPush:
         if self._tmp_dir is not None:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             self._tmp_dir, self._snapshot = None, None
+            self.last_snapshot, self.last_version = None, None

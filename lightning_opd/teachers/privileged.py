@@ -219,6 +219,9 @@ class PrivilegedTeacher(Teacher):
         if server is not None:
             self.provides = server.provides
         self._pusher = ServerWeightPush(weights_dir, server_weights_dir) if server is not None else None
+        if self._pusher is not None and weights != "frozen":  # a server back from the dead gets the pushed weights
+            pool, pusher = server.pool, self._pusher
+            pool.on_rejoin = lambda client: pusher.restore(pool, client)
         self._steps = 0  # optimizer steps seen (the push schedule)
         self.pushed_version = 0  #: optimizer steps of the weights the server holds (0: the starting weights)
         self._pushes, self._push_s = 0, 0.0  # pushes and their seconds
@@ -364,7 +367,9 @@ class PrivilegedTeacher(Teacher):
 
         Raises:
             RuntimeError: no server, or nothing attached.
-            ServerError: a push step failed (naming the server and the step).
+            ServerError: the push failed on every server it writes (naming each and the step); a server that failed
+                while another took the push is out until it rejoins with these weights (F34,
+                :meth:`~lightning_opd.serving.weight_push.ServerWeightPush.push`).
         """
         if self.server is None or self.model is None:
             raise RuntimeError(f"teacher {self.name}: push needs a server and attach_student()")
