@@ -20,6 +20,12 @@ token counts as prefilled).
 
 The context limit (F24) is the smallest ``max_model_len`` the servers report in ``/v1/models``.
 
+At :meth:`~RemoteGenerator.connect` each server's tokenizer is checked against the student's (F32, ``check_tokenizer``;
+the student's tokenizer from :meth:`~RemoteGenerator.bind_tokenizer`, else the attached policy's ``tokenizer``; none:
+no check): through the server's own routes, the text of every id, the vocabulary's text -> ids, the special ids and
+the chat template's render (:func:`~lightning_opd.models.tokenizers.check_served_tokenizer`), refused naming the URL
+and the first differing id, so no reply is sampled with ids the learner reads differently.
+
 Weight push (:meth:`RemoteGenerator.push_weights`, :class:`~lightning_opd.serving.weight_push.ServerWeightPush`):
 vLLM's weight-transfer protocol (``/init_weight_transfer_engine`` ..., ``--weight-transfer-config``) has no backend
 that runs on CPU (nccl, sparse_nccl and nccl_m2n need NCCL on CUDA devices, ipc CUDA IPC handles, sharded_rdt Ray +
@@ -69,9 +75,10 @@ from typing import Hashable, Mapping, Sequence
 
 import torch
 
+from lightning_opd.models.tokenizers import check_served_tokenizer
 from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
                                              SamplingParams)
-from lightning_opd.serving import ServerClient, ServerError, ServerPool, ServerWeightPush
+from lightning_opd.serving import ServedTokenizer, ServerClient, ServerError, ServerPool, ServerWeightPush
 
 
 class _SnapshotPush(ServerWeightPush):
@@ -124,6 +131,8 @@ class RemoteGenerator(Generator):
             the same machine, or a shared file system.
         server_weights_dir: where the servers see ``weights_dir`` (``None``: the same path).
         push_timeout_s: how long each step of a push may take on a server (seconds; SmolLM2's reload: ~2 s).
+        check_tokenizer: at :meth:`connect`, refuse a server whose tokenizer differs from the student's (F32;
+            :meth:`bind_tokenizer`). Off only for a server known to share the tokenizer, to save the check's requests.
 
     Raises:
         ValueError: no URL, a malformed URL, or a non-positive knob.
@@ -132,7 +141,7 @@ class RemoteGenerator(Generator):
     def __init__(self, urls: str | Sequence[str], model: str | None = None, timeout_s: float = 300.0,
                  retries: int = 2, backoff_s: float = 1.0, heartbeat_s: float = 30.0, max_concurrency: int = 16,
                  seed: int = 0, weights_dir: str | None = None, server_weights_dir: str | None = None,
-                 push_timeout_s: float = 600.0) -> None:
+                 push_timeout_s: float = 600.0, check_tokenizer: bool = True) -> None:
         super().__init__()
         if not ([urls] if isinstance(urls, str) else list(urls)):
             raise ValueError("RemoteGenerator: urls is empty; give the sampler servers' base URLs, e.g. "
@@ -164,6 +173,8 @@ class RemoteGenerator(Generator):
         self._routes: dict[Hashable, int] = {}  # episode key -> index into self.clients
         self._load: list[int] = []  # episodes routed to each server
         self._push = _SnapshotPush(weights_dir, server_weights_dir, push_timeout_s)
+        self.check_tokenizer = bool(check_tokenizer)
+        self._tokenizer = None  # the student's tokenizer (bind_tokenizer), checked against each server's at connect
 
     @property
     def urls(self) -> list[str]:
@@ -187,15 +198,29 @@ class RemoteGenerator(Generator):
     # ------------------------------------------------------------------------------------------ connect
     def connect(self) -> None:
         """Reach this rank's servers (once, :meth:`ServerPool.connect <lightning_opd.serving.pool.ServerPool.connect>`):
-        each answers ``/health`` and serves :attr:`model`; the context limit is the smallest ``max_model_len``.
+        each answers ``/health`` and serves :attr:`model`, and (``check_tokenizer``, a student's tokenizer known:
+        :meth:`bind_tokenizer` or the attached policy's) tokenizes like the student (F32); the context limit is the
+        smallest ``max_model_len``.
 
         Raises:
             ValueError: fewer servers than learner ranks.
             ServerError: a server is down or does not serve ``model`` (naming its URL).
+            TokenizerMismatchError: a server's tokenizer differs from the student's, naming its URL and the first
+                differing id (:func:`~lightning_opd.models.tokenizers.check_served_tokenizer`).
         """
         if not self.pool.connected:
-            self.pool.connect()
+            tokenizer = self._tokenizer if self._tokenizer is not None else getattr(self._policy, "tokenizer", None)
+
+            def check(client: ServerClient, served: dict) -> None:
+                check_served_tokenizer(tokenizer, ServedTokenizer(client, self.pool.model), f"sampler at {client.url}")
+
+            self.pool.connect(check if self.check_tokenizer and tokenizer is not None else None)
             self._load = [0] * len(self.pool.clients)
+
+    def bind_tokenizer(self, tokenizer) -> None:
+        """The student's tokenizer, checked against each server's at :meth:`connect` (before it; F32). Without one
+        the attached policy's ``tokenizer`` is used, and with neither the check is skipped."""
+        self._tokenizer = tokenizer
 
     def close(self) -> None:
         """Stop the heartbeats and the request pool; remove a temporary ``weights_dir``."""

