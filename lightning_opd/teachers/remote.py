@@ -17,9 +17,12 @@ at 0.7 and 1.0), so this teacher scores at temperature 1 only and refuses anothe
 a whole episode: every token is prefilled exactly once, however many turns the episode has.
 
 Requests are batched (``sequences_per_request`` rows per request) and concurrent (``max_concurrency`` requests in
-flight, spread round-robin over the ``urls``, replicas of one teacher). Every failure names the URL
-(:class:`~lightning_opd.serving.client.ServerError`), within the client's timeouts and retries; a heartbeat
-(``heartbeat_s``) ends a run whose server died between steps at the next request. The health and model checks, the
+flight, spread round-robin over the live ``urls``, replicas of one teacher). A request whose server does not answer
+moves to another replica and that server is out until its ``/health`` answers again (F34, :meth:`ServerPool.call
+<lightning_opd.serving.pool.ServerPool.call>` and :meth:`~lightning_opd.serving.pool.ServerPool.rejoin`, checked at
+each :meth:`RemoteTeacher.score`); the run ends (a :class:`~lightning_opd.serving.client.ServerError` naming every
+URL and why) only when no replica is left; a heartbeat (``heartbeat_s``) takes out a server that died between
+steps. The health and model checks, the
 heartbeats, the request threads and the running totals are the :class:`~lightning_opd.serving.pool.ServerPool`'s.
 """
 
@@ -54,6 +57,8 @@ class RemoteTeacher(Teacher):
         sequences_per_request: episode rows per ``/v1/completions`` request (the server batches them).
         check_tokenizer: check, once at :meth:`load`, that the server tokenizes like the student (F01) and serves
             no vocabulary rows beyond the student's ``V`` (F36).
+        rejoin_s: probe a replica that failed this often (seconds, at the next :meth:`score`); once its ``/health``
+            answers and it passes the checks of :meth:`load` it takes requests again (F34).
 
     Raises:
         ValueError: no URL, a malformed URL, or a non-positive knob.
@@ -63,7 +68,7 @@ class RemoteTeacher(Teacher):
 
     def __init__(self, urls: str | Sequence[str], model: str | None = None, timeout_s: float = 120.0,
                  retries: int = 2, backoff_s: float = 1.0, heartbeat_s: float = 30.0, max_concurrency: int = 4,
-                 sequences_per_request: int = 8, check_tokenizer: bool = True) -> None:
+                 sequences_per_request: int = 8, check_tokenizer: bool = True, rejoin_s: float = 30.0) -> None:
         if not ([urls] if isinstance(urls, str) else list(urls)):
             raise ValueError("RemoteTeacher: urls is empty; give the teacher server's base URL, e.g. "
                              "http://127.0.0.1:8001 (started with `lightning-opd serve` or vllm serve)")
@@ -76,7 +81,7 @@ class RemoteTeacher(Teacher):
             urls, owner=type(self).__name__, role="teacher", model=model, timeout_s=timeout_s, retries=retries,
             backoff_s=backoff_s, heartbeat_s=heartbeat_s, max_concurrency=max_concurrency, per_rank=False,
             start_hint="`lightning-opd serve --model DIR --port P`",
-            totals={"requests": 0, "rows": 0, "prompt_tokens": 0, "seconds": 0.0})
+            totals={"requests": 0, "rows": 0, "prompt_tokens": 0, "seconds": 0.0}, rejoin_s=rejoin_s)
         self.sequences_per_request = int(sequences_per_request)
         self.check_tokenizer = check_tokenizer
         self.tokenizer = None  #: the student's tokenizer (:meth:`bind`)
@@ -183,6 +188,7 @@ class RemoteTeacher(Teacher):
                                  f"server's max_model_len={self.max_model_len}: restart it with a larger "
                                  "--max-model-len, or lower data.init_args.max_context_tokens")
         groups = [order[i:i + self.sequences_per_request] for i in range(0, len(order), self.sequences_per_request)]
+        self.pool.rejoin()  # a replica that died and answers /health again (F34)
         t0 = time.monotonic()
         answers = list(self.pool.executor.map(lambda g: self._request(g, prompts, k), groups))
         self.pool.count(seconds=time.monotonic() - t0)
@@ -198,12 +204,15 @@ class RemoteTeacher(Teacher):
         return out
 
     def _request(self, group: list[int], prompts: dict[int, list[int]], k: int) -> tuple[str, list]:
-        """One ``/v1/completions`` request for the rows ``group``: ``(url, [prompt_logprobs of each row])``."""
-        client = self.clients[self._next % len(self.clients)]
+        """One ``/v1/completions`` request for the rows ``group``: ``(url, [prompt_logprobs of each row])``, sent
+        round-robin over the live replicas and moved to another when its server does not answer (F34,
+        :meth:`ServerPool.call <lightning_opd.serving.pool.ServerPool.call>`)."""
+        live = self.pool.live()
+        first = live[self._next % len(live)] if live else None
         self._next += 1
         body = {"model": self.model, "prompt": [prompts[r] for r in group], "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": k, "add_special_tokens": False}
-        answer = client.post("/v1/completions", body)
+        client, answer = self.pool.call(lambda c, retries: c.post("/v1/completions", body, retries=retries), first)
         choices = sorted(answer.get("choices", []), key=lambda ch: ch.get("index", 0))
         if len(choices) != len(group) or any(ch.get("prompt_logprobs") is None for ch in choices):
             raise ServerError(client.url, f"malformed /v1/completions answer: {len(choices)} choices with "
