@@ -60,6 +60,12 @@ checkpoint it started from and reports ``default``: it is given the last pushed 
 replies of the call are sampled again; only when that cannot be done (the snapshot is gone, the reload fails) the call
 raises :class:`~lightning_opd.serving.client.ServerError` naming the server and both versions.
 
+Failover (F34, :class:`~lightning_opd.serving.pool.ServerPool`): a reply whose server does not answer is sampled
+on another live replica of this rank (the episode's later turns follow it), and the version check above reads the
+replica that answered; a server that died is out until its ``/health`` answers, it passes the connect checks and it
+holds the last pushed snapshot again (:meth:`RemoteGenerator._rejoin`, at the next ``generate``); a push that fails on
+one server resumes it and takes it out. The call fails only when no live server is left.
+
 Every failure raises :class:`~lightning_opd.serving.client.ServerError` naming the URL, within the client's timeout
 and retries (``ServerClient.deadline_s = timeout_s * (retries + 1) + backoff_s * (2**retries - 1)``); a heartbeat (``heartbeat_s``) reports a server that died
 between calls at the next request.
@@ -70,7 +76,6 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import FIRST_EXCEPTION, wait
-from pathlib import Path
 from typing import Hashable, Mapping, Sequence
 
 import torch
@@ -79,18 +84,6 @@ from lightning_opd.models.tokenizers import check_served_tokenizer
 from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
                                              SamplingParams)
 from lightning_opd.serving import ServedTokenizer, ServerClient, ServerError, ServerPool, ServerWeightPush
-
-
-class _SnapshotPush(ServerWeightPush):
-    """:class:`~lightning_opd.serving.weight_push.ServerWeightPush` that remembers the last snapshot it wrote, so a
-    restarted server can be given the pushed weights again without the learner's state."""
-
-    #: ``(local directory, the path the servers read)`` of the last snapshot written (``None``: none yet)
-    last_snapshot: tuple[Path, str] | None = None
-
-    def write_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> tuple[Path, str]:
-        self.last_snapshot = super().write_snapshot(state, version)
-        return self.last_snapshot
 
 
 def sampler_server_args(max_model_len: int = 2048) -> list[str]:
@@ -134,6 +127,8 @@ class RemoteGenerator(Generator):
         check_tokenizer: at :meth:`connect`, refuse a server whose tokenizer differs from the student's (F32;
             :meth:`bind_tokenizer`). Off only for a server known to share the tokenizer, to save the check's requests.
 
+        rejoin_s: probe a replica that failed this often (seconds, at the next ``generate``); once its ``/health``
+            answers, it passes the connect checks and holds the last pushed weights again, it takes episodes (F34).
     Raises:
         ValueError: no URL, a malformed URL, or a non-positive knob.
     """
@@ -141,7 +136,7 @@ class RemoteGenerator(Generator):
     def __init__(self, urls: str | Sequence[str], model: str | None = None, timeout_s: float = 300.0,
                  retries: int = 2, backoff_s: float = 1.0, heartbeat_s: float = 30.0, max_concurrency: int = 16,
                  seed: int = 0, weights_dir: str | None = None, server_weights_dir: str | None = None,
-                 push_timeout_s: float = 600.0, check_tokenizer: bool = True) -> None:
+                 push_timeout_s: float = 600.0, check_tokenizer: bool = True, rejoin_s: float = 30.0) -> None:
         super().__init__()
         if not ([urls] if isinstance(urls, str) else list(urls)):
             raise ValueError("RemoteGenerator: urls is empty; give the sampler servers' base URLs, e.g. "
@@ -157,7 +152,7 @@ class RemoteGenerator(Generator):
             start_hint="`lightning-opd serve --model STUDENT_DIR --dev-mode -- --enable-prefix-caching ...` "
                        "(lightning_opd.rollout.remote.sampler_server_args)",
             totals={"requests": 0, "prompt_tokens": 0, "prompt_tokens_cached": 0, "completion_tokens": 0,
-                    "seconds": 0.0, "pushes": 0, "push_seconds": 0.0, "repushes": 0})
+                    "seconds": 0.0, "pushes": 0, "push_seconds": 0.0, "repushes": 0}, rejoin_s=rejoin_s)
         self.seed = int(seed)
         self.weights_dir = weights_dir
         self.server_weights_dir = server_weights_dir
@@ -172,7 +167,8 @@ class RemoteGenerator(Generator):
         self.follow_policy = True
         self._routes: dict[Hashable, int] = {}  # episode key -> index into self.clients
         self._load: list[int] = []  # episodes routed to each server
-        self._push = _SnapshotPush(weights_dir, server_weights_dir, push_timeout_s)
+        self._push = ServerWeightPush(weights_dir, server_weights_dir, push_timeout_s)
+        self.pool.on_rejoin = self._rejoin  # a replica back from the dead serves the pushed weights first (F34)
         self.check_tokenizer = bool(check_tokenizer)
         self._tokenizer = None  # the student's tokenizer (bind_tokenizer), checked against each server's at connect
 
@@ -276,9 +272,11 @@ class RemoteGenerator(Generator):
         from the snapshot, reset the prefix cache, set the server's weight version, resume. Holds the generator's
         lock: no ``generate`` call of this generator runs meanwhile.
 
+        A server that fails a step is resumed and taken out until it rejoins with these weights (F34).
+
         Raises:
-            ServerError: a server failed a step (naming it and the step); that server stays paused with weights of
-                an unknown version (restart it), and :attr:`policy_version` no longer claims any pushed version.
+            ServerError: the push failed on every live server of this rank (naming each and the step), or none is
+                live; :attr:`policy_version` then no longer claims any pushed version.
         """
         with self._lock:
             self.connect()
@@ -312,14 +310,17 @@ class RemoteGenerator(Generator):
                 "skip_special_tokens": False, "include_stop_str_in_output": True, "ignore_eos": False,
                 "add_special_tokens": False}
 
-    def _route(self, key: Hashable) -> int:
-        """The server of episode ``key``: the one of its earlier turns, else the least loaded."""
+    def _route(self, key: Hashable) -> ServerClient:
+        """The server of episode ``key``: the one of its earlier turns while it is live, else the least loaded live
+        one (a dead server's episodes move, F34)."""
+        live = {c.url for c in self.pool.live()}
         index = self._routes.get(key)
-        if index is None:
-            index = min(range(len(self.clients)), key=lambda i: self._load[i])
+        if index is None or self.clients[index].url not in live:
+            candidates = [i for i, c in enumerate(self.clients) if c.url in live] or list(range(len(self.clients)))
+            index = min(candidates, key=lambda i: self._load[i])
             self._routes[key] = index
             self._load[index] += 1
-        return index
+        return self.clients[index]
 
     def release(self) -> None:
         """Forget the episodes' server assignments (a batch is finished)."""
@@ -327,38 +328,56 @@ class RemoteGenerator(Generator):
         self._load = [0] * len(self.clients)
 
     def _generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[GenerationOutput]:
-        """The replies, each stamped with the version its server confirmed after the call (:meth:`_confirm`); the
-        replies of a server that no longer held it (restarted) are sampled again once it serves the pushed weights.
+        """The replies, each stamped with the version the server that answered it confirmed after the call
+        (:meth:`_confirm`); the replies of a server that no longer held it (restarted) are sampled again once it
+        serves the pushed weights. A reply whose server does not answer moves to another live replica (F34); a dead
+        replica rejoins here first (:meth:`ServerPool.rejoin <lightning_opd.serving.pool.ServerPool.rejoin>`).
 
         Raises:
-            ServerError: a server failed, or reports another version and cannot be given the pushed weights again.
+            ServerError: no live server is left, a server answered something unusable, or one reports another
+                version and cannot be given the pushed weights again.
         """
         self.connect()
         self._ensure_current()
+        self.pool.rejoin()
         version = self.policy_version
-        jobs = [(self.clients[self._route(r.key)], r) for r in requests]
-        outs = self._run(jobs, sampling, version)
-        stale = self._confirm({c.url: c for c, _ in jobs}.values(), repush=True)
-        if stale:  # sampled (partly) by other weights: again from the re-pushed servers, then confirmed again
-            redo = [i for i, (c, _) in enumerate(jobs) if c.url in stale]
-            for i, out in zip(redo, self._run([jobs[i] for i in redo], sampling, version)):
+        jobs = [(self._route(r.key), r) for r in requests]
+        answered, outs = self._run(jobs, sampling, version)
+        stale = self._confirm(answered, repush=True)
+        if stale:  # sampled (partly) by other weights: again from the re-pushed (or other live) servers, confirmed
+            redo = [i for i, c in enumerate(answered) if c.url in stale]
+            again, redone = self._run([(answered[i], requests[i]) for i in redo], sampling, version)
+            for i, out in zip(redo, redone):
                 outs[i] = out
-            self._confirm([c for c in self.clients if c.url in stale], repush=False)
+            self._confirm(again, repush=False)
         return outs
 
     def _run(self, jobs: list[tuple[ServerClient, GenerationRequest]], sampling: SamplingParams,
-             version: int) -> list[GenerationOutput]:
-        """One reply per ``(server, request)``, concurrently; the first failure fails the call at once."""
+             version: int) -> tuple[list[ServerClient], list[GenerationOutput]]:
+        """One reply per ``(server, request)``, concurrently, each moved to another live server when its own does
+        not answer: ``(the server that answered each, the replies)``; the first other failure fails the call at
+        once."""
         t0 = time.monotonic()
-        futures = [self.pool.executor.submit(self._sample, client, r, sampling, version) for client, r in jobs]
-        wait(futures, return_when=FIRST_EXCEPTION)  # a dead server fails the call now, not after the others
+        futures = [self.pool.executor.submit(self._sample_on, client, r, sampling, version) for client, r in jobs]
+        wait(futures, return_when=FIRST_EXCEPTION)  # a failed call fails now, not after the others
         failed = next((f for f in futures if f.done() and f.exception() is not None), None)
         if failed is not None:
             for f in futures:
                 f.cancel()  # not yet sent; those in flight finish in the background, their replies dropped
             raise failed.exception()
         self.pool.count(seconds=time.monotonic() - t0)
-        return [f.result() for f in futures]
+        results = [f.result() for f in futures]
+        return [c for c, _ in results], [o for _, o in results]
+
+    def _sample_on(self, client: ServerClient, request: GenerationRequest, sampling: SamplingParams,
+                   version: int) -> tuple[ServerClient, GenerationOutput]:
+        """:meth:`_sample` on ``client``, or on the next live server when it does not answer (the episode's later
+        turns follow it there)."""
+        answered, out = self.pool.call(lambda c, retries: self._sample(c, request, sampling, version, retries),
+                                       client)
+        if answered is not client:
+            self._routes[request.key] = self.clients.index(answered)
+        return answered, out
 
     def _confirm(self, clients, repush: bool) -> set[str]:
         """Check that each of ``clients`` still holds the pushed version (F31): one ``GET /weight_info`` per server,
@@ -381,8 +400,16 @@ class RemoteGenerator(Generator):
             return set()
         expected = str(self._server_version)
         stale = set()
-        for client in clients:
-            reported = (client.get("/weight_info") or {}).get("weight_version")
+        for client in {c.url: c for c in clients}.values():
+            try:
+                reported = (client.get("/weight_info") or {}).get("weight_version")
+            except ServerError as err:
+                if not err.down:
+                    raise
+                # it died after answering: which weights sampled its replies is unknown; they go to a live replica
+                self.pool.mark_dead(client, str(err).removeprefix(f"{client.url}: "))
+                stale.add(client.url)
+                continue
             if reported == expected:
                 continue
             if not repush:
@@ -397,19 +424,26 @@ class RemoteGenerator(Generator):
         Raises:
             ServerError: the snapshot is gone, the reload fails or the server still reports another version.
         """
-        snapshot = self._push.last_snapshot
-        if snapshot is None or not (snapshot[0] / "model.safetensors").is_file():
-            raise self._version_error(client, reported, f"and the last pushed snapshot "
-                                      f"{snapshot[0] if snapshot else '(none)'} is gone")
         t0 = time.monotonic()
         try:
-            self._push.reload(client, snapshot[1], self._server_version, self.pool.lock)
+            self._push.restore(self.pool, client)
         except ServerError as err:
-            raise self._version_error(client, reported, f"and pushing it again failed ({err})") from err
+            raise self._version_error(client, reported, f"and giving it the last pushed snapshot again failed "
+                                      f"({err})") from err
         now = (client.get("/weight_info") or {}).get("weight_version")
         if now != str(self._server_version):
             raise self._version_error(client, now, "after the pushed weights were loaded again")
         self.pool.count(repushes=1, push_seconds=time.monotonic() - t0)
+
+    def _rejoin(self, client: ServerClient) -> None:
+        """A replica back from the dead (:meth:`ServerPool.rejoin <lightning_opd.serving.pool.ServerPool.rejoin>`):
+        after a push it serves the last pushed weights, confirmed by version, before it takes an episode.
+
+        Raises:
+            ServerError: as :meth:`_repush` (it stays out).
+        """
+        if self._server_version is not None:
+            self._repush(client, (client.get("/weight_info") or {}).get("weight_version"))
 
     def _version_error(self, client: ServerClient, reported: str | None, what: str) -> ServerError:
         return ServerError(client.url, f"the sampler server reports weight version {reported!r}, not the pushed "
@@ -419,9 +453,10 @@ class RemoteGenerator(Generator):
                            "last.ckpt (it pushes its weights first); give each server one learner")
 
     def _sample(self, client: ServerClient, request: GenerationRequest, sampling: SamplingParams,
-                version: int) -> GenerationOutput:
-        """One reply from ``client``; the answer is checked (ids, one finite log-prob per id, the prompt echoed)."""
-        answer = client.post("/v1/completions", self.request_body(request, sampling))
+                version: int, retries: int | None = None) -> GenerationOutput:
+        """One reply from ``client`` (``retries``: the client's when ``None``); the answer is checked (ids, one
+        finite log-prob per id, the prompt echoed)."""
+        answer = client.post("/v1/completions", self.request_body(request, sampling), retries=retries)
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not choices or len(choices) != 1:
             raise ServerError(client.url, f"malformed /v1/completions answer: {len(choices or [])} choices for one "
