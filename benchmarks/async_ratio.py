@@ -22,10 +22,9 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 from pathlib import Path
 
-from benchmarks.common import markdown_table
+from benchmarks.common import markdown_table, write_json
 
 COLUMNS = ("arm", "seed", "steps", "applied", "lag_mean", "gap", "gap_corrected", "ratio_mean", "ratio_clip_frac",
            "grad_norm_median", "grad_norm_max", "success", "kl_after", "kl_start", "collapsed")
@@ -106,9 +105,7 @@ def main(argv: list[str] | None = None) -> str:
     text = markdown_table(list(COLUMNS), [[_fmt(r[c]) for c in COLUMNS] for r in rows])
     print(text)
     if a.json:
-        cpu = subprocess.run(["bash", "-c", "lscpu | grep 'Model name' | sed 's/.*: *//'"], capture_output=True,
-                             text=True).stdout.strip()
-        Path(a.json).write_text(json.dumps({"cpu": cpu, "runs": rows}, indent=1) + "\n")
+        write_json(a.json, {"runs": rows})  # with the CPU model and cores (benchmarks.common.machine)
     return text
 
 

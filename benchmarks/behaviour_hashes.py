@@ -164,7 +164,10 @@ def main() -> None:
                            cwd=Path.cwd(), capture_output=True, text=True)
     result = {"package": probe.stdout.strip() or probe.stderr[-500:], "cwd": str(Path.cwd()),
               "commit": git_head(Path.cwd()), "uncommitted": git_dirty(Path.cwd()), "steps": args.steps,
-              "omp_num_threads": 1, "cpu": cpu_name(), "configs": {}}
+              "omp_num_threads": 1, "configs": {},
+              # benchmarks.common.machine() by hand: this file also runs against another checkout's PYTHONPATH,
+              # whose benchmarks/ may predate it, so it imports only lightning_opd.cpu_isa
+              "cpu": cpu_name(), "cores": len(os.sched_getaffinity(0))}
     with tempfile.TemporaryDirectory(prefix="behaviour_hashes_") as tmp:
         for name in args.configs:
             result["configs"][name] = run_fit(name, args, Path(tmp))

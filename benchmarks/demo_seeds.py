@@ -32,8 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS
-from lightning_opd.files import write_text_atomic
+from benchmarks.common import RESULTS, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 LOPD = [sys.executable, "-m", "lightning_opd"]
@@ -56,7 +55,7 @@ def fit_seed(seed: int, out: Path, models: Path) -> dict:
         subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
                        env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
     record = {"seed": seed, "student": str(export), "fit_seconds": round(time.time() - t0, 1), "command": cmd[2:]}
-    write_text_atomic(done, json.dumps(record, indent=1))
+    write_json(done, record)
     return record
 
 

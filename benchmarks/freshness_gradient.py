@@ -50,7 +50,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import time
 from dataclasses import replace
@@ -60,7 +59,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS, ResultFile, add_artifact_args, markdown_table
+from benchmarks.common import RESULTS, ResultFile, add_artifact_args, markdown_table, with_machine
 from lightning_opd.callbacks.staleness_monitor import StalenessMonitor
 from lightning_opd.data import RolloutDataModule
 from lightning_opd.envs.base import EnvFactory
@@ -411,9 +410,9 @@ def summarize(records: list[dict], variants: list[str], n_boot: int, seed: int =
 
 
 def machine() -> dict:
-    """Cores, torch threads, platform and GPU (if any) of this run."""
-    out = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
-           "processor": platform.processor()}
+    """CPU model and cores (:func:`benchmarks.common.machine`), the host's CPU count, torch threads and GPU (if any)
+    of this run."""
+    out = with_machine({"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()})
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
     return out

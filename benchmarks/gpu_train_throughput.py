@@ -18,7 +18,8 @@ MFU = achieved model FLOP/s / peak FLOP/s, where
 * peak FLOP/s is *measured in the same run*: the best of several large bf16 matmuls
   (``--matmul-size`` cubed), so the ratio does not depend on a data-sheet number.
 
-Imports only torch and transformers and runs from the source tree without installing:
+Imports only torch and transformers (the CPU model it records beside the device comes from
+``lightning_opd/cpu_isa.py``, run from the source tree) and runs from the source tree without installing:
 
     python benchmarks/gpu_train_throughput.py                    # on a GPU machine (~5 min)
     python benchmarks/gpu_train_throughput.py --tiny --device cpu   # smoke run (seconds; what CI does)
@@ -30,7 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import runpy
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +42,9 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 VOCAB = 151936
+# the product's CPU model probe (lightning_opd/cpu_isa.py: stdlib only), read from the source tree so that this
+# script still runs without the package installed; what benchmarks.common.machine() records
+cpu_name = runpy.run_path(str(Path(__file__).resolve().parents[1] / "lightning_opd" / "cpu_isa.py"))["cpu_name"]
 SHAPES = {
     # Qwen2.5-0.5B
     "student": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -203,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     student, teacher = build(shapes["student"], dtype, args.device), build(shapes["teacher"], dtype, args.device)
     result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+              "cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)),
               "torch": torch.__version__, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
               "student_matmul_params": matmul_params(student), "teacher_matmul_params": matmul_params(teacher)}
     peak = peak_matmul_flops(args.device, dtype, args.matmul_size, args.matmul_repeats)

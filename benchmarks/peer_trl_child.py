@@ -1,7 +1,9 @@
 """TRL's side of ``benchmarks/peer_trl.py``: run in TRL's own venv (it imports ``trl``, never ``lightning_opd``).
 
 One ``trl.DistillationTrainer`` fit (TRL 1.16: on-policy generalised-JSD distillation, arXiv 2306.13649) of the student
-on the prompts file ``peer_trl.py`` wrote, with the workload fixed there (batch, new tokens, beta, lr, fp32, steps),
+on the prompts file ``peer_trl.py`` wrote, with the workload fixed there (batch, new tokens, beta, lr, steps) and the
+row's precision: ``bf16`` (TRL's ``bf16`` flag) and the student's / teacher's ``from_pretrained`` keyword arguments
+(``model_init_kwargs`` / ``teacher_model_init_kwargs``; ``None``: TRL's default); fp32 throughout when absent,
 timing every optimizer step with a ``TrainerCallback``: the wall clock (``time.perf_counter``, seconds) at each
 ``on_step_end``. Writes ``{"step_end_s": [...], "torch_threads": n, "trl": version, "config": {...}}`` to ``--out``.
 
@@ -18,7 +20,8 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--args", required=True, help="JSON: student, teacher, prompts, steps, batch, max_new_tokens, "
-                    "beta, lr, temperature, seed, gradient_checkpointing, output_dir")
+                    "beta, lr, temperature, seed, gradient_checkpointing, output_dir; optional bf16, "
+                    "model_init_kwargs, teacher_model_init_kwargs (default: fp32)")
     ap.add_argument("--out", required=True)
     a = json.loads(ap.parse_args().args)
     out = ap.parse_args().out
@@ -42,12 +45,14 @@ def main() -> None:
         def on_step_end(self, args, state, control, **kwargs):  # noqa: D102
             self.ends.append(time.perf_counter())
 
+    fp32 = {"dtype": "float32"}
     config = DistillationConfig(
         output_dir=a["output_dir"], max_steps=a["steps"], per_device_train_batch_size=a["batch"],
         gradient_accumulation_steps=1, max_completion_length=a["max_new_tokens"], temperature=a["temperature"],
         beta=a["beta"], learning_rate=a["lr"], weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
-        max_grad_norm=1.0, bf16=False, fp16=False, gradient_checkpointing=a["gradient_checkpointing"],
-        model_init_kwargs={"dtype": "float32"}, teacher_model_init_kwargs={"dtype": "float32"},
+        max_grad_norm=1.0, bf16=a.get("bf16", False), fp16=False, gradient_checkpointing=a["gradient_checkpointing"],
+        model_init_kwargs=a.get("model_init_kwargs", fp32),
+        teacher_model_init_kwargs=a.get("teacher_model_init_kwargs", fp32),
         logging_steps=1, report_to="none", save_strategy="no", seed=a["seed"], use_cpu=True,
         dataloader_num_workers=0)
     tokenizer = AutoTokenizer.from_pretrained(a["student"], padding_side="left")

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import write_json
 from benchmarks.remote_step import STUDENT, TEACHER
 
 ROOT = Path("runs/remote_heldout")
@@ -67,7 +68,7 @@ def main() -> None:
             print(f"{arm}: student exported already ({export})")
             continue
         timings[f"fit_{arm}_s"] = fit(arm, export)
-        log.write_text(json.dumps(timings, indent=1))
+        write_json(log, timings)
     evaluation = ROOT / "evaluation.json"
     if not evaluation.exists():
         t0 = time.monotonic()
@@ -75,7 +76,7 @@ def main() -> None:
                         *[f"{LABELS[a]}={ROOT / a / 'student'}" for a in LABELS], "--games", GAMES, "--avg-k", "0",
                         "--out", str(evaluation)], check=True)
         timings["evaluate_s"] = time.monotonic() - t0
-        log.write_text(json.dumps(timings, indent=1))
+        write_json(log, timings)
     subprocess.run([sys.executable, "-m", "lightning_opd", "compare", str(evaluation), "--json",
                     str(ROOT / "comparison.json"), "--force"], check=True)
     print(json.dumps(timings))

@@ -1,8 +1,11 @@
 """Roofline accounting for the benchmarks that time a rollout, an update or a whole OPD step (issue 17).
 
-The machine's two ceilings are measured in the same run (:func:`measure_machine`): fp32 matmul FLOP/s
-at the model's own ``nn.Linear`` shapes (the best of them) and memory bandwidth (the better of a large
-copy and a large read). A workload's roofline time is then computed from counted quantities:
+The machine's two ceilings are measured in the same run (:func:`measure_machine`): matmul FLOP/s at the
+model's own ``nn.Linear`` shapes, for each dtype the run computes in (fp32, bf16: a run's roofline uses the peak of
+its own dtype), the best shape as the peak, each shape the median of timed calls over at least ``min_seconds``
+(:func:`lightning_opd.models.precision.matmul_flops`: the probe the product's ``precision: auto`` uses, so the
+product and the benchmarks measure one way), and memory bandwidth (the better of a large copy and a large read). A
+workload's roofline time is then computed from counted quantities:
 
 * every forward pass of generation (one prefill per ``generate`` call, then one decode step per
   sampled token but the last) costs ``max(FLOPs / peak, bytes / bandwidth)``, with bytes = every weight
@@ -28,9 +31,11 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
+
+from lightning_opd.models.precision import linear_shapes, matmul_flops
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ class Machine:
     """The two ceilings, measured.
 
     Attributes:
-        matmul_flops: best fp32 matmul FLOP/s at the model's shapes.
+        matmul_flops: best matmul FLOP/s at the model's shapes, in the dtype the workload computes in.
         bandwidth: memory bandwidth, bytes/s.
     """
 
@@ -145,18 +150,14 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def measure_matmul_flops(model: torch.nn.Module, tokens: int = 512, repeats: int = 5) -> dict[str, float]:
-    """FLOP/s of ``torch.matmul`` ``(tokens, in) @ (in, out)`` for every distinct ``nn.Linear`` shape of
-    ``model`` (``2 tokens in out`` FLOPs each, best of ``repeats``), keyed ``"in x out"``, in the
-    model's dtype."""
-    shapes = sorted({(m.in_features, m.out_features, m.weight.dtype) for m in model.modules()
-                     if isinstance(m, torch.nn.Linear)}, key=lambda s: (s[0], s[1]))
-    out = {}
-    with torch.no_grad():
-        for k, n, dtype in shapes:
-            x, w = torch.randn(tokens, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-            out[f"{k}x{n}"] = 2 * tokens * k * n / _best_seconds(functools.partial(torch.matmul, x, w), repeats)
-    return out
+def measure_matmul_flops(model: torch.nn.Module, dtype: torch.dtype = torch.float32, tokens: int = 512,
+                         min_seconds: float = 0.2, warmup: int = 3) -> dict[str, float]:
+    """FLOP/s of ``torch.matmul`` ``(tokens, in) @ (in, out)`` in ``dtype`` (what the run computes in, not
+    necessarily the weights' dtype: bf16-mixed keeps fp32 weights) for every distinct ``nn.Linear`` shape of
+    ``model``, keyed ``"<in>x<out>"``: each the median of timed calls over at least ``min_seconds`` after ``warmup``
+    untimed ones (:func:`lightning_opd.models.precision.matmul_flops` at
+    :func:`lightning_opd.models.precision.linear_shapes`)."""
+    return matmul_flops(linear_shapes(model), dtype, tokens, min_seconds, warmup)
 
 
 def measure_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> dict[str, float]:
@@ -169,14 +170,37 @@ def measure_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> dict[str, floa
     return {"copy": copy, "read": read}
 
 
-def measure_machine(model: torch.nn.Module, tokens: int = 512, nbytes: int = 1 << 28, repeats: int = 5) -> dict:
-    """The ceilings for ``model`` on this machine with torch's current thread count:
-    ``{"matmul_flops", "bandwidth", "matmul_by_shape", "bandwidth_by_probe", "threads"}`` (FLOP/s, bytes/s);
-    the peak is the best shape, the bandwidth the better probe (:class:`Machine` takes the first two)."""
-    by_shape = measure_matmul_flops(model, tokens, repeats)
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the key of a dtype in :func:`measure_machine`'s result."""
+    return str(dtype).removeprefix("torch.")
+
+
+def measure_machine(model: torch.nn.Module, dtypes: Sequence[torch.dtype] = (torch.float32,), tokens: int = 512,
+                    nbytes: int = 1 << 28, repeats: int = 5, min_seconds: float = 0.2) -> dict:
+    """The ceilings for ``model`` on this machine with torch's current thread count, the matmul peak per dtype of
+    ``dtypes`` (:func:`measure_matmul_flops`, ``min_seconds`` per shape and dtype) and the bandwidth (best of
+    ``repeats`` per probe).
+
+    Returns:
+        ``{"matmul_flops", "dtype", "matmul_by_shape", "matmul_flops_by_dtype", "matmul_by_dtype_shape",
+        "bandwidth", "bandwidth_by_probe", "threads", "tokens", "min_seconds"}`` (FLOP/s, bytes/s): a dtype's peak
+        is its best shape; ``matmul_flops`` / ``matmul_by_shape`` are those of ``dtypes[0]`` (named by ``dtype``),
+        the others keyed by :func:`dtype_name`; the bandwidth is the better probe (:class:`Machine` takes
+        ``matmul_flops`` and ``bandwidth``).
+
+    Raises:
+        ValueError: ``dtypes`` is empty.
+    """
+    if not dtypes:
+        raise ValueError("measure_machine: dtypes is empty; pass the dtypes the run computes in, e.g. "
+                         "(torch.float32,) or (torch.float32, torch.bfloat16)")
+    by_dtype = {dtype_name(d): measure_matmul_flops(model, d, tokens, min_seconds) for d in dtypes}
+    peaks = {name: max(shapes.values()) for name, shapes in by_dtype.items()}
+    first = dtype_name(dtypes[0])
     bw = measure_bandwidth(nbytes, repeats)
-    return {"matmul_flops": max(by_shape.values()), "bandwidth": max(bw.values()), "matmul_by_shape": by_shape,
-            "bandwidth_by_probe": bw, "threads": torch.get_num_threads()}
+    return {"matmul_flops": peaks[first], "dtype": first, "matmul_by_shape": by_dtype[first],
+            "matmul_flops_by_dtype": peaks, "matmul_by_dtype_shape": by_dtype, "bandwidth": max(bw.values()),
+            "bandwidth_by_probe": bw, "threads": torch.get_num_threads(), "tokens": tokens, "min_seconds": min_seconds}
 
 
 class GenerationLog:

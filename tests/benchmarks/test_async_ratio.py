@@ -4,10 +4,12 @@ TensorBoard logs and evaluation files."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from benchmarks.async_ratio import main, start_kl, summarise
+from lightning_opd.cpu_isa import cpu_name
 from tests.benchmarks.test_run_logs import _write as _write_logs  # one value per step of each tag
 
 
@@ -41,7 +43,9 @@ def test_rows_by_hand(tmp_path, capsys):
     assert (s["gap"], s["ratio_mean"], s["collapsed"]) == (None, None, True)  # 5.0 >= 4.8: collapsed
     text = main([str(tmp_path), "--json", str(tmp_path / "out.json")])
     assert "| async | 0 | 3 | 2 | 1.000 | 0.167 |" in text and text.endswith("| 4.800 | yes |")
-    assert json.loads((tmp_path / "out.json").read_text())["runs"][0]["kl_after"] == 3.1
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["runs"][0]["kl_after"] == 3.1
+    assert (out["cpu"], out["cores"]) == (cpu_name(), len(os.sched_getaffinity(0)))  # the CPU model, not lscpu's
     assert capsys.readouterr().out.strip() == text
 
 

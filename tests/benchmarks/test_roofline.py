@@ -106,10 +106,37 @@ def test_generation_log_records_every_call(tokenizer):
     assert log.calls == [] and log.seconds == 0
 
 
-def test_measure_machine_reports_every_shape():
+def test_measure_machine_reports_every_shape_per_dtype():
+    """A real probe (tiny shapes, 1 ms per shape): one peak per dtype asked, each over both shapes."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
-    out = rf.measure_machine(model, tokens=4, nbytes=1 << 16, repeats=1)
-    assert set(out["matmul_by_shape"]) == {"8x16", "16x8"}
-    assert out["matmul_flops"] == max(out["matmul_by_shape"].values()) > 0
+    out = rf.measure_machine(model, dtypes=(torch.float32, torch.bfloat16), tokens=4, nbytes=1 << 16, repeats=1,
+                             min_seconds=0.001)
+    assert set(out["matmul_by_dtype_shape"]) == {"float32", "bfloat16"}
+    assert all(set(v) == {"8x16", "16x8"} for v in out["matmul_by_dtype_shape"].values())
+    assert out["matmul_flops_by_dtype"] == {k: max(v.values()) for k, v in out["matmul_by_dtype_shape"].items()}
+    assert out["matmul_flops"] == out["matmul_flops_by_dtype"]["float32"] > 0 and out["dtype"] == "float32"
+    assert out["matmul_by_shape"] == out["matmul_by_dtype_shape"]["float32"]
     assert out["bandwidth"] == max(out["bandwidth_by_probe"].values()) > 0
     assert set(out["bandwidth_by_probe"]) == {"copy", "read"}
+
+
+def test_measure_machine_probes_with_the_product_s_matmul_flops(monkeypatch):
+    """The peaks come from :func:`lightning_opd.models.precision.matmul_flops` at the model's ``linear_shapes``, once
+    per dtype, with the probe's settings passed through (stand-in: ``in * out`` FLOP/s in fp32, twice that in bf16):
+    bf16 first gives its peak 2 * 16 * 24 = 768 as ``matmul_flops``."""
+    calls = []
+
+    def fake(shapes, dtype, tokens, min_seconds, warmup):
+        calls.append((list(shapes), dtype, tokens, min_seconds, warmup))
+        return {f"{i}x{o}": float(i * o * (2 if dtype == torch.bfloat16 else 1)) for i, o in shapes}
+
+    monkeypatch.setattr(rf, "matmul_flops", fake)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 24), torch.nn.Linear(8, 16))
+    out = rf.measure_machine(model, dtypes=(torch.bfloat16, torch.float32), tokens=7, nbytes=1 << 12, repeats=1,
+                             min_seconds=0.5)
+    assert calls == [([(8, 16), (16, 24)], torch.bfloat16, 7, 0.5, 3), ([(8, 16), (16, 24)], torch.float32, 7, 0.5, 3)]
+    assert out["matmul_flops_by_dtype"] == {"bfloat16": 768.0, "float32": 384.0}
+    assert (out["matmul_flops"], out["dtype"]) == (768.0, "bfloat16")
+    assert out["matmul_by_shape"] == {"8x16": 256.0, "16x24": 768.0}
+    with pytest.raises(ValueError, match="dtypes is empty"):
+        rf.measure_machine(model, dtypes=())
