@@ -77,6 +77,7 @@ from lightning_opd.rollout.agent_loop import AgentLoop, EpisodeSpec
 from lightning_opd.rollout.session import RolloutSession
 from lightning_opd.rollout.generator import Generator, SamplingParams
 from lightning_opd.rollout.types import Trajectory
+from lightning_opd.rollout.vllm import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class EvalSettings:
             (:meth:`kv_cache_bytes`), so the prefix cache keeps every episode's earlier turns (a smaller cache
             re-prefills whole contexts every turn: benchmarks/eval_kv_cache.py).
         vllm_block_size: ``--vllm-block-size``: tokens per KV block of a vLLM engine; the prefix cache reuses whole
-            blocks only, so each turn re-prefills up to one block of its context. 32 (default): the demo's
+            blocks only, so each turn re-prefills up to one block of its context. Default
+            :data:`~lightning_opd.rollout.vllm.DEFAULT_BLOCK_SIZE` (32, as training rollouts): the demo's
             evaluation prefills 22% fewer tokens than at vLLM's CPU default of 128 and takes 17% less time
             (benchmarks/eval_throughput.py); ``None``: vLLM's default.
         own_traj_kl: ``--no-own-traj-kl`` sets it ``False``: no own-trajectory KL by outcome (with ``--teacher``).
@@ -127,7 +129,7 @@ class EvalSettings:
     device: str = "auto"
     dtype: str = "float32"
     vllm_kv_cache_bytes: int | None = None
-    vllm_block_size: int | None = 32
+    vllm_block_size: int | None = DEFAULT_BLOCK_SIZE
     own_traj_kl: bool = True
     privileged_context: bool = False
 
@@ -336,7 +338,7 @@ class Backends:
         s = self.settings
         self._engine = VLLMGenerator(model=engine_path, dtype=s.dtype, kv_cache_memory_bytes=s.kv_cache_bytes(engine_path),
                                      max_model_len=s.max_context_tokens,
-                                     engine_kwargs=None if s.vllm_block_size is None else {"block_size": s.vllm_block_size})
+                                     block_size=s.vllm_block_size)  # None: vLLM's default
         self._engine_path, self._engine_config = engine_path, config
         self.engine_starts += 1
         return self._engine

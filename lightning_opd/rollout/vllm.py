@@ -31,6 +31,12 @@ from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, Gen
 
 log = logging.getLogger(__name__)
 
+#: Tokens per KV-cache block of every vLLM engine this project starts (training rollouts and evaluation;
+#: ``data.init_args.generator.init_args.block_size``, ``lightning-opd evaluate --vllm-block-size``). The prefix
+#: cache reuses whole blocks only, so each turn re-prefills up to one block of its context: at vLLM's CPU default
+#: of 128 the demo's multi-turn step prefilled 12,583 prompt tokens where exact reuse needs 8,814 (issue 61).
+DEFAULT_BLOCK_SIZE = 32
+
 
 def _import_vllm():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -118,19 +124,25 @@ class VLLMGenerator(Generator):
             prefills its prompt past the last whole cached block (:attr:`block_size`); each reply
             reports its prefilled and cached prompt tokens. Emptied on every weight push.
         seed: engine seed; each request also carries its episode seed.
+        block_size: tokens per KV-cache block (a positive multiple of 16; default :data:`DEFAULT_BLOCK_SIZE`);
+            ``None``: vLLM's default (128 on CPU). A ``block_size`` in ``engine_kwargs`` takes precedence.
         engine_kwargs: extra keyword arguments for ``vllm.LLM`` (e.g. ``tensor_parallel_size`` on GPUs).
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = "float32", kv_cache_memory_bytes: int = 1 << 30,
                  max_model_len: int = 4096, enable_prefix_caching: bool = True, seed: int = 0,
-                 engine_kwargs: dict | None = None) -> None:
+                 block_size: int | None = DEFAULT_BLOCK_SIZE, engine_kwargs: dict | None = None) -> None:
         super().__init__()
+        if block_size is not None and (block_size < 1 or block_size % 16):
+            raise ValueError(f"block_size={block_size} (data.init_args.generator.init_args.block_size): use a positive "
+                             "multiple of 16 (vLLM's KV block sizes), or null for vLLM's default")
         self.model = model
         self.dtype = dtype
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.seed = seed
+        self.kv_block_size = block_size
         self.engine_kwargs = dict(engine_kwargs or {})
         self.llm = None
         self.sync: VLLMWeightSync | None = None
@@ -155,6 +167,8 @@ class VLLMGenerator(Generator):
         # fit in one scheduler step, hence max_num_batched_tokens >= max_model_len.
         kwargs = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(16384, self.max_model_len),
                       generation_config="vllm")  # F26: no sampling default from the model's generation config
+        if self.kv_block_size is not None:
+            kwargs["block_size"] = self.kv_block_size
         kwargs.update(self.engine_kwargs)
         self.llm = vllm.LLM(model=str(path), dtype=self.engine_dtype, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
@@ -182,10 +196,17 @@ class VLLMGenerator(Generator):
 
     @property
     def block_size(self) -> int:
-        """Tokens per KV-cache block of the running engine: the prefix cache reuses whole blocks only
-        (vLLM's CPU default is 128; ``engine_kwargs={"block_size": 32}`` reuses more of each turn)."""
+        """Tokens per KV-cache block of the running engine (before :meth:`start`: the configured ``block_size``):
+        the prefix cache reuses whole blocks only.
+
+        Raises:
+            RuntimeError: the engine is not started and ``block_size`` is ``None`` (vLLM picks it at start)."""
         if self.llm is None:
-            raise RuntimeError("the vLLM engine is not started; call start() first")
+            configured = self.engine_kwargs.get("block_size", self.kv_block_size)
+            if configured is None:
+                raise RuntimeError("the vLLM engine is not started and block_size=None (vLLM's default); call "
+                                   "start() first")
+            return int(configured)
         return int(self.llm.llm_engine.vllm_config.cache_config.block_size)
 
     @property
