@@ -294,12 +294,13 @@ def test_the_agent_loop_and_the_datamodule_sample_through_it(server, tokenizer, 
 @needs_vllm
 def test_several_servers_and_a_killed_one(server, served_model_dirs, tokenizer, hf_student):
     """Two servers: episodes spread over both (each sticks to its server across turns), a push reaches both. Then
-    the second is SIGKILLed while a reply is being sampled: generate raises ServerError naming its URL within the
-    timeout bound (timeout_s * (retries + 1) + backoff), no hang, and so does the next call."""
+    the second is SIGKILLed while replies are being sampled: generate does not hang and does not fail: the replies
+    of the killed server are sampled again on the live one (F34; one attempt on the dead server, no retries while a
+    replica is left), all stamped with the pushed version, and the next call goes to the live server only
+    (tests/rollout/test_remote_failover.py has the rejoin and the version check after a failover)."""
     other = VLLMServer(served_model_dirs["student"], dev_mode=True, threads=1, kv_cache_memory_bytes=1 << 27,
                        max_model_len=MAX_LEN, extra_args=sampler_server_args(MAX_LEN)).start()
     gen = RemoteGenerator([server.url, other.url], heartbeat_s=0, timeout_s=10.0, retries=1, backoff_s=0.5)
-    bound = 10.0 * 2 + 0.5
     gen.attach(StaticPolicy(hf_student, tokenizer), stop_token_ids(tokenizer))
     gen.follow_policy = False
     try:
@@ -318,7 +319,8 @@ def test_several_servers_and_a_killed_one(server, served_model_dirs, tokenizer, 
 
         def play():
             try:
-                gen.generate(requests_for(ps * 4), SamplingParams(max_new_tokens=900, temperature=0.0))
+                result["outs"] = gen.generate(requests_for(ps * 4), SamplingParams(max_new_tokens=900,
+                                                                                   temperature=0.0))
                 result["error"] = None
             except Exception as err:  # kept whatever its type, so a wrong type shows in the assertion below
                 result["error"] = err
@@ -328,17 +330,17 @@ def test_several_servers_and_a_killed_one(server, served_model_dirs, tokenizer, 
         time.sleep(1.5)
         t0 = time.monotonic()
         other.kill()
-        thread.join(timeout=120)
+        thread.join(timeout=300)
         assert not thread.is_alive(), "generate hung after the server was killed"
         took = time.monotonic() - t0
-        err = result["error"]
-        assert isinstance(err, ServerError) and err.url == other.url and other.url in str(err), result
-        assert took < bound
-        print(f"killed server: ServerError after {took:.1f} s (bound {bound} s): {err}")
-        t1 = time.monotonic()
-        with pytest.raises(ServerError, match=other.url.replace(".", r"\.")):
-            gen.generate(requests_for(ps), SamplingParams(max_new_tokens=4))
-        assert time.monotonic() - t1 < bound
+        assert result["error"] is None, result
+        outs = result["outs"]
+        assert len(outs) == len(ps) * 4 and all(o.policy_version == 9 for o in outs)
+        assert list(gen.pool.dead) == [other.url] and gen.clients[1].retry_count == 0
+        print(f"killed server: generate finished on the live one {took:.1f} s after the kill")
+        before = gen.clients[0].request_count
+        gen.generate(requests_for(ps), SamplingParams(max_new_tokens=4))
+        assert gen.clients[0].request_count - before == len(ps) + 1  # the replies and the version check (F31)
     finally:
         other.stop()
         gen.close()
