@@ -1,8 +1,8 @@
 """``RemoteGenerator`` on real ``vllm serve`` processes (127.0.0.1, marker ``vllm``): replies and behaviour log-probs
 against the in-process vLLM engine and the trainer's recomputation (F02, F08), stop ids (F23), ``max_new_tokens``,
 the context limit (F24), prefix-cache hits across turns, the weight push (disk + vLLM's reload route) and the version
-each reply records, the agent loop and the DataModule through it, several servers, and a killed server (an error
-naming its URL within the timeout bound, no hang).
+each reply records, the agent loop and the DataModule through it, several servers, and a killed server (its replies
+move to the live one, F34; no hang).
 
 Server starts: the session's tiny student in dev mode with :func:`sampler_server_args` (``tests.servers.served``), one
 more that the fault test kills, and the real SmolLM2 for the push-time measurement (``slow``)."""
