@@ -57,10 +57,11 @@ class ModelServer(http.server.BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def http_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
-    """A ``ThreadingHTTPServer`` with ``handler`` on 127.0.0.1 (a free port) in a daemon thread; yields its base URL
-    (``http://127.0.0.1:PORT``) and shuts it down on exit."""
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+def http_server(handler: type[http.server.BaseHTTPRequestHandler], port: int = 0) -> Iterator[str]:
+    """A ``ThreadingHTTPServer`` with ``handler`` on 127.0.0.1 (``port``; 0: a free one; a given one: a restart behind
+    the same address) in a daemon thread; yields its base URL (``http://127.0.0.1:PORT``) and shuts it down on
+    exit."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}"

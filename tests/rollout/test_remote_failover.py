@@ -13,7 +13,6 @@ replica ended the call."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lightning_opd.rollout.chat import stop_token_ids
 from lightning_opd.rollout.generator import SamplingParams
@@ -21,7 +20,7 @@ from lightning_opd.rollout.remote import RemoteGenerator
 from lightning_opd.serving import ServerClient
 from tests.helpers import StaticPolicy
 from tests.rollout.test_remote_generator import max_gap, prompts, requests_for
-from tests.rollout.test_remote_version import start_sampler
+from tests.rollout.test_remote_version import original_and_perturbed, start_sampler
 
 pytestmark = [pytest.mark.timeout(1500)]
 
@@ -34,16 +33,8 @@ def _served_by(client: ServerClient) -> float:
 @pytest.mark.vllm
 def test_a_killed_replica_fails_over_rejoins_with_the_pushed_weights_and_is_version_checked(
         served_model_dirs, tokenizer, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     student = served_model_dirs["student"]
-    original = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).eval()
-    new = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in new.parameters():
-            if p.dim() >= 2:
-                p.add_(0.05 * torch.randn_like(p))
+    original, new = original_and_perturbed(student)
     a, b = start_sampler(student), start_sampler(student)
     servers = [a, b]
     gen = RemoteGenerator([a.url, b.url], heartbeat_s=0, retries=1, backoff_s=0.2, rejoin_s=0,

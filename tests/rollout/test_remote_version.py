@@ -27,6 +27,21 @@ def start_sampler(model_dir: str, port: int | None = None) -> VLLMServer:
                       max_model_len=MAX_LEN, extra_args=sampler_server_args(MAX_LEN), start_timeout_s=600).start()
 
 
+def original_and_perturbed(model_dir: str):
+    """The model at ``model_dir`` (fp32, eval) and a copy whose matrices moved by 0.05 x N(0, 1) (seed 0): weights a
+    push can be told apart by."""
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            if p.dim() >= 2:
+                p.add_(0.05 * torch.randn_like(p))
+    return original, new
+
+
 @pytest.mark.vllm
 def test_a_restarted_server_is_given_the_pushed_weights_again(served_model_dirs, tokenizer, tmp_path):
     """Push version 3 (perturbed weights), then stop the server and start it again behind the same port with its
@@ -35,16 +50,8 @@ def test_a_restarted_server_is_given_the_pushed_weights_again(served_model_dirs,
     replies again: stamped 3, the same ids as before the restart, the pushed weights' log-probs, the server reports 3.
     Then with the snapshot gone and the server reporting another version: a ServerError naming the URL and both
     versions. Before the fix the replies after the restart were stamped 3 with the checkpoint's log-probs."""
-    from transformers import AutoModelForCausalLM
-
     student = served_model_dirs["student"]
-    original = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).eval()
-    new = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in new.parameters():
-            if p.dim() >= 2:
-                p.add_(0.05 * torch.randn_like(p))
+    original, new = original_and_perturbed(student)
     server = start_sampler(student)
     gen = RemoteGenerator(server.url, heartbeat_s=0, retries=0, weights_dir=str(tmp_path / "weights"))
     gen.attach(StaticPolicy(original, tokenizer), stop_token_ids(tokenizer))

@@ -12,8 +12,6 @@ test_remote_failover.py and tests/teachers/test_remote_teacher_failover.py.
 
 from __future__ import annotations
 
-import contextlib
-import http.server
 import json
 import threading
 import time
@@ -22,22 +20,16 @@ import pytest
 import torch
 
 from lightning_opd.serving import ServerError, ServerPool, ServerWeightPush
-from tests.servers import http_server
+from tests.servers import ModelServer, http_server
 
 
-class _Replica(http.server.BaseHTTPRequestHandler):
+class _Replica(ModelServer):
     """Healthy, serves model ``m``; ``POST /echo`` answers ``{"port": its port}``, ``POST /bad`` HTTP 400, and
     ``POST /collective_rpc`` HTTP 500 on the ports in :attr:`failing_reload`; every POST path is recorded."""
 
     posts: list[tuple[int, str]] = []
     failing_reload: set[int] = set()
     lock = threading.Lock()
-
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-        if self.path != "/health":
-            self.wfile.write(json.dumps({"data": [{"id": "m", "max_model_len": 4096, "root": None}]}).encode())
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -57,18 +49,6 @@ class _Replica(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@contextlib.contextmanager
-def _replica_on(port: int):
-    """A :class:`_Replica` on 127.0.0.1:``port`` (a restart behind the same address)."""
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Replica)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-
-
 @pytest.fixture(autouse=True)
 def _fresh_records():
     _Replica.posts, _Replica.failing_reload = [], set()
@@ -83,21 +63,26 @@ def _echo(client, retries):
     return client.post("/echo", {}, retries=retries)["port"]
 
 
+def _b_dies_after_connect(a: str, **kw) -> tuple[ServerPool, str, int, tuple]:
+    """A pool of ``[a, b]`` connected, then ``b`` closed and a request sent to it first: ``(pool, b's URL, its port,
+    what the call returned)``; the call warns naming ``b``."""
+    with http_server(_Replica) as b:
+        pool = _pool([a, b], **kw)
+        pool.connect()
+    with pytest.warns(RuntimeWarning, match=b.replace("http://", "")):
+        answered = pool.call(_echo, first=pool.clients[1])
+    return pool, b, int(b.rsplit(":", 1)[1]), answered
+
+
 def test_a_request_moves_to_the_live_replica_and_the_dead_one_is_named():
     with http_server(_Replica) as a:
-        b_cm = http_server(_Replica)
-        b = b_cm.__enter__()
-        pool = _pool([b, a])
-        pool.connect()
-        b_cm.__exit__(None, None, None)  # b dies after connect
-        with pytest.warns(RuntimeWarning, match=b.replace("http://", "")):
-            client, port = pool.call(_echo, first=pool.clients[0])
+        pool, b, _, (client, port) = _b_dies_after_connect(a)
         assert client.url == a and port == int(a.rsplit(":", 1)[1])
         assert list(pool.dead) == [b] and "cannot connect" in pool.dead[b]
         stats = pool.stats
         assert stats["failovers"] == 1 and stats["servers_live"] == 1
         # the failing replica had one attempt (another was left): no retries counted on it
-        assert pool.clients[0].retry_count == 0
+        assert pool.clients[1].retry_count == 0
         # the next call goes to the live one at once
         assert pool.call(_echo)[0].url == a
         pool.close()
@@ -129,19 +114,12 @@ def test_an_answer_the_server_gave_is_not_moved():
 
 def test_a_dead_replica_rejoins_once_its_health_answers_and_on_rejoin_ran():
     with http_server(_Replica) as a:
-        b_cm = http_server(_Replica)
-        b = b_cm.__enter__()
-        port_b = int(b.rsplit(":", 1)[1])
-        pool = _pool([a, b], rejoin_s=0.2)
+        pool, b, port_b, _ = _b_dies_after_connect(a, rejoin_s=0.2)
         seen = []
         pool.on_rejoin = seen.append
-        pool.connect()
-        b_cm.__exit__(None, None, None)
-        with pytest.warns(RuntimeWarning):
-            pool.call(_echo, first=pool.clients[1])
         assert b in pool.dead
         assert pool.rejoin() == []  # still down
-        with _replica_on(port_b):
+        with http_server(_Replica, port_b):
             assert pool.rejoin() == []  # probed less than rejoin_s ago
             time.sleep(0.25)
             assert pool.rejoin() == [b]
@@ -153,20 +131,13 @@ def test_a_dead_replica_rejoins_once_its_health_answers_and_on_rejoin_ran():
 
 def test_a_server_whose_on_rejoin_fails_stays_out_with_the_reason():
     with http_server(_Replica) as a:
-        b_cm = http_server(_Replica)
-        b = b_cm.__enter__()
-        port_b = int(b.rsplit(":", 1)[1])
-        pool = _pool([a, b], rejoin_s=0)
-        pool.connect()
-        b_cm.__exit__(None, None, None)
-        with pytest.warns(RuntimeWarning):
-            pool.call(_echo, first=pool.clients[1])
+        pool, b, port_b, _ = _b_dies_after_connect(a, rejoin_s=0)
 
         def refuse(client):
             raise ServerError(client.url, "the snapshot is gone")
 
         pool.on_rejoin = refuse
-        with _replica_on(port_b):
+        with http_server(_Replica, port_b):
             assert pool.rejoin() == []
             assert "could not rejoin" in pool.dead[b] and "the snapshot is gone" in pool.dead[b]
         pool.close()
