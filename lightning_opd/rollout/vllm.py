@@ -88,25 +88,100 @@ def kv_cache_bytes_for(model: str | os.PathLike, tokens: int, dtype: str | torch
     return int(tokens) * 2 * layers * kv_heads * head_dim * element
 
 
+#: vLLM's logger for its layer-by-layer reload, and the one message of it that is noise for us: a layer whose only
+#: tensors are buffers computed at start (``RotaryEmbedding``'s ``cos_sin_cache``) "failed to load weights" at every
+#: ``reload_weights``, though it has none to load and keeps its buffers (issue 61)
+_RELOAD_LOGGER, _NOTHING_TO_LOAD = "vllm.model_executor.model_loader.reload.layerwise", "%s: Failed to load weights"
+
+
+class _NothingToLoadFilter(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning, and nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _NOTHING_TO_LOAD and record.args and record.args[0] == "RotaryEmbedding")
+
+
+def _load_in_place(worker, items: list[tuple[str, torch.Tensor]]) -> bool:
+    """Run in the engine's worker (``LLM.collective_rpc``): load ``items`` (checkpoint names, e.g. a student's
+    ``state_dict``) into the running model with the model's own ``load_weights`` (vLLM's name mapping and fused
+    qkv / gate_up layouts), then redo each layer's ``process_weights_after_loading``. Returns ``False``, having
+    changed nothing, where this is not known to be exact: a quantized model, or a layer whose quantization method is
+    not vLLM's unquantized linear/embedding one (the caller then uses ``reload_weights``).
+
+    On CPU, vLLM 0.32 packs each linear layer's weight for oneDNN after loading and keeps an empty ``weight``; such a
+    layer gets a full-size weight (built from the metadata vLLM recorded at start for its own reload) to load into,
+    repacked and dropped again, so the packed copy is the only one that stays. Unlike ``reload_weights`` nothing is
+    rebuilt on the meta device and buffered layer by layer: one copy into each weight, one repack."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    runner = worker.model_runner
+    if runner.model_config.quantization is not None:
+        return False
+    model, layers, staged = runner.get_model(), [], []
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        if method is None:
+            continue
+        if not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+            return False
+        layers.append(layer)
+        weight, meta = layer._parameters.get("weight"), get_layerwise_info(layer).restore_metadata[0].get("weight")
+        if weight is not None and meta is not None and weight.shape != meta.shape:  # packed away
+            full = restore_layer_refs(materialize_meta_tensor(meta), layer)
+            if hasattr(full, "weight_loader"):  # a reload_weights before may have left its wrapper on the metadata
+                full.weight_loader = _get_original_loader(full)
+            staged.append((layer, full))
+        elif weight is not None and weight.numel() == 0:  # packed away, with no record of its shape
+            return False
+    for layer, full in staged:
+        layer.register_parameter("weight", full)
+    with torch.no_grad():
+        model.load_weights(iter(items))
+        for layer in layers:
+            layer.quant_method.process_weights_after_loading(layer)
+    return True
+
+
 class VLLMWeightSync:
     """Pushes trainer weights into a running in-process vLLM engine (F09).
 
-    Uses the public ``LLM.collective_rpc("reload_weights", ...)`` (vLLM 0.32: the worker reloads the
-    given ``(name, tensor)`` pairs in place, in checkpoint format), then ``LLM.reset_prefix_cache()``
-    so no KV entry computed with the old weights survives.
+    Loads the given ``(name, tensor)`` pairs into the engine's model in place with the model's own
+    ``load_weights`` (:func:`_load_in_place`, through the public ``LLM.collective_rpc``), then
+    ``LLM.reset_prefix_cache()`` so no KV entry computed with the old weights survives. Where that is not known to be
+    exact (quantized models) it uses vLLM's ``collective_rpc("reload_weights", ...)`` (the worker rebuilds each
+    layer on the meta device, buffers its weights and processes it), which on SmolLM2-135M took longer (median
+    of pushes in docs/design.md, 'vLLM weight refresh') for the same engine outputs.
     """
 
     def __init__(self, llm) -> None:
         self.llm = llm
+        #: how the last push loaded: ``"in_place"`` or ``"reload_weights"``
+        self.last_method: str | None = None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Load the tensors into the engine; returns the seconds it took."""
         t0 = time.perf_counter()
         items = [(name, t.detach()) for name, t in named_tensors]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        if all(self.llm.collective_rpc(_load_in_place, args=(items,))):
+            self.last_method = "in_place"
+        else:
+            self.reload(items)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight push (requests still running?)")
         return time.perf_counter() - t0
+
+    def reload(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's own in-place reload (``collective_rpc("reload_weights")``, checkpoint format), without its
+        "RotaryEmbedding: Failed to load weights" line (:class:`_NothingToLoadFilter`); no prefix-cache reset."""
+        logger = logging.getLogger(_RELOAD_LOGGER)
+        if not any(isinstance(f, _NothingToLoadFilter) for f in logger.filters):
+            logger.addFilter(_NothingToLoadFilter())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        self.last_method = "reload_weights"
 
 
 class VLLMGenerator(Generator):
