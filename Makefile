@@ -172,7 +172,7 @@ demo: install install-vllm model games teacher
 PIN_AVX2 := ATEN_CPU_CAPABILITY=avx2 LIGHTNING_OPD_CPU_ISA=avx2
 $(STUDENT)/config.json: | $(TEACHER)/config.json $(GAMES)/manifest.json $(VLLM_STAMP)
 	rm -rf runs/demo
-	$(PIN_AVX2) $(OPD_FIT)
+	$(PIN_AVX2) $(OPD_FIT) --trainer.precision=32-true
 student-opd: install install-vllm model games teacher $(STUDENT)/config.json
 
 test: install install-vllm install-benchmarks model games teacher

@@ -25,6 +25,26 @@ def _auto_generator_is_hf(request, monkeypatch):
         monkeypatch.setattr(backend, "vllm_importable", lambda: (False, "tests pin HF: tests/conftest.py"))
 
 
+@pytest.fixture(autouse=True)
+def _auto_precision_is_fp32(request, monkeypatch):
+    """``trainer.precision: auto`` (conf/textworld/*.yaml) resolves to ``32-true`` in tests without a probe, so fits
+    built from the shipped configs keep their exact fp32 values on every machine; tests of the choice itself request
+    ``real_auto_precision``."""
+    if "real_auto_precision" not in request.fixturenames:
+        import torch
+
+        import lightning_opd.cli.precision as cli_precision
+        from lightning_opd.models.precision import PrecisionChoice
+
+        monkeypatch.setattr(cli_precision, "auto_precision", lambda config: PrecisionChoice(
+            "32-true", torch.float32, {}, "tests pin auto to 32-true: tests/conftest.py"))
+
+
+@pytest.fixture
+def real_auto_precision():
+    """Opt out of ``_auto_precision_is_fp32``: ``trainer.precision: auto`` probes this machine."""
+
+
 @pytest.fixture(scope="session")
 def served_model_dirs(tmp_path_factory, tokenizer):
     """Student and teacher directories like ``model_dirs`` (same tokenizer, different weights) with a head size vLLM's

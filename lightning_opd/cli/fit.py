@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_opd.cli.commands import EPILOG
 from lightning_opd.cli.config_checks import cause_first, check_config_files, check_renamed_keys, instantiation_error
+from lightning_opd.cli.precision import allow_auto_precision, resolve_config_precision
 
 
 class _Formatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -94,7 +95,13 @@ class HparamsSaveConfigCallback(SaveConfigCallback):
     Runs on rank 0 at ``setup``, before the Trainer's own hyper-parameter logging, which it then turns off
     (``trainer.enable_autolog_hparams``) so an empty module ``hparams`` does not log a second, empty set;
     hyper-parameters the module or DataModule saved themselves (``save_hyperparameters``) are logged with
-    the config under their own names."""
+    the config under their own names. ``precision_choice`` (what ``trainer.precision: auto`` picked, given by
+    :class:`OPDCLI`) is logged as ``precision_choice/...`` (the pick, the probe's GFLOP/s per dtype and shape, the CPU,
+    the reason) and, on a TensorBoard logger, as the text ``precision``."""
+
+    def __init__(self, *args, precision_choice=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.precision_choice = precision_choice
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
         import yaml
@@ -106,8 +113,12 @@ class HparamsSaveConfigCallback(SaveConfigCallback):
         if datamodule is not None:
             params.update(datamodule.hparams_initial)
         params.pop("_class_path", None)
+        if self.precision_choice is not None:
+            params["precision_choice"] = self.precision_choice.as_dict()
         for logger in trainer.loggers:
             logger.log_hyperparams(params)
+            if self.precision_choice is not None and hasattr(getattr(logger, "experiment", None), "add_text"):
+                logger.experiment.add_text("precision", self.precision_choice.reason, 0)
             logger.save()
         trainer.enable_autolog_hparams = False
 
@@ -122,9 +133,12 @@ class OPDCLI(LightningCLI):
     ``test`` print their metrics rounded; ``fit`` says where the student was exported; values the module
     takes from the DataModule are linked (``LINKS``); the parsed config is logged as the run's
     hyper-parameters (:class:`HparamsSaveConfigCallback`); a module or DataModule constructor error is shown
-    cause first, with the key as typed."""
+    cause first, with the key as typed; ``trainer.precision`` also takes ``auto``, resolved before the Trainer is
+    built (:mod:`lightning_opd.cli.precision`; the pick is :attr:`precision_choice`)."""
 
     def __init__(self, args=None, run: bool = True, **kwargs) -> None:
+        #: what ``trainer.precision: auto`` resolved to (``None``: not asked)
+        self.precision_choice = None
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("save_config_callback", HparamsSaveConfigCallback)
         kwargs.setdefault("parser_class", OPDArgumentParser)
@@ -142,7 +156,9 @@ class OPDCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Link ``model.init_args.<target>`` to the DataModule for every entry of ``LINKS`` (applied when the
-        classes are built, DataModule first; modules without the parameter are left alone)."""
+        classes are built, DataModule first; modules without the parameter are left alone); accept
+        ``trainer.precision: auto`` (:func:`~lightning_opd.cli.precision.allow_auto_precision`)."""
+        allow_auto_precision(parser)
         for target in LINKS:
             parser.link_arguments("data", f"model.init_args.{target}", compute_fn=_linked(target), apply_on="instantiate")
 
@@ -161,6 +177,17 @@ class OPDCLI(LightningCLI):
                 f"trainer.gradient_clip_val={clip}: {cls.__name__} optimizes manually and clips the gradient norm "
                 f"itself; set model.init_args.grad_clip_norm={clip} instead (and drop trainer.gradient_clip_val)")
         self._check_links(config, cls)
+        self._resolve_precision(config)
+
+    def _resolve_precision(self, config) -> None:
+        """``trainer.precision: auto`` -> the pick (:func:`~lightning_opd.cli.precision.resolve_config_precision`),
+        kept as :attr:`precision_choice` and handed to the hparams logger; an error is the parser's, naming the key."""
+        try:
+            self.precision_choice = resolve_config_precision(config)
+        except ValueError as err:
+            self._parser(self.subcommand).error(str(err))
+        if self.precision_choice is not None:
+            self.save_config_kwargs = {**self.save_config_kwargs, "precision_choice": self.precision_choice}
 
     def _check_links(self, config, cls: type | None) -> None:
         """A linked value set by hand (other than the class default or the value it is linked to) is an error:
@@ -189,6 +216,8 @@ class OPDCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         from lightning_opd.callbacks.progress import EpisodeProgressBar, StepLinePrinter
 
+        if self.precision_choice is not None and "precision" not in kwargs:  # trainer.precision: auto, resolved
+            kwargs["precision"] = self.precision_choice.trainer_precision
         trainer_cfg = self._get(self.config_init, "trainer", default={})
         callbacks = trainer_cfg.get("callbacks")
         if trainer_cfg.get("enable_progress_bar", True) is not False and "callbacks" not in kwargs:

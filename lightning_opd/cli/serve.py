@@ -31,7 +31,10 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="context limit in tokens (prompt + reply); at least data.init_args.max_context_tokens")
     p.add_argument("--kv-cache-memory-bytes", type=int_at_least(1), default=None,
                    help="KV cache size in bytes (default: vLLM's share of the memory)")
-    p.add_argument("--dtype", default="float32", help="weight dtype (float32 on CPU; bfloat16 on GPUs if desired)")
+    p.add_argument("--dtype", default="float32",
+                   help="weight dtype: float32 (default, exact) or bfloat16 (faster where the CPU has bf16 units, "
+                        "e.g. AMX; on GPUs). The learner's trainer.precision does not change a running server: pass "
+                        "--dtype bfloat16 to match a run that picked bf16 (docs/usage.md#precision)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="engine seed")
     p.add_argument("--no-enforce-eager", action="store_true",
                    help="let vLLM compile / capture graphs (GPUs; on CPU eager starts in ~80 s instead of minutes)")

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_opd.distributed import gather_per_rank
 from lightning_opd.envs.base import EnvFactory
+from lightning_opd.models.precision import weights_dtype_for
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.generator import Generator, SamplingParams
 from lightning_opd.rollout.sampler import EpisodeSampler
@@ -119,10 +120,15 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ----------------------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
-        """Take this process's data-parallel position from the trainer. The policy is bound separately, once,
-        by :meth:`connect` (``OPDModule.setup`` calls it)."""
+        """Take this process's data-parallel position from the trainer, and hand a generator at ``dtype: auto`` (the
+        in-process vLLM engine) the dtype of ``trainer.precision``'s pick (bfloat16 under ``bf16-*``:
+        :func:`~lightning_opd.models.precision.weights_dtype_for`). The policy is bound separately, once, by
+        :meth:`connect` (``OPDModule.setup`` calls it)."""
         if self.trainer is not None:
             self.sampler.set_rank(self.trainer.global_rank, self.trainer.world_size)
+            dtype = weights_dtype_for(self.trainer.precision)
+            if dtype is not None and hasattr(self.generator, "set_weights_dtype"):
+                self.generator.set_weights_dtype(dtype)
 
     def connect(self, policy) -> WeightSync:
         """Bind the session to ``policy`` (:meth:`~lightning_opd.rollout.session.RolloutSession.connect`; once).

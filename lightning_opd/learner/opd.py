@@ -53,7 +53,7 @@ from torch.profiler import record_function
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lightning_opd.learner.lags import AppliedLags
-from lightning_opd.learner.policy import PolicyModule, check_dtype
+from lightning_opd.learner.policy import PolicyModule, check_dtype, frozen_dtype
 from lightning_opd.learner.positions import micro_batch_layout, per_position, sampled_token_score, supervised_positions
 from lightning_opd.learner.step_metrics import StepMetrics, StepRecord
 from lightning_opd.learner.weightings import LossWeightings, check_behaviour_signal, uses_behaviour_logprobs
@@ -105,7 +105,7 @@ class OPDModule(PolicyModule):
             (:func:`~lightning_opd.rollout.batch.pack_by_tokens`); an episode longer than the budget is a
             micro-batch of its own (episodes are never split). The gradient does not depend on it (F07).
         grad_clip_norm: clip the global gradient L2 norm to this (``None``: no clipping).
-        dtype: student dtype; ``teacher_dtype``: teacher dtype (default: same as the student).
+        dtype: student dtype; ``teacher_dtype``: teacher dtype (default: :func:`~.policy.frozen_dtype` of the student's).
         max_logged_turns: number of ``kl/turn_NN`` keys tracked.
         log_text_every_n_steps: write one sample episode to TensorBoard text every N steps (0: never).
         strict_on_policy: raise :class:`OffPolicyBatchError` when a batch's lag exceeds the connected
@@ -177,7 +177,7 @@ class OPDModule(PolicyModule):
         else:  # F01: compare tokenizers before any rollout
             self.vocab_size = check_tokenizers_compatible(self.tokenizer, load_tokenizer(teacher, trust_remote_code),
                                                           student, teacher)
-            teacher = InProcessTeacher(teacher, self.vocab_size, self.teacher_dtype, trust_remote_code)
+            teacher = InProcessTeacher(teacher, self.vocab_size, teacher_dtype or frozen_dtype(dtype), trust_remote_code)
         #: the teacher seam: scores the student's tokens (a plain object, so its model stays out of the module tree:
         #: frozen, never checkpointed)
         self.teacher: Teacher = teacher
@@ -281,7 +281,7 @@ class OPDModule(PolicyModule):
     def configure_model(self) -> None:
         super().configure_model()
         if self._trainer is None or self.trainer.state.fn == "fit":
-            self.teacher.load()  # the in-process teacher: loaded once, F20 checked
+            self.follow_precision(self.teacher).load()  # in-process: loaded once (dtype auto: the pick), F20 checked
             self.teacher.attach_student(self.student)  # a self-distillation teacher scores with its weights
 
     def connect_data(self, datamodule) -> None:

@@ -42,6 +42,7 @@ from lightning_opd.distributed import gather_per_rank
 from lightning_opd.learner.nonfinite import NonFiniteGuard
 from lightning_opd.models.fsdp import full_state_dict, is_sharded, mixed_precision_policy, shard_causal_lm, unsharded_copy
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer, resolve_dtype, save_hf_atomic
+from lightning_opd.models.precision import weights_dtype_for
 from lightning_opd.rollout.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ class PolicyModule(L.LightningModule):
 
     Args:
         student: Hugging Face causal-LM directory of the student (e.g. ``artifacts/models/smollm2-135m``).
-        dtype: student parameter dtype (``float32`` on CPU).
+        dtype: student parameter dtype (``float32``: also the master weights under ``trainer.precision: bf16-mixed``,
+            whose autocast computes the matmuls in bf16; checkpoints and the export keep fp32).
         trust_remote_code: allow modelling code shipped with checkpoints (off by default, F15).
         export_dir: if set, the trained student is saved there as a Hugging Face directory (with
             tokenizer and chat template) when ``fit`` ends; written atomically (F16).
@@ -155,6 +157,21 @@ class PolicyModule(L.LightningModule):
         mesh = self.data_parallel_mesh()
         if mesh is not None:
             shard_causal_lm(self.student, mesh, mixed_precision_policy(self.fsdp_mixed_precision))
+
+    def precision_weights_dtype(self) -> torch.dtype | None:
+        """The dtype frozen weights left at ``dtype: auto`` (in-process teacher, vLLM engine) take under this run's
+        ``trainer.precision`` (:func:`~lightning_opd.models.precision.weights_dtype_for`: bfloat16 for ``bf16-*``),
+        ``None`` for fp32 and without a trainer."""
+        return weights_dtype_for(self.trainer.precision) if self._trainer is not None else None
+
+    def follow_precision(self, frozen):
+        """Hand :meth:`precision_weights_dtype` to ``frozen.set_weights_dtype`` (a teacher or generator left at
+        ``dtype: auto`` takes it; an explicit dtype stays) when the run is bf16 and ``frozen`` has the setter.
+        Returns ``frozen``."""
+        dtype = self.precision_weights_dtype()
+        if dtype is not None and hasattr(frozen, "set_weights_dtype"):
+            frozen.set_weights_dtype(dtype)
+        return frozen
 
     def check_loaded_student(self, model) -> None:
         """Called on the freshly loaded, not yet sharded student; a subclass that cannot train some
@@ -353,6 +370,13 @@ class PolicyModule(L.LightningModule):
             set_rng_states(states[self.global_rank])
         elif states:
             log.warning("random states saved by %d ranks, this run has %d: not restored", len(states), world)
+
+
+def frozen_dtype(student_dtype: str) -> str:
+    """The default dtype of frozen weights beside a student of ``student_dtype`` (the in-process teacher): ``"auto"``
+    for a float32 student (bfloat16 under ``trainer.precision: bf16-*``, float32 otherwise: :meth:`PolicyModule.
+    follow_precision`), the student's own dtype for any other."""
+    return "auto" if resolve_dtype(student_dtype) == torch.float32 else student_dtype
 
 
 def check_dtype(dtype: str, key: str) -> None:

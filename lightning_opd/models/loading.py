@@ -86,7 +86,9 @@ def load_causal_lm(
 
     Args:
         path: directory written by ``save_pretrained``.
-        dtype: parameter dtype; fp32 is the right choice on CPU (bf16 measured 2x slower there).
+        dtype: parameter dtype. Which is faster depends on the machine: bf16 matmuls ran about 8x fp32 on an AMX
+            Xeon and about 2x on an AMD EPYC with ``avx512_bf16``, but slower on CPUs without bf16 instructions
+            (:func:`~lightning_opd.models.precision.resolve_precision` probes it).
         trust_remote_code: run modelling code shipped with the checkpoint; off by default (F15).
 
     Raises:

@@ -148,7 +148,7 @@ def normalize_precision(requested: Any) -> str:
 
 def resolve_precision(requested: Any, model_or_shapes: nn.Module | Any | Iterable[tuple[int, int]],
                       device: str | torch.device = "cpu", min_seconds: float = 0.05,
-                      tokens: int = 512) -> PrecisionChoice:
+                      tokens: int = 256) -> PrecisionChoice:
     """The precision a run uses: ``requested`` as given, or for ``"auto"`` what this machine runs fastest.
 
     Args:
@@ -158,7 +158,8 @@ def resolve_precision(requested: Any, model_or_shapes: nn.Module | Any | Iterabl
         device: where the student trains (``"cpu"``, ``"cuda"``, ``"cuda:0"``).
         min_seconds: timed seconds per shape and dtype of the CPU probe (:func:`matmul_flops`); the default keeps
             the whole probe of a 5-shape model near 1 s on 2 cores.
-        tokens: rows of the probed matmuls (about a training micro-batch's tokens).
+        tokens: rows of the probed matmuls (256: large enough for both dtypes' kernels to reach their blocked
+            speed, small enough that SmolLM2's 576x49152 head, 4 calls per dtype, stays well under a second).
 
     ``auto`` on CUDA: ``bf16-mixed`` where ``torch.cuda.is_bf16_supported()``, else ``32-true``; nothing is
     probed (every bf16-capable GPU runs bf16 matmuls at least 2x fp32). ``auto`` on a CPU probes fp32 and bf16 at
@@ -213,8 +214,48 @@ def probe_dtypes(shapes: list[tuple[int, int]], device: str | torch.device = "cp
             "speedup_geomean": round(speedup, 3)}
 
 
+#: Lag-0 on-policy tolerance: the largest mean over a batch's supervised tokens of |log π_learner - log π_b| (nats per
+#: token) between the learner's log-probs of the sampled tokens (at the Trainer's precision) and the behaviour
+#: log-probs the sampler recorded, for a batch sampled by the weights being trained. See :func:`lag0_logprob_tolerance`.
+LAG0_LOGPROB_TOLERANCE = {"32-true": 1e-3, "bf16-mixed": 0.15, "bf16-true": 0.15}
+
+
+def lag0_logprob_tolerance(trainer_precision: Any) -> float:
+    """The lag-0 on-policy tolerance (nats per token, :data:`LAG0_LOGPROB_TOLERANCE`) under ``trainer_precision``;
+    ``exp(tol) - 1`` bounds how far a lag-0 batch's mean truncated importance ratio may sit from 1.
+
+    fp32 (``32-true``): 1e-3, the F02 bound of tests/rollout/test_vllm_fit.py. bf16: measured 2026-12-06 on this
+    project's 2-core AMD EPYC (``avx512_bf16``), lag-0 batches of a synchronous fit (2 steps x 4 episodes of
+    tests/helpers.py's keyword game, temperature 1, SGD), per batch: mean |Δ| over the supervised tokens, then in
+    brackets the largest token |Δ|, the largest episode mean (ρ) and the range of the token ratios exp(Δ):
+
+    * HF sampler (the live student; it runs inside the step's autocast) / bf16-mixed learner: 0 on the tiny model
+      (the same bf16 computation);
+    * vLLM fp32 / fp32 learner: tiny (hidden 128) 2.5e-7, 2.4e-7 (1.9e-6); SmolLM2-135M 4.4e-6, 6.8e-6 (3.6e-5);
+    * vLLM fp32 / bf16-mixed learner: tiny 0.0114, 0.0115 (0.039; 0.013; 0.96-1.04); SmolLM2-135M 0.029, 0.044
+      (0.44; 0.066; 0.65-1.22);
+    * vLLM bf16 (``dtype: auto`` following the pick) / bf16-mixed learner: tiny 0.0107, 0.0116 (0.060; 0.016;
+      0.95-1.06); SmolLM2-135M 0.041, 0.057 (0.31; 0.075; 0.80-1.37); mean ratio 1.01.
+
+    0.15 is 2.6x the largest measured batch mean (0.057): bf16 keeps 8 mantissa bits (about 0.4% of each logit,
+    several hundredths of a nat on SmolLM2's logits), so a lag-0 batch is not exact under bf16 and an fp32 bound
+    (1e-3) would call every bf16 batch off-policy. Note for the StalenessMonitor: SmolLM2's episode means ρ reached
+    0.075 nats at lag 0 under bf16, three quarters of the default drift tolerance ``tau_rho`` 0.1 (0.37 of the
+    calibrated 0.2036): recalibrate ``tau_rho`` (``lightning-opd calibrate-freshness``) at the precision a run uses.
+    Other values (``16-mixed``, ...) get the bf16 bound.
+    """
+    return LAG0_LOGPROB_TOLERANCE.get(str(trainer_precision), LAG0_LOGPROB_TOLERANCE["bf16-mixed"])
+
+
 def _weights_dtype(trainer_precision: str) -> torch.dtype:
     return torch.float32 if trainer_precision == "32-true" else torch.bfloat16
+
+
+def weights_dtype_for(trainer_precision: Any) -> torch.dtype | None:
+    """The dtype frozen weights (in-process teacher, in-process vLLM engine) left at ``dtype: auto`` take under
+    the Trainer's ``precision`` (``trainer.precision``, e.g. ``"bf16-mixed"``): ``torch.bfloat16`` for the bf16
+    settings, ``None`` for any other (fp32 and the rest: they keep the student's dtype, as before issue 61)."""
+    return torch.bfloat16 if str(trainer_precision) in ("bf16-mixed", "bf16-true", "bf16") else None
 
 
 def _shapes_of(model_or_shapes: Any) -> list[tuple[int, int]]:

@@ -189,8 +189,13 @@ class VLLMGenerator(Generator):
 
     Args:
         model: model directory to start the engine from (default: the attached policy's ``student_path``).
-        dtype: engine dtype (fp32 on CPU: bf16 was 2x slower there and would not match the trainer); ``None``:
-            the attached policy's (``model.init_args.dtype``), float32 without one.
+        dtype: engine dtype (``"float32"``, ``"bfloat16"``, ...), kept as given; ``"auto"`` (default) or ``None``:
+            the run's precision pick when one was handed over (:meth:`set_weights_dtype`: bfloat16 under
+            ``trainer.precision: bf16-*``, set by the DataModule's ``setup``), else the attached policy's
+            (``model.init_args.dtype``), float32 without one. Whether bf16 is faster depends on the machine (matmuls:
+            about 8x fp32 on the fleet's AMX Xeons, about 2x on its AMD EPYCs with ``avx512_bf16``, slower on CPUs
+            without bf16 instructions; ``trainer.precision: auto`` probes it); a bf16 engine's behaviour log-probs
+            differ from the learner's by bf16 rounding (:func:`~lightning_opd.models.precision.lag0_logprob_tolerance`).
         kv_cache_memory_bytes: KV cache size in bytes (set explicitly: the memory-fraction knob fails on
             CPU when other models share the process).
         max_model_len: longest sequence (prompt + reply, tokens) the engine accepts; the agent loop
@@ -204,7 +209,7 @@ class VLLMGenerator(Generator):
         engine_kwargs: extra keyword arguments for ``vllm.LLM`` (e.g. ``tensor_parallel_size`` on GPUs).
     """
 
-    def __init__(self, model: str | None = None, dtype: str | None = "float32", kv_cache_memory_bytes: int = 1 << 30,
+    def __init__(self, model: str | None = None, dtype: str | None = "auto", kv_cache_memory_bytes: int = 1 << 30,
                  max_model_len: int = 4096, enable_prefix_caching: bool = True, seed: int = 0,
                  block_size: int | None = DEFAULT_BLOCK_SIZE, engine_kwargs: dict | None = None) -> None:
         super().__init__()
@@ -213,6 +218,8 @@ class VLLMGenerator(Generator):
                              "multiple of 16 (vLLM's KV block sizes), or null for vLLM's default")
         self.model = model
         self.dtype = dtype
+        #: the precision pick handed over by :meth:`set_weights_dtype` (followed when ``dtype`` is auto/None)
+        self.weights_dtype: str | None = None
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
@@ -252,12 +259,27 @@ class VLLMGenerator(Generator):
         self.sync = VLLMWeightSync(self.llm)
         self._engine_version = None
 
+    def set_weights_dtype(self, dtype: str | torch.dtype) -> None:
+        """Follow the run's precision pick (``dtype`` left at ``"auto"``/``None``; an explicit dtype stays). Call
+        before the engine starts.
+
+        Raises:
+            RuntimeError: the engine already runs in another dtype than the one it would follow now.
+        """
+        name = str(dtype).removeprefix("torch.")
+        if self.dtype not in (None, "auto"):
+            return
+        if self.llm is not None and name != self.engine_dtype:
+            raise RuntimeError(f"the vLLM engine already runs in {self.engine_dtype}; hand it {name} before start()")
+        self.weights_dtype = name
+
     @property
     def engine_dtype(self) -> str:
-        """The engine's dtype name: ``dtype``, else the attached policy's (``dtype_name``), else ``"float32"``."""
-        if self.dtype is not None:
+        """The engine's dtype name: ``dtype``, else the handed-over pick (:meth:`set_weights_dtype`), else the
+        attached policy's (``dtype_name``), else ``"float32"``."""
+        if self.dtype not in (None, "auto"):
             return self.dtype
-        name = getattr(self._policy, "dtype_name", None) or "float32"
+        name = self.weights_dtype or getattr(self._policy, "dtype_name", None) or "float32"
         return str(resolve_dtype(name)).removeprefix("torch.")
 
     def shutdown(self) -> None:

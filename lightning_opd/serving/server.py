@@ -93,7 +93,9 @@ def vllm_serve_command(model: str | os.PathLike, *, host: str = "127.0.0.1", por
         model: Hugging Face model directory (weights, config, tokenizer with its chat template).
         host, port: where the server listens.
         max_model_len: the server's context limit (tokens, prompt + reply).
-        dtype: weight dtype (``float32`` on CPU: bf16 is slower there, docs/design.md).
+        dtype: weight dtype (``float32``: exact; ``bfloat16``: faster where the CPU has bf16 units, e.g. AMX
+            Xeons about 8x fp32 in matmuls, and on GPUs). The user's choice: a learner's ``trainer.precision: auto``
+            never changes a server (docs/usage.md#precision).
         served_model_name: the name requests use (default: the directory, as vLLM does).
         kv_cache_memory_bytes: KV cache size (bytes); ``None``: vLLM's default fraction of memory.
         seed: the engine seed.

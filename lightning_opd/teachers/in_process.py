@@ -22,7 +22,7 @@ import torch
 from lightning_opd.losses.base import TeacherSignal, log_probs
 from lightning_opd.losses.chunked import chunked_sampled_logprobs
 from lightning_opd.models.fsdp import with_root_params
-from lightning_opd.models.loading import load_causal_lm
+from lightning_opd.models.loading import load_causal_lm, resolve_dtype
 from lightning_opd.models.logits import check_head_path, output_head, trunk_hidden_states
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.teachers.base import Teacher, TeacherScores
@@ -34,25 +34,47 @@ class InProcessTeacher(Teacher):
     Args:
         path: teacher model directory (Hugging Face causal LM sharing the student's tokenizer, F01).
         vocab_size: the shared vocabulary ``V`` (logits are cut to ``[:V]``, F01b).
-        dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ...).
+        dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ...), or ``"auto"`` (default): the run's precision
+            pick, handed over by :meth:`set_weights_dtype` before :meth:`load` (``OPDModule.configure_model`` does
+            under ``trainer.precision: bf16-*``), ``"float32"`` when nothing was handed over.
         trust_remote_code: run modelling code shipped with the checkpoint (F15).
     """
 
     provides = frozenset(TeacherSignal)
 
-    def __init__(self, path: str, vocab_size: int, dtype: str = "float32", trust_remote_code: bool = False) -> None:
+    def __init__(self, path: str, vocab_size: int, dtype: str = "auto", trust_remote_code: bool = False) -> None:
         self.path = path
         self.vocab_size = int(vocab_size)
         self.dtype = dtype
+        #: ``dtype`` was ``"auto"``: :meth:`set_weights_dtype` decides it
+        self.follows_precision = dtype == "auto"
         self.trust_remote_code = trust_remote_code
         self.model = None  #: the frozen ``PreTrainedModel``; ``None`` until :meth:`load`
+        #: ``(model, ids, mask) -> (B, T, D)`` hidden states (the learner's packed trunk when it attaches one)
+        self.trunk = trunk_hidden_states
 
     @property
     def name(self) -> str:
         return f"{type(self).__name__}({self.path})"
 
+    def set_weights_dtype(self, dtype: str | torch.dtype) -> None:
+        """Follow the run's precision pick: the dtype to load with when ``dtype`` was left at ``"auto"`` (an explicit
+        dtype stays as given). Call before :meth:`load`.
+
+        Raises:
+            RuntimeError: the model is already loaded in another dtype than the one an ``"auto"`` teacher is given.
+        """
+        name = str(dtype).removeprefix("torch.")
+        if not self.follows_precision:
+            return
+        if self.model is not None and self.model.dtype != resolve_dtype(name):
+            raise RuntimeError(f"teacher {self.name} is already loaded in {self.model.dtype}; set its dtype ({name}) "
+                               "before load()")
+        self.dtype = name
+
     def load(self) -> None:
-        """Load the model (once), frozen, and check its head path (F20).
+        """Load the model (once), frozen, and check its head path (F20). ``dtype: auto`` never handed a dtype
+        (:meth:`set_weights_dtype`) loads in float32.
 
         Raises:
             UnsupportedArchitectureError: a model whose log-probs the chunked head path cannot reproduce
@@ -60,6 +82,8 @@ class InProcessTeacher(Teacher):
         """
         if self.model is not None:
             return
+        if self.dtype == "auto":
+            self.dtype = "float32"
         model = load_causal_lm(self.path, self.dtype, self.trust_remote_code)
         model.eval().requires_grad_(False)
         check_head_path(model, self.vocab_size, "model.init_args.teacher")  # F20
@@ -87,7 +111,7 @@ class InProcessTeacher(Teacher):
         model, head = self.model, output_head(self.model, self.vocab_size)
 
         def hidden_states() -> torch.Tensor:  # (N, D_T)
-            return trunk_hidden_states(model, batch.input_ids, batch.attention_mask)[rows, cols]
+            return self.trunk(model, batch.input_ids, batch.attention_mask)[rows, cols]
 
         hidden = with_root_params(model, hidden_states)
         return scores_from_hidden(hidden, batch.input_ids[:, 1:][rows, cols], head, signals, temperature, top_k,
