@@ -101,48 +101,78 @@ class _NothingToLoadFilter(logging.Filter):
         return not (record.msg == _NOTHING_TO_LOAD and record.args and record.args[0] == "RotaryEmbedding")
 
 
-def _load_in_place(worker, items: list[tuple[str, torch.Tensor]]) -> bool:
-    """Run in the engine's worker (``LLM.collective_rpc``): load ``items`` (checkpoint names, e.g. a student's
-    ``state_dict``) into the running model with the model's own ``load_weights`` (vLLM's name mapping and fused
-    qkv / gate_up layouts), then redo each layer's ``process_weights_after_loading``. Returns ``False``, having
-    changed nothing, where this is not known to be exact: a quantized model, or a layer whose quantization method is
-    not vLLM's unquantized linear/embedding one (the caller then uses ``reload_weights``).
+def _layer_index(name: str) -> int | None:
+    """The first integer component of a dotted name (``model.layers.3.mlp.down_proj`` -> 3); ``None`` without one."""
+    return next((int(part) for part in name.split(".") if part.isdigit()), None)
 
-    On CPU, vLLM 0.32 packs each linear layer's weight for oneDNN after loading and keeps an empty ``weight``; such a
-    layer gets a full-size weight (built from the metadata vLLM recorded at start for its own reload) to load into,
-    repacked and dropped again, so the packed copy is the only one that stays. Unlike ``reload_weights`` nothing is
-    rebuilt on the meta device and buffered layer by layer: one copy into each weight, one repack."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+def _full_weight(layer: torch.nn.Module, check: bool = False):
+    """A full-size ``weight`` to load into for a layer whose weight vLLM packed away after loading (CPU: oneDNN keeps
+    the packed copy, the layer an empty ``weight``), built from the metadata vLLM recorded at start for its own reload;
+    ``None`` for a layer that keeps its weight. ``check``: only say whether this is known (``False``: packed with no
+    record of its shape)."""
     from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
+    weight, meta = layer._parameters.get("weight"), get_layerwise_info(layer).restore_metadata[0].get("weight")
+    if check:
+        return weight is None or weight.numel() > 0 or (meta is not None and meta.numel() > 0)
+    if weight is None or meta is None or weight.shape == meta.shape:
+        return None
+    full = restore_layer_refs(materialize_meta_tensor(meta), layer)
+    if hasattr(full, "weight_loader"):  # a reload_weights before may have left its wrapper on the metadata
+        full.weight_loader = _get_original_loader(full)
+    return full
+
+
+def _load_group(model: torch.nn.Module, items: list, layers: list[tuple[str, torch.nn.Module]]) -> None:
+    """Load ``items`` (one decoder layer's checkpoint tensors) with ``model.load_weights``, then redo
+    ``process_weights_after_loading`` of each of ``layers`` (that decoder layer's modules) that got its weight."""
+    placeholders = {}
+    for qualname, layer in layers:
+        full = _full_weight(layer)
+        if full is not None:
+            placeholders[qualname] = layer._parameters["weight"]
+            layer.register_parameter("weight", full)
+    loaded = model.load_weights(iter(items))
+    for qualname, layer in layers:
+        if loaded is None or f"{qualname}.weight" in loaded:
+            layer.quant_method.process_weights_after_loading(layer)
+        elif qualname in placeholders:  # nothing came for it: it keeps its packed weight
+            layer.register_parameter("weight", placeholders[qualname])
+
+
+def _load_in_place(worker, items: list[tuple[str, torch.Tensor]]) -> bool:
+    """Run in the engine's worker (``LLM.collective_rpc``): load ``items`` (checkpoint names, e.g. a student's
+    ``state_dict``) into the running model with the model's own ``load_weights`` (vLLM's name mapping and fused
+    qkv / gate_up layouts) and redo each loaded layer's ``process_weights_after_loading`` (on CPU: the oneDNN
+    repack), one decoder layer at a time, so the full-size weights a packed layer needs to load into exist for one
+    decoder layer at once and their memory is reused by the next. Returns ``False``, having changed nothing, where this
+    is not known to be exact: a quantized model, a layer whose quantization method is not vLLM's unquantized
+    linear/embedding one, or a packed layer without vLLM's record of its shape (the caller then uses
+    ``reload_weights``, which rebuilds every layer on the meta device and buffers its weights first)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
     runner = worker.model_runner
     if runner.model_config.quantization is not None:
         return False
-    model, layers, staged = runner.get_model(), [], []
-    for layer in model.modules():
+    model, layers = runner.get_model(), {}
+    for qualname, layer in model.named_modules():
         method = getattr(layer, "quant_method", None)
         if method is None:
             continue
-        if not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+        unquantized = isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod))
+        if not unquantized or not _full_weight(layer, check=True):
             return False
-        layers.append(layer)
-        weight, meta = layer._parameters.get("weight"), get_layerwise_info(layer).restore_metadata[0].get("weight")
-        if weight is not None and meta is not None and weight.shape != meta.shape:  # packed away
-            full = restore_layer_refs(materialize_meta_tensor(meta), layer)
-            if hasattr(full, "weight_loader"):  # a reload_weights before may have left its wrapper on the metadata
-                full.weight_loader = _get_original_loader(full)
-            staged.append((layer, full))
-        elif weight is not None and weight.numel() == 0:  # packed away, with no record of its shape
-            return False
-    for layer, full in staged:
-        layer.register_parameter("weight", full)
+        layers.setdefault(_layer_index(qualname), []).append((qualname, layer))
+    groups: dict[int | None, list] = {}
+    for name, tensor in items:
+        groups.setdefault(_layer_index(name), []).append((name, tensor))
     with torch.no_grad():
-        model.load_weights(iter(items))
-        for layer in layers:
-            layer.quant_method.process_weights_after_loading(layer)
+        for index in sorted(groups, key=lambda i: (i is None, i or 0)):
+            _load_group(model, groups[index], layers.get(index, []))
     return True
 
 

@@ -56,7 +56,8 @@ def _sample(gen, tokenizer, sampling):
 
 def test_in_place_refresh_loads_what_reload_weights_loads_and_prints_no_rotary_line(engine, tokenizer):
     """Push ``b`` in place: the engine's log-probs are ``b``'s (the F09 tolerance, 1e-3); push ``a`` and then ``b``
-    again through vLLM's ``reload_weights``: the same seeds give the same token ids and bitwise the same log-probs.
+    again through vLLM's ``reload_weights``, and then ``a`` and ``b`` in place again: the same seeds give the same
+    token ids and bitwise the same log-probs.
     Neither path logs "Failed to load weights" (vLLM 0.32 logged it for RotaryEmbedding at every reload)."""
     gen, model_a, model_b = engine
     records = _Records()
@@ -81,10 +82,14 @@ def test_in_place_refresh_loads_what_reload_weights_loads_and_prints_no_rotary_l
         assert gen.llm.reset_prefix_cache()
         seconds["reload_weights"] = time.perf_counter() - t0
         _, reloaded = _sample(gen, tokenizer, sampling)
+        gen.push_weights(model_a.state_dict(), version=3)  # in place after a reload_weights (which wraps vLLM's
+        gen.push_weights(model_b.state_dict(), version=4)  # loaders on its metadata): b again
+        _, after_reload = _sample(gen, tokenizer, sampling)
     finally:
         logging.getLogger(RELOAD_LOGGER).removeHandler(records)
     assert [o.token_ids for o in reloaded] == [o.token_ids for o in in_place]
     assert [o.logprobs for o in reloaded] == [o.logprobs for o in in_place]
+    assert [(o.token_ids, o.logprobs) for o in after_reload] == [(o.token_ids, o.logprobs) for o in in_place]
     assert not [m for m in records.messages if "Failed to load weights" in m], records.messages
     print({k: round(v, 3) for k, v in seconds.items()})
 
