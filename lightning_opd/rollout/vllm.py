@@ -183,8 +183,8 @@ class VLLMWeightSync:
     ``load_weights`` (:func:`_load_in_place`, through the public ``LLM.collective_rpc``), then
     ``LLM.reset_prefix_cache()`` so no KV entry computed with the old weights survives. Where that is not known to be
     exact (quantized models) it uses vLLM's ``collective_rpc("reload_weights", ...)`` (the worker rebuilds each
-    layer on the meta device, buffers its weights and processes it), which on SmolLM2-135M took longer (median
-    of pushes in docs/design.md, 'vLLM weight refresh') for the same engine outputs.
+    layer on the meta device, buffers its weights and processes it), which on SmolLM2-135M took longer for the same
+    engine outputs (medians in docs/design.md, 'vLLM weight refresh and KV blocks').
     """
 
     def __init__(self, llm) -> None:
