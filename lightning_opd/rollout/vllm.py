@@ -126,16 +126,19 @@ def _full_weight(layer: torch.nn.Module, check: bool = False):
     return full
 
 
-def _load_group(model: torch.nn.Module, items: list, layers: list[tuple[str, torch.nn.Module]]) -> None:
-    """Load ``items`` (one decoder layer's checkpoint tensors) with ``model.load_weights``, then redo
-    ``process_weights_after_loading`` of each of ``layers`` (that decoder layer's modules) that got its weight."""
+def _load_group(model: torch.nn.Module, items: list, layers: list[tuple[str, torch.nn.Module]],
+                dtype: torch.dtype | None) -> None:
+    """Load ``items`` (one decoder layer's checkpoint tensors; floating ones cast to ``dtype`` unless ``None``) with
+    ``model.load_weights``, then redo ``process_weights_after_loading`` of each of ``layers`` (that decoder layer's
+    modules) that got its weight."""
     placeholders = {}
     for qualname, layer in layers:
         full = _full_weight(layer)
         if full is not None:
             placeholders[qualname] = layer._parameters["weight"]
             layer.register_parameter("weight", full)
-    loaded = model.load_weights(iter(items))
+    loaded = model.load_weights((name, t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+                                for name, t in items)
     for qualname, layer in layers:
         if loaded is None or f"{qualname}.weight" in loaded:
             layer.quant_method.process_weights_after_loading(layer)
@@ -167,12 +170,16 @@ def _load_in_place(worker, items: list[tuple[str, torch.Tensor]]) -> bool:
         if not unquantized or not _full_weight(layer, check=True):
             return False
         layers.setdefault(_layer_index(qualname), []).append((qualname, layer))
+    # one floating dtype in the engine (a bf16 engine of an fp32 learner): cast before loading, the same rounding as
+    # the loader's own copy, without vLLM's "Attempted to load weight ... with dtype" warning for every tensor
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
     groups: dict[int | None, list] = {}
     for name, tensor in items:
         groups.setdefault(_layer_index(name), []).append((name, tensor))
     with torch.no_grad():
         for index in sorted(groups, key=lambda i: (i is None, i or 0)):
-            _load_group(model, groups[index], layers.get(index, []))
+            _load_group(model, groups[index], layers.get(index, []), dtype)
     return True
 
 

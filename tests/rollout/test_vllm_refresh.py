@@ -106,3 +106,31 @@ def test_reload_filter_drops_only_the_rotary_line():
     keep = _NothingToLoadFilter()
     assert keep.filter(record("RotaryEmbedding")) is False
     assert keep.filter(record("QKVParallelLinear")) is True
+
+
+def test_fp32_push_into_a_bf16_engine_is_cast_once_and_silently(tmp_path, tokenizer):
+    """A bf16 engine (``trainer.precision`` bf16) of an fp32 learner: the in-place push casts to bf16 before loading,
+    which gives bitwise the outputs of pushing the bf16-cast state itself (the loader's copy rounds the same way), and
+    vLLM logs no "Attempted to load weight ... with dtype" warning (one per tensor, every push, before)."""
+    model_a = make_model(tokenizer, seed=0, hidden=128, heads=2, kv_heads=1)
+    model_b = make_model(tokenizer, seed=1, hidden=128, heads=2, kv_heads=1)
+    gen = VLLMGenerator(model=str(save_hf_atomic(model_a, tokenizer, tmp_path / "a")), dtype="bfloat16",
+                        kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+    gen.attach(StaticPolicy(model_a, tokenizer), stop_token_ids(tokenizer))
+    gen.follow_policy = False
+    gen.start()
+    records = _Records()
+    loader_log = logging.getLogger("vllm.model_executor.models.utils")
+    loader_log.addHandler(records)
+    try:
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
+        gen.push_weights(model_b.state_dict(), version=1)
+        _, fp32_pushed = _sample(gen, tokenizer, sampling)
+        gen.push_weights(model_a.state_dict(), version=2)
+        gen.push_weights({k: v.to(torch.bfloat16) for k, v in model_b.state_dict().items()}, version=3)
+        _, bf16_pushed = _sample(gen, tokenizer, sampling)
+    finally:
+        loader_log.removeHandler(records)
+        gen.shutdown()
+    assert [(o.token_ids, o.logprobs) for o in fp32_pushed] == [(o.token_ids, o.logprobs) for o in bf16_pushed]
+    assert not [m for m in records.messages if "Attempted to load weight" in m], records.messages[:3]
