@@ -111,6 +111,8 @@ def run_fit(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     export = workdir / name / "student"
     fit_args += [f"--trainer.max_steps={args.steps}", "--trainer.limit_val_batches=0", "--trainer.logger=false",
                  "--trainer.enable_checkpointing=false", "--seed_everything=0",
+                 # fp32 on every checkout: the configs' `auto` (issue 61) picks bf16 on CPUs with bf16 units
+                 "--trainer.precision=32-true",
                  f"--model.init_args.export_dir={export}", *args.extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONHASHSEED="0")
