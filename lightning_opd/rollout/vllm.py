@@ -166,8 +166,11 @@ def _load_in_place(worker, items: list[tuple[str, torch.Tensor]]) -> bool:
         method = getattr(layer, "quant_method", None)
         if method is None:
             continue
-        unquantized = isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod))
-        if not unquantized or not _full_weight(layer, check=True):
+        try:  # vLLM 0.32's reload internals; another vLLM may lack them: its own reload_weights then
+            known = _full_weight(layer, check=True)
+        except (ImportError, AttributeError):
+            return False
+        if not known or not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
             return False
         layers.setdefault(_layer_index(qualname), []).append((qualname, layer))
     # one floating dtype in the engine (a bf16 engine of an fp32 learner): cast before loading, the same rounding as

@@ -108,8 +108,31 @@ def test_reload_filter_drops_only_the_rotary_line():
     assert keep.filter(record("QKVParallelLinear")) is True
 
 
+def test_a_vllm_without_the_reload_internals_falls_back_to_reload_weights(engine, tokenizer, monkeypatch):
+    """Where vLLM's reload internals that the in-place path reads do not import (another vLLM version), the push uses
+    ``reload_weights`` and the engine still serves the pushed weights (the same outputs as an in-place push)."""
+    import lightning_opd.rollout.vllm as backend
+
+    gen, model_a, model_b = engine
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
+    gen.push_weights(model_b.state_dict(), version=10)
+    assert gen.sync.last_method == "in_place"
+    _, in_place = _sample(gen, tokenizer, sampling)
+    gen.push_weights(model_a.state_dict(), version=11)
+
+    def missing(layer, check=False):
+        raise ImportError("No module named 'vllm.model_executor.model_loader.reload'")
+
+    monkeypatch.setattr(backend, "_full_weight", missing)
+    gen.push_weights(model_b.state_dict(), version=12)
+    assert gen.sync.last_method == "reload_weights"
+    _, fallback = _sample(gen, tokenizer, sampling)
+    assert [(o.token_ids, o.logprobs) for o in fallback] == [(o.token_ids, o.logprobs) for o in in_place]
+
+
 def test_fp32_push_into_a_bf16_engine_is_cast_once_and_silently(tmp_path, tokenizer):
-    """A bf16 engine (``trainer.precision`` bf16) of an fp32 learner: the in-place push casts to bf16 before loading,
+    """(Last in this file: a second engine's shutdown ends the distributed state the module's engine runs in.)
+    A bf16 engine (``trainer.precision`` bf16) of an fp32 learner: the in-place push casts to bf16 before loading,
     which gives bitwise the outputs of pushing the bf16-cast state itself (the loader's copy rounds the same way), and
     vLLM logs no "Attempted to load weight ... with dtype" warning (one per tensor, every push, before)."""
     model_a = make_model(tokenizer, seed=0, hidden=128, heads=2, kv_heads=1)
