@@ -53,6 +53,7 @@ from torch.profiler import record_function
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lightning_opd.learner.lags import AppliedLags
+from lightning_opd.learner.packing import SequencePacking
 from lightning_opd.learner.policy import PolicyModule, check_dtype, frozen_dtype
 from lightning_opd.learner.positions import micro_batch_layout, per_position, sampled_token_score, supervised_positions
 from lightning_opd.learner.step_metrics import StepMetrics, StepRecord
@@ -67,7 +68,7 @@ from lightning_opd.losses.turn_blend import TurnBlendWeighting
 from lightning_opd.metrics.turn_stats import TurnStats, per_turn_sums
 from lightning_opd.models.fsdp import with_root_params
 from lightning_opd.models.loading import load_tokenizer
-from lightning_opd.models.logits import check_head_path, output_head, trunk_hidden_states
+from lightning_opd.models.logits import check_head_path, output_head
 from lightning_opd.models.tokenizers import check_tokenizers_compatible
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.teachers import InProcessTeacher, Teacher, TeacherScores, check_teacher_serves
@@ -111,6 +112,7 @@ class OPDModule(PolicyModule):
         strict_on_policy: raise :class:`OffPolicyBatchError` when a batch's lag exceeds the connected
             weight sync's ``max_allowed_lag`` (0 in synchronous mode).
         trust_remote_code, export_dir, gradient_checkpointing, fsdp_mixed_precision: see :class:`PolicyModule`.
+        pack_sequences: ``false`` (default), ``auto``, ``true``: rows as one unpadded sequence (:mod:`~.packing`).
         aggregation: ``"token"`` (default, docs/algorithms.md §0.5: the mean over the step's supervised tokens)
             or ``"sequence"`` (§0.5's option, ATOD as published: the mean over the step's sequences of each
             sequence's token mean); both are independent of micro-batching and ranks (F07).
@@ -147,7 +149,7 @@ class OPDModule(PolicyModule):
                  strict_on_policy: bool = True, trust_remote_code: bool = False, export_dir: str | None = None,
                  gradient_checkpointing: bool = False, fsdp_mixed_precision: str | None = None,
                  micro_batch_tokens: int | None = None, aggregation: str = "token", max_nonfinite_steps: int = 3,
-                 off_policy: OffPolicyConfig | None = None) -> None:
+                 off_policy: OffPolicyConfig | None = None, pack_sequences: bool | str = False) -> None:
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"model.init_args.aggregation={aggregation!r}: use one of {AGGREGATIONS} (token: the "
                              "mean over the step's supervised tokens, docs/algorithms.md §0.5; sequence: the mean "
@@ -181,6 +183,7 @@ class OPDModule(PolicyModule):
         #: the teacher seam: scores the student's tokens (a plain object, so its model stays out of the module tree:
         #: frozen, never checkpointed)
         self.teacher: Teacher = teacher
+        self.packing = SequencePacking(pack_sequences).attach(teacher)  #: packed or padded passes, per model
         check_teacher_serves(self.loss_fn, self.teacher)
 
     # ----------------------------------------------------------------------------------- the objective
@@ -313,10 +316,9 @@ class OPDModule(PolicyModule):
         verifies for the student and the teacher at setup."""
         return output_head(model, self.vocab_size)
 
-    @staticmethod
-    def hidden_states(model, batch: RolloutBatch) -> torch.Tensor:
-        """``(B, T, D)`` final hidden states (after the last norm), i.e. the LM head's input."""
-        return trunk_hidden_states(model, batch.input_ids, batch.attention_mask)
+    def hidden_states(self, model, batch: RolloutBatch) -> torch.Tensor:
+        """``(B, T, D)`` final hidden states (after the last norm), the LM head's input (rows packed: :attr:`packing`)."""
+        return self.packing.hidden_states(model, batch.input_ids, batch.attention_mask)
 
     def token_losses(self, batch: RolloutBatch) -> tuple[TokenLoss, torch.Tensor, torch.Tensor]:
         """Per-token divergence of one micro-batch.
