@@ -38,8 +38,12 @@ def _auto_precision_is_fp32(request, monkeypatch):
 
         from lightning_opd.models.precision import PrecisionChoice
 
-        monkeypatch.setattr(cli_precision, "auto_precision", lambda config: PrecisionChoice(
-            "32-true", torch.float32, {}, "tests pin auto to 32-true: tests/conftest.py"))
+        import lightning_opd.models.precision as precision
+
+        pinned = PrecisionChoice("32-true", torch.float32, {}, "tests pin auto to 32-true: tests/conftest.py")
+        monkeypatch.setattr(cli_precision, "auto_precision", lambda config: pinned)
+        # the experiment runner's pick (lightning_opd/experiments/runner.py), passed to its fit processes
+        monkeypatch.setattr(precision, "resolve_student_precision", lambda *args, **kwargs: pinned)
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from typing import Literal, Optional, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_opd.models.precision import (PrecisionChoice, config_linear_shapes, normalize_precision,
-                                            resolve_precision, weights_dtype_for)
+from lightning_opd.models.precision import (PrecisionChoice, normalize_precision, resolve_student_precision,
+                                            weights_dtype_for)
 
 KEY = "trainer.precision"
 #: the pick of ``auto``, set in the environment of the process that resolved it, so the data-parallel ranks Lightning
@@ -73,21 +73,15 @@ def auto_precision(config) -> PrecisionChoice:
         ValueError: no ``model.init_args.student``, or its config cannot be read (names the path and the fix).
     """
     device = training_device(config)
-    if device == "cuda":
-        return resolve_precision("auto", [], device)
     path = student_path(config)
-    if path is None:
+    if device != "cuda" and path is None:
         raise ValueError(f"{KEY}=auto probes the student's matmul shapes, but model.init_args.student is not set; set "
                          f"--{KEY}=32-true or bf16-mixed")
-    from transformers import AutoConfig
-
     trust = bool(((config.get("model") or {}).get("init_args") or {}).get("trust_remote_code", False))
     try:
-        shapes = config_linear_shapes(AutoConfig.from_pretrained(path, trust_remote_code=trust))
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{KEY}=auto: cannot read the student's config at model.init_args.student={path} ({err}); "
-                         f"fix the path or set --{KEY}=32-true (or bf16-mixed)") from None
-    return resolve_precision("auto", shapes, device)
+        return resolve_student_precision("auto", path, device, trust)
+    except ValueError as err:
+        raise ValueError(f"{KEY}=auto at model.init_args.student: {err}") from None
 
 
 def resolve_config_precision(config) -> PrecisionChoice | None:

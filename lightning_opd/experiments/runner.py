@@ -227,6 +227,9 @@ class Runner:
                     + arm.overrides + [f"--seed_everything={seed}"] + [f"--{k}={seed}" for k in self.exp.seed_keys])
         config = self._resolved_config(d, base_cmd)
         self._check_steps(config, arm)
+        precision = self._experiment_precision(config)
+        if precision is not None:  # one precision for every arm and seed, whatever machine a resume lands on
+            base_cmd = base_cmd + [f"--trainer.precision={precision}"]
         start_sha256 = self.evaluate_start(arm, seed, config)[1] if self.exp.evaluate_start else None
         if not (d / "fit.done").is_file():
             cmd = list(base_cmd)
@@ -287,6 +290,33 @@ class Runner:
                                    f"{out.stderr[-3000:]}")
             write_text_atomic(path, out.stdout)
         return yaml.safe_load(path.read_text()) or {}
+
+    def _experiment_precision(self, config: dict) -> str | None:
+        """The experiment's pick for ``trainer.precision: auto`` (issue 61): resolved once, at its first run, at the
+        student's shapes on that machine (:func:`~lightning_opd.models.precision.resolve_student_precision`), and
+        kept in ``<root>/precision.json`` with the CPU and the probe's reason, so that every arm and seed, resumed on
+        any machine, trains at one precision (a probe per run could pick fp32 on one machine and bf16 on another,
+        and the arms would differ in more than the method). ``None`` when the config names a precision.
+
+        Raises:
+            ValueError: the student's config cannot be read (from the probe).
+        """
+        if str(_get(config, "trainer.precision")) != "auto":
+            return None
+        path = self.exp.root / "precision.json"
+        if path.is_file():
+            return json.loads(path.read_text())["precision"]
+        import torch
+
+        from lightning_opd.models import precision as precision_mod
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        choice = precision_mod.resolve_student_precision("auto", str(_get(config, "model.init_args.student")), device)
+        write_text_atomic(path, json.dumps({"precision": choice.trainer_precision, "reason": choice.reason,
+                                            "cpu": cpu_name()}, indent=1))
+        self.echo(f"[{self.exp.name}] trainer.precision=auto: {choice.trainer_precision} for every run "
+                  f"({choice.reason}); kept in {path}")
+        return choice.trainer_precision
 
     def _check_steps(self, config: dict, arm: Arm) -> None:
         steps = _get(config, "trainer.max_steps")

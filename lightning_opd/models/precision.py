@@ -267,3 +267,24 @@ def _shapes_of(model_or_shapes: Any) -> list[tuple[int, int]]:
     if not shapes:
         raise ValueError("resolve_precision: no shapes to probe (empty list); pass the model or its config")
     return shapes
+
+
+def resolve_student_precision(requested: Any, student: str, device: str | torch.device = "cpu",
+                              trust_remote_code: bool = False) -> PrecisionChoice:
+    """:func:`resolve_precision` at the ``nn.Linear`` shapes of the student model directory ``student`` (read from
+    its ``config.json``; no weights are loaded); on CUDA no probe.
+
+    Raises:
+        ValueError: ``requested`` is not a precision; the student's config cannot be read (names the path).
+    """
+    if str(device).startswith("cuda"):
+        return resolve_precision(requested, [], device)
+    from transformers import AutoConfig
+
+    try:
+        shapes = config_linear_shapes(AutoConfig.from_pretrained(student, trust_remote_code=trust_remote_code))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"precision {requested!r}: cannot read the student's config at {student} ({err}); fix the "
+                         "path or set a precision (32-true, bf16-mixed)") from None
+    return resolve_precision(requested, shapes, device)
+

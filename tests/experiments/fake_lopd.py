@@ -43,7 +43,7 @@ def fit(argv: list[str]) -> None:
     steps = int(opts.get("trainer.max_steps", 4))
     if "--print_config" in argv:
         trainer = {"max_steps": steps, "limit_val_batches": float(opts.get("trainer.limit_val_batches", 1.0)),
-                   "max_time": opts.get("trainer.max_time")}
+                   "max_time": opts.get("trainer.max_time"), "precision": opts.get("trainer.precision")}
         print(yaml.safe_dump({"seed_everything": int(opts["seed_everything"]), "trainer": trainer,
                               "model": {"init_args": {"student": opts.get("model.init_args.student", "base-dir"),
                                                         "teacher": "teacher-dir"}},
@@ -65,7 +65,8 @@ def fit(argv: list[str]) -> None:
                 {"mark": m, "step": reached[m][0] if m in reached else None,
                  "seconds": reached[m][1] if m in reached else None} for m in marks]}))
     log_call({"cmd": "fit", "dir": str(folder.parent), "seed": opts["seed_everything"], "data_seed":
-              opts.get("data.init_args.seed"), "ckpt_path": opts.get("ckpt_path"), "start": start, "seconds": seconds})
+              opts.get("data.init_args.seed"), "ckpt_path": opts.get("ckpt_path"), "start": start, "seconds": seconds,
+              "precision": opts.get("trainer.precision")})
     folder.mkdir(parents=True, exist_ok=True)
     write_marks()
     step = start

@@ -246,6 +246,48 @@ def test_keep_checkpoints_false_deletes_a_pairs_checkpoints_once_it_is_done(tmp_
 
 
 
+def test_auto_precision_is_picked_once_per_experiment_and_given_to_every_fit(tmp_path, monkeypatch):
+    """``trainer.precision: auto`` (the shipped configs', issue 61) is resolved once, at the experiment's first run,
+    kept in ``precision.json`` with the CPU, and passed to every fit, so arms and seeds (and a resume on another
+    machine) train at one precision; a later session does not probe again."""
+    import torch
+
+    import lightning_opd.models.precision as precision
+
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
+    probes = []
+
+    def probe(requested, student, device="cpu", trust_remote_code=False):
+        probes.append((requested, student))
+        return precision.PrecisionChoice("bf16-mixed", torch.bfloat16, {}, "bf16 matmuls ran 2.00x fp32")
+
+    monkeypatch.setattr(precision, "resolve_student_precision", probe)
+    auto = {"overrides": ["--trainer.max_steps=2", "--trainer.precision=auto"]}
+    arms = {"a": {"configs": ["conf-a.yaml"], **auto}, "b": {"configs": ["conf-b.yaml"], **auto}}
+    exp = load_experiment(spec(tmp_path, 0, seeds=[0], arms=arms, checkpoint_every=2), results=tmp_path / "r")
+    Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    assert probes == [("auto", "base-dir")]  # once for both arms
+    record = json.loads((exp.root / "precision.json").read_text())
+    assert record == {"precision": "bf16-mixed", "reason": "bf16 matmuls ran 2.00x fp32", "cpu": cpu_name()}
+    fits = [c for c in calls(tmp_path) if c["cmd"] == "fit"]
+    assert len(fits) == 2 and {c["precision"] for c in fits} == {"bf16-mixed"}
+
+    # the next session (another machine, whose probe would pick fp32) adds seed 1 at the recorded precision
+    monkeypatch.setattr(precision, "resolve_student_precision", lambda *a, **k: pytest.fail("probed again"))
+    exp = load_experiment(spec(tmp_path, 0, seeds=[0, 1], arms=arms, checkpoint_every=2), results=tmp_path / "r")
+    Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    fits = [c for c in calls(tmp_path) if c["cmd"] == "fit"]
+    assert len(fits) == 4 and {c["precision"] for c in fits} == {"bf16-mixed"}
+
+    # a config that names its precision is left as it is
+    fixed = {"a": {"configs": ["conf-a.yaml"], "overrides": ["--trainer.max_steps=2", "--trainer.precision=32-true"]}}
+    exp = load_experiment(spec(tmp_path, 0, seeds=[0], arms=fixed, checkpoint_every=2, name="fixed"),
+                          results=tmp_path / "r2")
+    Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    fits = [c for c in calls(tmp_path) if c["cmd"] == "fit" and c["dir"].startswith(str(tmp_path / "r2"))]
+    assert not (exp.root / "precision.json").exists() and [c["precision"] for c in fits] == ["32-true"]
+
+
 def test_summary_of_some_arms_uses_the_seeds_they_all_have(tmp_path, monkeypatch):
     """``--summary --arms``: the claim's arms over every seed they share while another arm lacks one; written
     beside the full summary (which keeps only the seed every arm has), with the contrasts among those arms."""
