@@ -401,6 +401,9 @@ class RemoteGenerator(Generator):
         expected = str(self._server_version)
         stale = set()
         for client in {c.url: c for c in clients}.values():
+            if client.url in self.pool.dead:  # it answered, then died (another reply found it out): unknown weights
+                stale.add(client.url)
+                continue
             try:
                 reported = (client.get("/weight_info") or {}).get("weight_version")
             except ServerError as err:

@@ -295,9 +295,9 @@ def test_the_agent_loop_and_the_datamodule_sample_through_it(server, tokenizer, 
 def test_several_servers_and_a_killed_one(server, served_model_dirs, tokenizer, hf_student):
     """Two servers: episodes spread over both (each sticks to its server across turns), a push reaches both. Then
     the second is SIGKILLed while replies are being sampled: generate does not hang and does not fail: the replies
-    of the killed server are sampled again on the live one (F34; one attempt on the dead server, no retries while a
-    replica is left), all stamped with the pushed version, and the next call goes to the live server only
-    (tests/rollout/test_remote_failover.py has the rejoin and the version check after a failover)."""
+    of the killed server are sampled again on the live one (F34), all stamped with the pushed version, and the next
+    call goes to the live server only (tests/rollout/test_remote_failover.py has the rejoin and the version check
+    after a failover)."""
     other = VLLMServer(served_model_dirs["student"], dev_mode=True, threads=1, kv_cache_memory_bytes=1 << 27,
                        max_model_len=MAX_LEN, extra_args=sampler_server_args(MAX_LEN)).start()
     gen = RemoteGenerator([server.url, other.url], heartbeat_s=0, timeout_s=10.0, retries=1, backoff_s=0.5)
@@ -336,7 +336,9 @@ def test_several_servers_and_a_killed_one(server, served_model_dirs, tokenizer, 
         assert result["error"] is None, result
         outs = result["outs"]
         assert len(outs) == len(ps) * 4 and all(o.policy_version == 9 for o in outs)
-        assert list(gen.pool.dead) == [other.url] and gen.clients[1].retry_count == 0
+        # (no retries on the dead one while a replica is left: tests/serving/test_failover.py; here a reply the
+        # killed server finished before the kill has its version read there, which may retry)
+        assert list(gen.pool.dead) == [other.url]
         print(f"killed server: generate finished on the live one {took:.1f} s after the kill")
         before = gen.clients[0].request_count
         gen.generate(requests_for(ps), SamplingParams(max_new_tokens=4))
