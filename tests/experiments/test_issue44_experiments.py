@@ -163,6 +163,11 @@ def as_recorded(config: dict) -> dict:
                           else {"truncated_ratio": False, "ratio_cap": 2.0, "allow_uncorrected": True}), off_policy
     data["max_lag"] = data.pop("producer_lead")
     config["trainer"]["callbacks"] = config["trainer"]["callbacks"] or None
+    # issue 61: the recorded runs were fp32 (precision unset) and padded; the configs now say `auto` (the runner picks
+    # once per experiment, precision.json: a rerun meant to reproduce them passes --trainer.precision=32-true) and
+    # packing is off by default
+    assert config["trainer"]["precision"] == "auto" and init.pop("pack_sequences") is False
+    config["trainer"]["precision"] = None
     return config
 
 
