@@ -85,7 +85,8 @@ class ServedTokenizerLike(Protocol):
     def info(self) -> dict | None: ...  # the server's tokenizer config (``None``: it does not offer one)
 
 
-def _first_difference(mine: list[int], theirs: list[int]) -> int:
+def first_difference(mine: list[int], theirs: list[int]) -> int:
+    """Index of the first differing id of two id lists (the shorter length when one is a prefix of the other)."""
     return next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
 
 
@@ -174,7 +175,7 @@ def _check_text_to_ids(student, served: ServedTokenizerLike, name: str, chars_pe
         mine = student(chunk, add_special_tokens=False)["input_ids"]
         theirs = served.tokenize(chunk, add_special_tokens=False)
         if mine != theirs:
-            i = _first_difference(mine, theirs)
+            i = first_difference(mine, theirs)
             raise TokenizerMismatchError(
                 f"{name} tokenizes differently from the student: first difference at token {i} of a vocabulary "
                 f"probe: student id {mine[i] if i < len(mine) else None} ({student.decode(mine[i:i + 1])!r}) vs "
@@ -210,7 +211,7 @@ def _check_render(student, served: ServedTokenizerLike, name: str) -> None:
     mine = _ids(student.apply_chat_template(list(PROBE_CONVERSATION), add_generation_prompt=True, tokenize=True))
     theirs = served.render(list(PROBE_CONVERSATION), add_generation_prompt=True)
     if mine != theirs:
-        i = _first_difference(mine, theirs)
+        i = first_difference(mine, theirs)
         raise TokenizerMismatchError(
             f"{name}: its chat template renders the probe conversation differently from the student's: first "
             f"difference at token {i} (in {probe_turn_of(student, i)}): student {mine[i:i + 5]} "

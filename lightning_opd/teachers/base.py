@@ -211,8 +211,3 @@ def check_teacher_serves(loss, teacher: Teacher) -> None:
             f"teacher {teacher.name} provides only {sorted(s.value for s in teacher.provides)}: a teacher without "
             f"full_vocab must also provide sampled_token (the log-prob of the sampled token, which "
             f"{type(loss).__name__} logs and estimates the KL with)")
-
-
-def first_difference(mine: list[int], theirs: list[int]) -> int:
-    """Index of the first differing id of two id lists (the shorter length when one is a prefix of the other)."""
-    return next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))

@@ -39,7 +39,8 @@ from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.chat import ChatFormat
 from lightning_opd.rollout.types import Trajectory
 from lightning_opd.serving import ServerWeightPush
-from lightning_opd.teachers.base import Teacher, TeacherScores, first_difference
+from lightning_opd.models.tokenizers import first_difference
+from lightning_opd.teachers.base import Teacher, TeacherScores
 from lightning_opd.teachers.in_process import scores_from_hidden
 
 PLACEMENTS = ("system", "before_observation")
