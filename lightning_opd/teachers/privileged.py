@@ -35,11 +35,11 @@ import torch
 from lightning_opd.losses.base import TeacherSignal
 from lightning_opd.models.fsdp import with_root_params
 from lightning_opd.models.logits import output_head, trunk_hidden_states
+from lightning_opd.models.tokenizers import first_difference
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.chat import ChatFormat
 from lightning_opd.rollout.types import Trajectory
 from lightning_opd.serving import ServerWeightPush
-from lightning_opd.models.tokenizers import first_difference
 from lightning_opd.teachers.base import Teacher, TeacherScores
 from lightning_opd.teachers.in_process import scores_from_hidden
 
