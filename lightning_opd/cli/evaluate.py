@@ -15,6 +15,7 @@ from lightning_opd.cli.args import command_parser
 def evaluate_parser() -> argparse.ArgumentParser:
     """The parser of ``lightning-opd evaluate``."""
     from lightning_opd.evaluation.evaluate import DEFAULT_ENV
+    from lightning_opd.rollout.vllm import DEFAULT_BLOCK_SIZE
 
     p = command_parser(
         "evaluate",
@@ -44,12 +45,17 @@ def evaluate_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default="artifacts/cache/teacher_trajectories",
                    help="where the teacher's trajectories are cached")
     p.add_argument("--device", default="auto", help="device of the HF models (auto: cuda if available)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32",
+                   help="parameter dtype of every model (HF and vLLM): float32 (default: a checkpoint scores the same on "
+                        "every machine), bfloat16, or auto (bfloat16 where the precision probe at the first student's "
+                        "shapes finds bf16 matmuls faster on this machine, as `--trainer.precision=auto`; the probe is "
+                        "printed, the picked dtype stored in the output JSON's config)")
     p.add_argument("--vllm-kv-cache-bytes", type=int, default=None,
                    help="KV cache of the vLLM engine (bytes); default: room for every episode of a batch at the "
                         "context limit (--batch-size x --max-context-tokens tokens), at least 1 GiB")
-    p.add_argument("--vllm-block-size", type=int, default=32,
-                   help="tokens per vLLM KV block (the prefix cache reuses whole blocks); 0: vLLM's default (128 on CPU)")
+    p.add_argument("--vllm-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help="tokens per vLLM KV block (the prefix cache reuses whole blocks; default: the training "
+                        "rollouts' block, lightning_opd.rollout.vllm.DEFAULT_BLOCK_SIZE); 0: vLLM's default (128 on CPU)")
     p.add_argument("--no-own-traj-kl", dest="own_traj_kl", action="store_false",
                    help="skip the teacher's KL on each student's own greedy episodes (by outcome); it costs a student "
                         "and a teacher forward over every greedy episode")
@@ -62,6 +68,31 @@ def evaluate_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output JSON")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     return p
+
+
+def evaluation_dtype(dtype: str, students: list[str], base: str | None, device: str) -> str:
+    """``--dtype`` as a dtype name: ``auto`` resolved by the precision probe at the first student's ``nn.Linear``
+    shapes (:func:`~lightning_opd.models.precision.resolve_student_precision`: ``"bfloat16"`` where bf16 matmuls
+    probe faster on this machine, CUDA with bf16 support included, else ``"float32"``; printed with the probe's
+    numbers), anything else unchanged.
+
+    Raises:
+        ValueError: ``auto`` and the first student's config cannot be read (names the path).
+    """
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    from lightning_opd.evaluation.evaluate import parse_student
+    from lightning_opd.models.precision import resolve_student_precision
+
+    path = parse_student(students[0])[1]
+    config_dir = base if base is not None and not Path(path, "config.json").exists() else path
+    target = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    choice = resolve_student_precision("auto", config_dir, target)
+    picked = str(choice.weights_dtype).split(".")[-1]
+    print(f"--dtype auto: {picked} ({choice.reason})", flush=True)
+    return picked
 
 
 def evaluate_command(argv: list[str] | None = None) -> dict:
@@ -86,7 +117,8 @@ def evaluate_command(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--env-args {a.env_args!r} must be a JSON object")
     settings = ev.EvalSettings(seeds=a.seeds, avg_k=a.avg_k, temperature=a.temperature, max_turns=a.max_turns,
                                max_new_tokens=a.max_new_tokens, max_context_tokens=a.max_context_tokens,
-                               batch_size=a.batch_size, backend=a.backend, device=a.device, dtype=a.dtype,
+                               batch_size=a.batch_size, backend=a.backend, device=a.device,
+                               dtype=evaluation_dtype(a.dtype, a.students, a.base, a.device),
                                vllm_kv_cache_bytes=a.vllm_kv_cache_bytes, vllm_block_size=a.vllm_block_size or None,
                                own_traj_kl=a.own_traj_kl, privileged_context=a.privileged_context)
     t0 = time.perf_counter()

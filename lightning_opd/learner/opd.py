@@ -18,8 +18,7 @@ the signal the loss needs at the supervised positions, and refuses at constructi
 A teacher that provides ``FULL_VOCAB`` (the in-process one) hands over hidden states and its head (the loss's
 ``forward``); one that does not (a remote endpoint) its sampled-token and top-k log-probs (the loss's
 ``forward_signals``), and the per-token KL is then the k1 estimate, logged as ``train/kl_sampled`` (§6.5).
-Deliberate simplification (this version): ``teacher`` names a model directory, scored by
-:class:`~lightning_opd.teachers.in_process.InProcessTeacher` in the trainer process on the student's device.
+A ``teacher`` given as a model directory is scored by :class:`~lightning_opd.teachers.in_process.InProcessTeacher`.
 
 The metrics it logs every step are listed in :mod:`lightning_opd.learner.step_metrics` (metric glossary).
 

@@ -241,3 +241,29 @@ def test_evaluate_never_replaces_out_without_force(tmp_path, capsys, monkeypatch
     monkeypatch.setattr("lightning_opd.cli.evaluate.format_summary", lambda result: "summary")
     main(["evaluate", *ENV, "--students", str(tmp_path / "no-model"), "--out", str(out), "--force"])
     assert "summary" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("speedup,expected", [(2.0, "bfloat16"), (0.5, "float32")])
+def test_dtype_auto_follows_the_probe_at_the_first_students_shapes(model_dirs, monkeypatch, capsys, speedup, expected,
+                                                                   real_auto_precision):
+    """``--dtype auto``: the precision probe at the first student's shapes (a fake probe: bf16 at ``speedup`` x fp32)
+    picks the models' dtype (margin 1.3x, lightning_opd.models.precision); other values pass through unprobed."""
+    import lightning_opd.models.precision as precision
+    from lightning_opd.cli.evaluate import evaluation_dtype
+
+    seen = []
+
+    def probe(shapes, device="cpu", **kwargs):
+        seen.append(shapes)
+        keys = [f"{i}x{o}" for i, o in shapes]
+        return {"cpu": "Test CPU", "device": str(device), "tokens": 512, "speedup_geomean": speedup,
+                "gflops": {"float32": {k: 100.0 for k in keys}, "bfloat16": {k: 100.0 * speedup for k in keys}}}
+
+    monkeypatch.setattr(precision, "probe_dtypes", probe)
+    assert evaluation_dtype("auto", [f"s={model_dirs['student']}"], None, "cpu") == expected
+    hidden = load_causal_lm(model_dirs["student"], "float32").config.hidden_size
+    assert seen and all(i == hidden or o == hidden for i, o in seen[0])  # the student's own shapes
+    assert f"--dtype auto: {expected}" in capsys.readouterr().out
+    assert evaluation_dtype("float32", ["/nowhere"], None, "cpu") == "float32" and len(seen) == 1
+    with pytest.raises(ValueError, match="/nowhere"):
+        evaluation_dtype("auto", ["/nowhere"], None, "cpu")

@@ -42,9 +42,9 @@ def make_batch(tokenizer, temperature: float = 1.0):
     return collate_trajectories(trajs, sampling, pad_id=tokenizer.pad_token_id)
 
 
-def make_module(model_dirs, loss_cls=FullVocabReverseKL, micro_batch_size=1, teacher=None):
+def make_module(model_dirs, loss_cls=FullVocabReverseKL, micro_batch_size=1, teacher=None, pack_sequences=False):
     m = OPDModule(student=model_dirs["student"], teacher=teacher or model_dirs["teacher"], loss=loss_cls(),
-                  micro_batch_size=micro_batch_size)
+                  micro_batch_size=micro_batch_size, pack_sequences=pack_sequences)
     m.configure_model()
     return m
 
@@ -174,18 +174,27 @@ def test_teacher_scored_at_the_sampling_temperature(model_dirs, tokenizer, tempe
 def teacher_noise_off_the_loss(teacher, batch):
     """F04 probe: while active, the teacher's final hidden state gets N(0, 1e3^2) noise at every position
     whose next token is not supervised (observations, padding, cut-reply closers), row by row for
-    whatever micro-batch of ``batch`` is running, in every teacher pass."""
+    whatever micro-batch of ``batch`` is running, in every teacher pass, padded ``(B, T)`` or packed ``(1, N)``
+    (rows end to end, ``position_ids`` restarting at 0 at each row: learner/packing.py)."""
     seen = {}
 
     def capture_ids(_module, args, kwargs):
-        seen["ids"] = kwargs["input_ids"]
+        seen["ids"], seen["positions"] = kwargs["input_ids"], kwargs.get("position_ids")
+
+    def segments(i, width):  # (start, length) of the rows laid in row i of the pass
+        pos = seen["positions"]
+        if pos is None:
+            return [(0, width)]
+        starts = (pos[i] == 0).nonzero().flatten().tolist() + [width]
+        return [(a, b - a) for a, b in zip(starts[:-1], starts[1:])]
 
     def perturb_hidden(_module, _inputs, hidden):
         ids = seen["ids"]
-        rows = [next(j for j in range(batch.size) if torch.equal(batch.input_ids[j, :ids.shape[1]], ids[i]))
-                for i in range(ids.shape[0])]
         next_is_obs = torch.ones(ids.shape, dtype=torch.bool)
-        next_is_obs[:, :-1] = batch.loss_mask[rows, 1:ids.shape[1]] == 0
+        for i in range(ids.shape[0]):
+            for start, n in segments(i, ids.shape[1]):
+                j = next(j for j in range(batch.size) if torch.equal(batch.input_ids[j, :n], ids[i, start:start + n]))
+                next_is_obs[i, start:start + n - 1] = batch.loss_mask[j, 1:n] == 0
         return torch.where(next_is_obs[..., None], hidden + torch.randn(hidden.shape) * 1e3, hidden)
 
     handles = [teacher.base_model.register_forward_pre_hook(capture_ids, with_kwargs=True),
@@ -200,9 +209,10 @@ def teacher_noise_off_the_loss(teacher, batch):
 # ------------------------------------------------------------------------------------------------ F04
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("loss_cls", LOSSES)
-@pytest.mark.parametrize("micro_batch_size", [1, 4])
-def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer, loss_cls, micro_batch_size, scheme):
-    module = make_module(model_dirs, loss_cls, micro_batch_size)
+@pytest.mark.parametrize("micro_batch_size,pack", [(1, False), (4, False), (4, True)])
+def test_f04_observation_tokens_never_reach_loss_or_grads(model_dirs, tokenizer, loss_cls, micro_batch_size, pack,
+                                                          scheme):
+    module = make_module(model_dirs, loss_cls, micro_batch_size, pack_sequences=pack)
     batch = with_scheme(module, make_batch(tokenizer), scheme)
     sums, grads = step_grads(module, batch)
 
