@@ -76,6 +76,8 @@ def run_arm(tree: Path, steps: int, logs: Path, extra: list[str], seed: int) -> 
     subprocess.run(fit_command(steps, logs, extra, seed), cwd=tree, env=env, check=True)
     scalars = read_scalars(logs, "fit")
     ends = [w for _, w, _ in sorted(scalars["timing/update_s"])]
+    if len(ends) != steps:  # e.g. a killed earlier fit still writing into the same folder
+        raise RuntimeError(f"{logs}: {len(ends)} step ends logged for a fit of {steps} steps; remove the folder, rerun")
     series = {tag: [v for _, _, v in sorted(scalars[tag])] for tag in ("timing/rollout_s", "timing/update_s")}
     tokens = [v for _, _, v in sorted(scalars.get("train/supervised_tokens", []))]
     return {"step_s": step_seconds(ends), "median_s": statistics.median(step_seconds(ends)),

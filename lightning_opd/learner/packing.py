@@ -25,6 +25,14 @@ of 238, 158, 199 and 154 tokens: 952 tokens per pass padded against 749 real (21
 student's forward and backward and the teacher's forward alike. The update of that batch (``backward_step`` over it,
 then fused AdamW; fp32, 2 threads, an "AMD EPYC" with 2 cores shared with other jobs, load average 5-10): padded 30.5 /
 34.7 / 43.4 s, packed 33.2 / 38.6 / 33.1 s (medians 34.7 vs 33.2 s, alternating): no difference the load lets us see.
+On the demo's multi-turn step, alone (``benchmarks/step_vs_main.py``, 2026-12-06, "AMD EPYC", 2 cores, fp32, seed 0,
+the same episodes at steps 2-3): the update took 39.4 s (median of steps 2-4) packed against 37.6 s padded, the whole
+step 52.7 against 49.7 s. Why packing does not pay there: the demo's episodes average 1,024-1,301 tokens
+(``rollout/tokens`` of those steps), so under ``micro_batch_tokens: 2048`` most micro-batches hold one episode and have
+no padding to remove; and where two rows do share a pass, CPU sdpa has no variable-length kernel (flash attention's
+varlen), so the packed row's attention runs over the dense ``(sum L_b)^2`` score matrix with a block-diagonal mask,
+more than the ``B T^2`` of the padded pass when the rows are of similar length. Hence ``pack_sequences: false`` stays the
+default; ``auto`` is for a GPU with flash attention (``attn_implementation="flash_attention_2"``), not measured here.
 """
 
 from __future__ import annotations
