@@ -86,7 +86,16 @@ PRECISIONS = {
     "bf16": {"trl": {"bf16": True, "model_init_kwargs": None, "teacher_model_init_kwargs": None},
              "ours": {"trainer": {"precision": "bf16-mixed"}, "model": {"init_args": {"teacher_dtype": "bfloat16"}}},
              "dtype": "bfloat16"},
+    # not a default row: fp32 with our passes packed (lightning_opd/learner/packing.py; the 4 prompts of a step,
+    # 133-247 tokens + 16 sampled, share one pass padded to the longest: packed, no padding); TRL as in fp32
+    "fp32-packed": {"trl": {"bf16": False, "model_init_kwargs": {"dtype": "float32"},
+                            "teacher_model_init_kwargs": {"dtype": "float32"}},
+                    "ours": {"trainer": {"precision": "32-true"},
+                             "model": {"init_args": {"teacher_dtype": "float32", "pack_sequences": "auto"}}},
+                    "dtype": "float32"},
 }
+#: the rows run when ``--precision`` is not given
+DEFAULT_ROWS = ("fp32", "bf16")
 
 
 def ensure_trl_venv(venv: Path) -> Path:
@@ -135,7 +144,7 @@ def step_seconds(ends: list[float]) -> list[float]:
 
 def trl_config(args, precision: str, prompts: Path, work: Path) -> dict:
     """The JSON config ``peer_trl_child.py`` turns into TRL's ``DistillationConfig`` for one fit of row
-    ``precision`` (``"fp32"`` or ``"bf16"``: :data:`PRECISIONS`)."""
+    ``precision`` (a key of :data:`PRECISIONS`: ``"fp32"``, ``"bf16"``, ``"fp32-packed"``)."""
     return {"student": args.model, "teacher": args.teacher, "prompts": str(prompts), "steps": args.steps,
             "batch": args.batch, "max_new_tokens": args.max_new_tokens, "beta": 1.0, "lr": args.lr,
             "temperature": 1.0, "seed": 0, "gradient_checkpointing": False, "output_dir": str(work / "trl_out"),
@@ -360,8 +369,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (:func:`check_args` applied)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_artifact_args(ap)
-    ap.add_argument("--precision", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
-                    help="rows to run: fp32 (both sides fp32), bf16 (both at TRL's defaults); default both")
+    ap.add_argument("--precision", nargs="+", choices=list(PRECISIONS), default=list(DEFAULT_ROWS),
+                    help="rows to run: fp32 (both sides fp32), bf16 (both at TRL's defaults), fp32-packed (fp32 with "
+                         "our passes packed, lightning_opd/learner/packing.py); default fp32 and bf16")
     ap.add_argument("--rounds", type=int, default=MIN_ROUNDS,
                     help=f"alternating rounds per row (TRL then ours in each), >= {MIN_ROUNDS}")
     ap.add_argument("--steps", type=int, default=10, help="optimizer steps per fit (the first is not timed)")

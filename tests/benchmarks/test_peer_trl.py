@@ -149,6 +149,7 @@ def test_fewer_than_three_rounds_are_refused_before_anything_runs(monkeypatch):
 @pytest.mark.parametrize("precision, bf16, init, trainer, teacher", [
     ("fp32", False, {"dtype": "float32"}, "32-true", "float32"),
     ("bf16", True, None, "bf16-mixed", "bfloat16"),
+    ("fp32-packed", False, {"dtype": "float32"}, "32-true", "float32"),
 ])
 def test_each_row_builds_both_sides_commands(tmp_path, precision, bf16, init, trainer, teacher):
     """fp32: TRL ``bf16=False`` with fp32 weights, ours ``32-true`` and an fp32 teacher. bf16 (TRL's defaults): TRL
@@ -165,6 +166,7 @@ def test_each_row_builds_both_sides_commands(tmp_path, precision, bf16, init, tr
     assert (ours["trainer"]["precision"], ours["model"]["init_args"]["teacher_dtype"]) == (trainer, teacher)
     assert ours["trainer"]["max_steps"] == 5 and ours["model"]["init_args"]["student"] == "m"
     assert ours["model"]["init_args"]["optimizer"]["init_args"]["fused"] is True
+    assert ours["model"]["init_args"].get("pack_sequences", False) == ("auto" if precision == "fp32-packed" else False)
     assert ours_command(tmp_path / "o.yaml") == [sys.executable, "-m", "lightning_opd", "fit", "--config",
                                                  "conf/textworld/opd.yaml", "--config", str(tmp_path / "o.yaml")]
 
