@@ -300,7 +300,10 @@ def test_several_servers_and_a_killed_one(server, served_model_dirs, tokenizer, 
     after a failover)."""
     other = VLLMServer(served_model_dirs["student"], dev_mode=True, threads=1, kv_cache_memory_bytes=1 << 27,
                        max_model_len=MAX_LEN, extra_args=sampler_server_args(MAX_LEN)).start()
-    gen = RemoteGenerator([server.url, other.url], heartbeat_s=0, timeout_s=10.0, retries=1, backoff_s=0.5)
+    # the deadline is not what detects the kill (a killed server refuses or resets the connection at once); 60 s keeps
+    # the live server's 900-token replies inside it on a loaded machine (at 10 s, a fresh-clone make test beside a demo
+    # fit timed the live server out too: "no sampler server of RemoteGenerator is left")
+    gen = RemoteGenerator([server.url, other.url], heartbeat_s=0, timeout_s=60.0, retries=1, backoff_s=0.5)
     gen.attach(StaticPolicy(hf_student, tokenizer), stop_token_ids(tokenizer))
     gen.follow_policy = False
     try:
