@@ -28,6 +28,8 @@ Run: .venv/bin/python -m benchmarks.step_vs_main [--rounds 3 --steps 4]   (needs
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,8 +72,6 @@ def fit_command(steps: int, logs: Path, extra: list[str], seed: int = 0) -> list
 
 def run_arm(tree: Path, steps: int, logs: Path, extra: list[str], seed: int) -> dict:
     """One fit of an arm from ``tree`` (its code first on ``PYTHONPATH``); its timed steps and phase seconds."""
-    import os
-
     env = {**os.environ, "PYTHONPATH": str(tree)}
     subprocess.run(fit_command(steps, logs, extra, seed), cwd=tree, env=env, check=True)
     scalars = read_scalars(logs, "fit")
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             side, extra = ARMS[arm]
             logs = work / f"{arm}_{rnd}"
-            subprocess.run(["rm", "-rf", str(logs)], check=True)
+            shutil.rmtree(logs, ignore_errors=True)
             entry = run_arm(trees[side], args.steps, logs, extra, seed=rnd)
             results.put(key, {**entry, "commit": trees[side].name.removeprefix("tree_"), "args": extra, "seed": rnd})
             print(report(results, args.rounds), flush=True)

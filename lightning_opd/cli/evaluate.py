@@ -90,7 +90,7 @@ def evaluation_dtype(dtype: str, students: list[str], base: str | None, device: 
     config_dir = base if base is not None and not Path(path, "config.json").exists() else path
     target = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     choice = resolve_student_precision("auto", config_dir, target)
-    picked = str(choice.weights_dtype).split(".")[-1]
+    picked = choice.as_dict()["weights_dtype"]  # the dtype's name, e.g. "bfloat16"
     print(f"--dtype auto: {picked} ({choice.reason})", flush=True)
     return picked
 
