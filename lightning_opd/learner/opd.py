@@ -68,6 +68,7 @@ from lightning_opd.metrics.turn_stats import TurnStats, per_turn_sums
 from lightning_opd.models.fsdp import with_root_params
 from lightning_opd.models.loading import load_tokenizer
 from lightning_opd.models.logits import check_head_path, output_head
+from lightning_opd.models.lora import LoRAConfig
 from lightning_opd.models.tokenizers import check_tokenizers_compatible
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.teachers import InProcessTeacher, Teacher, TeacherScores, check_teacher_serves
@@ -111,6 +112,8 @@ class OPDModule(PolicyModule):
         strict_on_policy: raise :class:`OffPolicyBatchError` when a batch's lag exceeds the connected
             weight sync's ``max_allowed_lag`` (0 in synchronous mode).
         trust_remote_code, export_dir, gradient_checkpointing, fsdp_mixed_precision: see :class:`PolicyModule`.
+        lora: a LoRA student (:class:`~lightning_opd.models.lora.LoRAConfig`; conf/textworld/opd_lora.yaml), see
+            :class:`PolicyModule`; ``None``: full fine-tuning.
         pack_sequences: ``false`` (default), ``auto``, ``true``: rows as one unpadded sequence (:mod:`~.packing`).
         aggregation: ``"token"`` (default, docs/algorithms.md §0.5: the mean over the step's supervised tokens)
             or ``"sequence"`` (§0.5's option, ATOD as published: the mean over the step's sequences of each
@@ -148,14 +151,16 @@ class OPDModule(PolicyModule):
                  strict_on_policy: bool = True, trust_remote_code: bool = False, export_dir: str | None = None,
                  gradient_checkpointing: bool = False, fsdp_mixed_precision: str | None = None,
                  micro_batch_tokens: int | None = None, aggregation: str = "token", max_nonfinite_steps: int = 3,
-                 off_policy: OffPolicyConfig | None = None, pack_sequences: bool | str = False) -> None:
+                 off_policy: OffPolicyConfig | None = None, pack_sequences: bool | str = False,
+                 lora: LoRAConfig | None = None) -> None:
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"model.init_args.aggregation={aggregation!r}: use one of {AGGREGATIONS} (token: the "
                              "mean over the step's supervised tokens, docs/algorithms.md §0.5; sequence: the mean "
                              "over sequences of each sequence's token mean, §0.5's option)")
         super().__init__(student=student, dtype=dtype, trust_remote_code=trust_remote_code, export_dir=export_dir,
                          gradient_checkpointing=gradient_checkpointing, fsdp_mixed_precision=fsdp_mixed_precision,
-                         optimizer=optimizer, lr_scheduler=lr_scheduler, max_nonfinite_steps=max_nonfinite_steps)
+                         optimizer=optimizer, lr_scheduler=lr_scheduler, max_nonfinite_steps=max_nonfinite_steps,
+                         lora=lora)
         self.micro_batch_size, self.micro_batch_tokens = micro_batch_layout(micro_batch_size, micro_batch_tokens)
         self.aggregation = aggregation
         if teacher_dtype is not None:

@@ -42,7 +42,7 @@ import weakref
 import torch
 
 from lightning_opd.models.fsdp import is_sharded
-from lightning_opd.models.logits import trunk_hidden_states
+from lightning_opd.models.logits import trunk, trunk_hidden_states
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def packed_positions(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def packed_trunk_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``(B, T)`` right-padded ids and mask -> ``(B, T, D)`` final hidden states of ``model.base_model``, computed on
+    """``(B, T)`` right-padded ids and mask -> ``(B, T, D)`` final hidden states of ``trunk(model)``, computed on
     the rows packed into one ``(1, n)`` sequence (``n`` attended tokens, ``position_ids`` restarting at 0 at each row,
     no ``attention_mask``: transformers' block-diagonal causal mask), scattered back to the rows' positions; zeros at
     the padding. Differentiable (the scatter is an ``index_put``). Only for a model :func:`check_packing` accepted.
@@ -89,7 +89,7 @@ def packed_trunk_hidden_states(model, input_ids: torch.Tensor, attention_mask: t
         ValueError: rows that are not right-padded (:func:`packed_positions`).
     """
     rows, cols, positions = packed_positions(attention_mask)
-    hidden = model.base_model(input_ids=input_ids[rows, cols][None], position_ids=positions[None],
+    hidden = trunk(model)(input_ids=input_ids[rows, cols][None], position_ids=positions[None],
                               attention_mask=None, use_cache=False).last_hidden_state[0]  # (n, D)
     dense = hidden.new_zeros(*input_ids.shape, hidden.shape[-1])
     return dense.index_put((rows, cols), hidden)

@@ -41,7 +41,8 @@ from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.distributed import gather_per_rank
 from lightning_opd.learner.nonfinite import NonFiniteGuard
 from lightning_opd.models.fsdp import full_state_dict, is_sharded, mixed_precision_policy, shard_causal_lm, unsharded_copy
-from lightning_opd.models.loading import load_causal_lm, load_tokenizer, resolve_dtype, save_hf_atomic
+from lightning_opd.models.loading import load_causal_lm, load_tokenizer, resolve_dtype, save_adapter_atomic, save_hf_atomic
+from lightning_opd.models.lora import LoRAConfig, adapter_state, apply_lora
 from lightning_opd.models.precision import weights_dtype_for
 from lightning_opd.rollout.weight_sync import WeightSync
 
@@ -69,6 +70,11 @@ class PolicyModule(L.LightningModule):
         max_nonfinite_steps: an optimizer update whose loss or gradient is NaN/inf (on any rank) is skipped, weights
             and optimizer state unchanged, and counted (``train/nonfinite_steps_skipped``); this many in a row stop
             the run with :class:`~lightning_opd.learner.nonfinite.NonFiniteUpdateError` (optimizer updates, >= 1; F28).
+        lora: train the student as a LoRA adapter on its frozen base weights
+            (:class:`~lightning_opd.models.lora.LoRAConfig`: ``rank``, ``alpha``, ``target_modules``); ``None``: full
+            fine-tuning. The optimizer sees the adapter's parameters only, generators receive the adapter only
+            (:meth:`policy_state_dict`), checkpoints resume it exactly and the export writes the merged model to
+            ``export_dir`` and the adapter to ``<export_dir>/adapter``. Not under FSDP (refused at setup).
 
     Sharding (``conf/trainer/fsdp.yaml``): under Lightning's ``ModelParallelStrategy`` (or
     :class:`~lightning_opd.models.fsdp.FSDP2Strategy`), ``configure_model`` shards the student with
@@ -79,7 +85,7 @@ class PolicyModule(L.LightningModule):
         ValueError: an unknown ``dtype`` (at construction, before anything loads, naming
             ``model.init_args.dtype`` and the accepted names); a learning rate <= 0 (:func:`check_optimizer`);
             ``max_nonfinite_steps < 1`` (naming ``model.init_args.max_nonfinite_steps``); at setup, a device mesh
-            with tensor parallelism (only data-parallel FSDP is supported).
+            with tensor parallelism (only data-parallel FSDP is supported); a LoRA student under FSDP.
     """
 
     #: learning rate of the default optimizer (AdamW, no weight decay) when ``model.init_args.optimizer`` is not given
@@ -88,7 +94,8 @@ class PolicyModule(L.LightningModule):
     def __init__(self, student: str, dtype: str = "float32", trust_remote_code: bool = False,
                  export_dir: str | None = None, gradient_checkpointing: bool = False,
                  fsdp_mixed_precision: str | None = None, optimizer: OptimizerCallable | None = None,
-                 lr_scheduler: LRSchedulerCallable | None = None, max_nonfinite_steps: int = 3) -> None:
+                 lr_scheduler: LRSchedulerCallable | None = None, max_nonfinite_steps: int = 3,
+                 lora: LoRAConfig | None = None) -> None:
         super().__init__()
         check_dtype(dtype, "model.init_args.dtype")
         #: F28: skips and counts optimizer updates with a non-finite loss or gradient, stops after a streak
@@ -104,6 +111,8 @@ class PolicyModule(L.LightningModule):
                                                                                             lr=self.default_lr)
         check_optimizer(self.optimizer_factory)
         self.lr_scheduler_factory = lr_scheduler
+        #: the LoRA student's configuration (``None``: full fine-tuning)
+        self.lora = lora
         self.student = None
         #: the connected DataModule's weight sync (``None`` until :meth:`setup` binds one, or without one)
         self.weight_sync: WeightSync | None = None
@@ -155,6 +164,13 @@ class PolicyModule(L.LightningModule):
             self.student.gradient_checkpointing_enable()
             self.student.config.use_cache = False
         mesh = self.data_parallel_mesh()
+        if self.lora is not None:
+            if mesh is not None:
+                raise ValueError("model.init_args.lora with an FSDP strategy: a LoRA student trains on one device here "
+                                 "(its point: a frozen base plus an adapter of ~1% of the bytes fits where full "
+                                 "fine-tuning does not); drop trainer.strategy, or drop model.init_args.lora to shard "
+                                 "full fine-tuning")
+            self.student = apply_lora(self.student, self.lora)
         if mesh is not None:
             shard_causal_lm(self.student, mesh, mixed_precision_policy(self.fsdp_mixed_precision))
 
@@ -194,17 +210,21 @@ class PolicyModule(L.LightningModule):
         return mesh["data_parallel"] if "data_parallel" in names else mesh
 
     def configure_optimizers(self):
-        """The optimizer over all of the student's parameters (``optimizer_factory``) and, with an ``lr_scheduler``,
-        its scheduler, stepped once per optimizer step (``interval: step``). The learners step both themselves
-        (manual optimization in ``OPDModule``; ``SFTModule`` through Lightning's automatic optimization)."""
-        opt = self.optimizer_factory(self.student.parameters())
+        """The optimizer over the student's trainable parameters (``optimizer_factory``: all of them in full
+        fine-tuning, the adapter's with ``lora``) and, with an ``lr_scheduler``, its scheduler, stepped once per
+        optimizer step (``interval: step``). The learners step both themselves (manual optimization in ``OPDModule``;
+        ``SFTModule`` through Lightning's automatic optimization)."""
+        opt = self.optimizer_factory([p for p in self.student.parameters() if p.requires_grad])
         if self.lr_scheduler_factory is None:
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.lr_scheduler_factory(opt), "interval": "step"}}
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """The student's full ``state_dict`` on CPU (what generators load). A collective on every rank
-        when the student is sharded (a full-state gather); detached copies otherwise."""
+        """What generators load: the student's full ``state_dict`` on CPU (a collective on every rank when the
+        student is sharded: a full-state gather; detached copies otherwise), or with ``lora`` its adapter alone
+        (:class:`~lightning_opd.models.lora.AdapterState`, ~1% of the bytes at rank 16 on SmolLM2-135M)."""
+        if self.lora is not None:
+            return adapter_state(self.student, self.student_path)
         return full_state_dict(self.student)
 
     # ------------------------------------------------------------------------------------ collectives
@@ -338,7 +358,19 @@ class PolicyModule(L.LightningModule):
     def export(self, path: str) -> None:
         """Save the student as a Hugging Face directory (safetensors, tokenizer and chat template) at
         ``path``, atomically (F16). Call it on every rank: a sharded student is gathered first (a
-        collective); rank 0 writes."""
+        collective); rank 0 writes. A LoRA student: the adapter merged into a copy of the base at ``path`` (what
+        ``lightning-opd evaluate`` and vLLM load as any model) and the adapter alone at ``<path>/adapter``
+        (``adapter_config.json``, bf16 safetensors; ``lightning-opd merge-adapter`` rebuilds the merge from it);
+        the live student keeps its adapter."""
+        if self.lora is not None:
+            if self._trainer is None or self.trainer.is_global_zero:
+                import copy
+
+                merged = copy.deepcopy(self.student).merge_and_unload()
+                save_hf_atomic(merged, self.tokenizer, path)
+                save_adapter_atomic(self.student, f"{path}/adapter")
+                log.info("exported the LoRA student to %s (merged) and %s/adapter", path, path)
+            return
         if not is_sharded(self.student):
             if self._trainer is None or self.trainer.is_global_zero:
                 log.info("exported the student to %s", save_hf_atomic(self.student, self.tokenizer, path))

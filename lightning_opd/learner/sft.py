@@ -28,7 +28,8 @@ from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.losses.aggregation import aggregate_token_loss
 from lightning_opd.losses.divergences import log_probs
 from lightning_opd.metrics.rank_stats import Mean, Sum, all_ranks
-from lightning_opd.models.loading import save_adapter_atomic, save_hf_atomic
+from lightning_opd.models.loading import save_adapter_atomic
+from lightning_opd.models.lora import LoRAConfig
 from lightning_opd.learner.policy import PolicyModule
 
 
@@ -59,29 +60,19 @@ class SFTModule(PolicyModule):
                  lora_alpha: float | None = None, adapter_dir: str | None = None, dtype: str = "float32",
                  trust_remote_code: bool = False, export_dir: str | None = None,
                  gradient_checkpointing: bool = False, max_nonfinite_steps: int = 3) -> None:
-        super().__init__(student=student, dtype=dtype, trust_remote_code=trust_remote_code, export_dir=export_dir,
-                         gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                         max_nonfinite_steps=max_nonfinite_steps)
         if lora_rank is not None and lora_rank < 1:
             raise ValueError(f"model.lora_rank={lora_rank} must be >= 1 (or null for full fine-tuning)")
         if adapter_dir and lora_rank is None:
             raise ValueError("model.adapter_dir needs model.lora_rank (there is no adapter in full fine-tuning)")
+        lora = LoRAConfig(rank=lora_rank, alpha=lora_alpha) if lora_rank is not None else None
+        super().__init__(student=student, dtype=dtype, trust_remote_code=trust_remote_code, export_dir=export_dir,
+                         gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                         max_nonfinite_steps=max_nonfinite_steps, lora=lora)
         self.lora_rank = lora_rank
-        self.lora_alpha = lora_alpha if lora_alpha is not None else (2 * lora_rank if lora_rank else None)
+        self.lora_alpha = lora.scaling_alpha if lora is not None else None
         self.adapter_dir = adapter_dir
         #: whether the last optimizer update was skipped (F28), read by :meth:`lr_scheduler_step`
         self.update_skipped = False
-
-    def configure_model(self) -> None:
-        if self.student is not None:
-            return
-        super().configure_model()
-        if self.lora_rank is not None:
-            from peft import LoraConfig, get_peft_model
-
-            cfg = LoraConfig(r=self.lora_rank, lora_alpha=self.lora_alpha, lora_dropout=0.0,
-                             target_modules="all-linear", bias="none", task_type="CAUSAL_LM")
-            self.student = get_peft_model(self.student, cfg)
 
     @property
     def policy_model(self):
@@ -96,7 +87,7 @@ class SFTModule(PolicyModule):
         if self.adapter_dir:
             save_adapter_atomic(self.student, self.adapter_dir)
         if self.export_dir:
-            save_hf_atomic(self.student.merge_and_unload(), self.tokenizer, self.export_dir)
+            self.export(self.export_dir)
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
         """Token-mean cross-entropy (nats/token) on the batch's reply tokens."""

@@ -88,10 +88,19 @@ def logit_transform(config) -> LogitTransform:
     return LogitTransform(**values)
 
 
+def trunk(model):
+    """The decoder stack of a causal LM, without its LM head: ``model.base_model`` (transformers' name for it), or
+    for a peft model (a LoRA student) that of the model it wraps, whose layers carry the adapter
+    (``PeftModel.base_model`` is peft's ``LoraModel``, which returns logits)."""
+    from lightning_opd.models.lora import is_lora_model
+
+    return (model.get_base_model() if is_lora_model(model) else model).base_model
+
+
 def trunk_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """``(B, T)`` ids and mask -> ``(B, T, D)`` final hidden states of ``model.base_model`` (after its
+    """``(B, T)`` ids and mask -> ``(B, T, D)`` final hidden states of :func:`trunk` ``(model)`` (after its
     last norm), i.e. the input of the output embeddings."""
-    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return trunk(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
 
 def output_head(model, vocab_size: int) -> Callable[[torch.Tensor], torch.Tensor]:

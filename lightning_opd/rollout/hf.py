@@ -37,6 +37,7 @@ import torch.distributed as dist
 from transformers import DynamicCache, GenerationConfig
 
 from lightning_opd.models.fsdp import is_sharded, unsharded_copy
+from lightning_opd.models.lora import AdapterState, load_adapter_state
 from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
                                              SamplingParams, policy_configs)
 
@@ -152,13 +153,21 @@ class HFGenerator(Generator):
 
     def push_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
         """Copy ``state`` into the backend's private model (created from the attached student on the
-        first push) and stamp it ``version``; returns seconds."""
+        first push) and stamp it ``version``; returns seconds. A LoRA student's
+        :class:`~lightning_opd.models.lora.AdapterState` replaces the copy's adapter.
+
+        Raises:
+            KeyError: an adapter whose tensors are not the copy's (:func:`~lightning_opd.models.lora.load_adapter_state`).
+        """
         t0 = time.perf_counter()
         with self._lock:
             if self._own_model is None:
                 self._own_model = unsharded_copy(self._policy.policy_model).eval().requires_grad_(False)
-            with torch.no_grad():
-                self._own_model.load_state_dict(state, strict=True)
+            if isinstance(state, AdapterState):  # a LoRA student: its copy's adapter is replaced, the base stays
+                load_adapter_state(self._own_model, state)
+            else:
+                with torch.no_grad():
+                    self._own_model.load_state_dict(state, strict=True)
             self._own_version = int(version)
             self._state = None  # no KV entry computed with other weights survives (F09)
         return time.perf_counter() - t0

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
+import weakref
 from typing import Iterable, Mapping
 
 import torch
 
 from lightning_opd.models.loading import resolve_dtype
+from lightning_opd.models.lora import AdapterState, check_vllm_lora
 from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
                                              SamplingParams)
 
@@ -247,6 +251,18 @@ class VLLMGenerator(Generator):
         block_size: tokens per KV-cache block (a positive multiple of 16; default :data:`DEFAULT_BLOCK_SIZE`);
             ``None``: vLLM's default (128 on CPU). A ``block_size`` in ``engine_kwargs`` takes precedence.
         engine_kwargs: extra keyword arguments for ``vllm.LLM`` (e.g. ``tensor_parallel_size`` on GPUs).
+
+    A LoRA student (the attached policy's ``lora``, ``model.init_args.lora``): the engine starts from the student's
+    base directory with LoRA enabled (:func:`~lightning_opd.models.lora.check_vllm_lora`: ``max_lora_rank`` the
+    smallest vLLM rank that holds the adapter's, ``max_loras`` 1: pushes and sampling take turns under the generator's
+    lock) and each push of an :class:`~lightning_opd.models.lora.AdapterState` loads the adapter under a new LoRA id
+    (``llm_engine.add_lora``) and drops the previous one; every request of a ``generate`` call names the adapter of the
+    version it is stamped with. The adapters' files live in a temporary folder removed at :meth:`shutdown` (and at
+    exit).
+
+    Raises:
+        ValueError: a ``block_size`` that is not a positive multiple of 16; at start, ``engine_kwargs`` that contradict
+            a LoRA student's (:func:`~lightning_opd.models.lora.check_vllm_lora`).
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = "auto", kv_cache_memory_bytes: int = 1 << 30,
@@ -268,6 +284,10 @@ class VLLMGenerator(Generator):
         self.engine_kwargs = dict(engine_kwargs or {})
         self.llm = None
         self.sync: VLLMWeightSync | None = None
+        #: the LoRA adapter every request names (a LoRA student, after its first push), its folder's root, pushes so far
+        self._lora_request = None
+        self._adapter_root: str | None = None
+        self._adapter_pushes = 0
         #: policy version of the weights the engine serves (``None``: the checkpoint it started from)
         self._engine_version: int | None = None
         self.last_push_seconds: float | None = None
@@ -292,6 +312,7 @@ class VLLMGenerator(Generator):
         if self.kv_block_size is not None:
             kwargs["block_size"] = self.kv_block_size
         kwargs.update(self.engine_kwargs)
+        kwargs.update(check_vllm_lora(getattr(self._policy, "lora", None), self.engine_kwargs))
         self.llm = vllm.LLM(model=str(path), dtype=self.engine_dtype, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
                             seed=self.seed, logprobs_mode="processed_logprobs", max_logprobs=1,
@@ -323,8 +344,11 @@ class VLLMGenerator(Generator):
         return str(resolve_dtype(name)).removeprefix("torch.")
 
     def shutdown(self) -> None:
-        """Release the engine."""
-        self.llm, self.sync, self._engine_version = None, None, None
+        """Release the engine (and a LoRA student's adapter folder)."""
+        self.llm, self.sync, self._engine_version, self._lora_request = None, None, None, None
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+            self._adapter_root = None
 
     @property
     def context_limit(self) -> ContextLimit:
@@ -355,12 +379,48 @@ class VLLMGenerator(Generator):
         return self._engine_version
 
     def push_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
-        """Load ``state`` (a student ``state_dict``) into the engine and stamp it ``version``; returns seconds."""
+        """Load ``state`` (a student ``state_dict``, or a LoRA student's
+        :class:`~lightning_opd.models.lora.AdapterState`: :meth:`push_adapter`) into the engine and stamp it
+        ``version``; returns seconds."""
         with self._lock, torch.profiler.record_function("rollout.weight_push"):
             self.start()
-            self.last_push_seconds = self.sync.push(state.items())
+            if isinstance(state, AdapterState):
+                self.last_push_seconds = self.push_adapter(state)
+            else:
+                self.last_push_seconds = self.sync.push(state.items())
             self._engine_version = int(version)
             return self.last_push_seconds
+
+    def push_adapter(self, state: AdapterState) -> float:
+        """Serve ``state`` from now on: written to a fresh folder, loaded under a new LoRA id
+        (``llm_engine.add_lora``), the previous adapter removed from the engine and from disk, the prefix cache
+        emptied (as at a full push: no KV entry of other weights is reused). Returns seconds.
+
+        Raises:
+            RuntimeError: the engine was started without LoRA (a policy without ``lora`` when it started), or vLLM
+                refused the adapter.
+        """
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        if not self.llm.llm_engine.vllm_config.lora_config:
+            raise RuntimeError("a LoRA adapter was pushed to a vLLM engine started without LoRA: attach the LoRA "
+                               "student (model.init_args.lora) before the engine starts")
+        if self._adapter_root is None:
+            self._adapter_root = tempfile.mkdtemp(prefix="lightning_opd_lora_")
+            weakref.finalize(self, shutil.rmtree, self._adapter_root, True)
+        self._adapter_pushes += 1
+        name = f"student-{self._adapter_pushes}"
+        request = LoRARequest(name, self._adapter_pushes, str(state.save(os.path.join(self._adapter_root, name))))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM refused the LoRA adapter {request.lora_path} (rank {state.rank})")
+        old, self._lora_request = self._lora_request, request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight push (requests still running?)")
+        return time.perf_counter() - t0
 
     def _ensure_current(self) -> None:
         """Before sampling (``follow_policy``): serve the attached policy's current weights."""
@@ -386,7 +446,7 @@ class VLLMGenerator(Generator):
         prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
         params = [self.sampling_params(sampling, (self.seed * 1_000_003 + r.seed * 1009 + r.turn) & 0x7FFF_FFFF)
                   for r in requests]
-        results = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        results = self.llm.generate(prompts, sampling_params=params, use_tqdm=False, lora_request=self._lora_request)
         outputs = []
         for res in results:
             out = res.outputs[0]
