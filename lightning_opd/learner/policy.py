@@ -42,7 +42,7 @@ from lightning_opd.distributed import gather_per_rank
 from lightning_opd.learner.nonfinite import NonFiniteGuard
 from lightning_opd.models.fsdp import full_state_dict, is_sharded, mixed_precision_policy, shard_causal_lm, unsharded_copy
 from lightning_opd.models.loading import load_causal_lm, load_tokenizer, resolve_dtype, save_adapter_atomic, save_hf_atomic
-from lightning_opd.models.lora import LoRAConfig, adapter_state, apply_lora
+from lightning_opd.models.lora import LoRAConfig, adapter_state, apply_lora, merged_state_dict
 from lightning_opd.models.precision import weights_dtype_for
 from lightning_opd.rollout.weight_sync import WeightSync
 
@@ -222,8 +222,11 @@ class PolicyModule(L.LightningModule):
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """What generators load: the student's full ``state_dict`` on CPU (a collective on every rank when the
         student is sharded: a full-state gather; detached copies otherwise), or with ``lora`` its adapter alone
-        (:class:`~lightning_opd.models.lora.AdapterState`, ~1% of the bytes at rank 16 on SmolLM2-135M)."""
+        (:class:`~lightning_opd.models.lora.AdapterState`, ~1% of the bytes at rank 16 on SmolLM2-135M), or with
+        ``lora.push: merged`` the base with the adapter merged in, named as the base model names its tensors."""
         if self.lora is not None:
+            if self.lora.push == "merged":
+                return merged_state_dict(self.student)
             return adapter_state(self.student, self.student_path)
         return full_state_dict(self.student)
 

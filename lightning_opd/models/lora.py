@@ -23,6 +23,9 @@ from typing import Mapping
 
 import torch
 
+#: what a LoRA student pushes to its generators (:attr:`LoRAConfig.push`)
+PUSH_MODES = ("adapter", "merged")
+
 #: the ranks vLLM 0.32 accepts as ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``): an adapter of rank r is served
 #: by an engine started with the smallest of these >= r
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -37,14 +40,22 @@ class LoRAConfig:
         alpha: the scaling numerator (the update is ``alpha / rank * B A``); ``None``: ``2 * rank``.
         target_modules: peft's ``target_modules``: ``"all-linear"`` (every linear layer of the decoder, not the LM
             head) or a list of module names (``["q_proj", "v_proj"]``).
+        push: what generators receive each version: ``"adapter"`` (default: the adapter alone,
+            :class:`AdapterState`; vLLM samples with base + adapter through its LoRA kernels) or ``"merged"`` (the base
+            with the adapter merged in, :func:`merged_state_dict`, pushed as a full fine-tune's weights: the engine
+            runs without LoRA). On CPU vLLM 0.32's LoRA kernels are torch reference ops (``punica_cpu``): sampling
+            with an adapter took 3-5x the time of the same engine without LoRA (docs/benchmarks.md#lora-push), so
+            ``merged`` trades a full-size push for full-speed sampling there; on a GPU ``adapter`` is the point.
 
     Raises:
-        ValueError: ``rank`` outside ``[1, 512]``, ``alpha <= 0``, or an empty ``target_modules`` (naming the key).
+        ValueError: ``rank`` outside ``[1, 512]``, ``alpha <= 0``, an empty ``target_modules`` or an unknown ``push``
+            (naming the key).
     """
 
     rank: int = 16
     alpha: float | None = None
     target_modules: str | list[str] = "all-linear"
+    push: str = "adapter"
 
     def __post_init__(self) -> None:
         if not 1 <= int(self.rank) <= VLLM_MAX_LORA_RANKS[-1]:
@@ -54,6 +65,9 @@ class LoRAConfig:
             raise ValueError(f"model.init_args.lora.alpha={self.alpha} must be > 0 (or null for 2 * rank)")
         if not self.target_modules:
             raise ValueError("model.init_args.lora.target_modules is empty: use 'all-linear' or a list of module names")
+        if self.push not in PUSH_MODES:
+            raise ValueError(f"model.init_args.lora.push={self.push!r}: use one of {PUSH_MODES} (adapter: the adapter "
+                             "alone; merged: the base with the adapter merged in, full-speed sampling on CPU)")
 
     @property
     def scaling_alpha(self) -> float:
@@ -162,6 +176,24 @@ def load_adapter_state(peft_model, state: AdapterState) -> None:
         set_peft_model_state_dict(peft_model, dict(state))
 
 
+def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
+    """The full ``state_dict`` of the model ``peft_model`` wraps with its ``"default"`` adapter merged in, as the base
+    model names it (``model.layers.0.self_attn.q_proj.weight``, ``(out, in)``: ``W + (alpha / r) B A``; every other
+    tensor as it is): what ``peft``'s ``merge_and_unload`` would hold, computed without copying the model. CPU,
+    detached; what a LoRA student with ``push: merged`` sends to its generators."""
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    state = {name.replace(".base_layer", ""): t.detach().to("cpu", copy=True)
+             for name, t in base.state_dict().items() if ".lora_" not in name}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and "default" in module.lora_A:
+                key = f"{name}.weight"
+                state[key] += module.get_delta_weight("default").detach().to("cpu", state[key].dtype)
+    return state
+
+
 def adapter_state_names(peft_model) -> list[str]:
     """The names :func:`adapter_state` gives ``peft_model``'s adapter tensors."""
     from peft import get_peft_model_state_dict
@@ -173,13 +205,13 @@ def check_vllm_lora(config: LoRAConfig | None, engine_kwargs: Mapping, min_loras
                     key: str = "data.init_args.generator.init_args.engine_kwargs") -> dict:
     """The ``vllm.LLM`` keyword arguments that serve a LoRA student's adapters (``enable_lora``, ``max_lora_rank``:
     the smallest vLLM rank that holds ``config.rank``, ``max_loras``: at least ``min_loras`` adapters at once), merged
-    over ``engine_kwargs``; ``{}`` without a LoRA student.
+    over ``engine_kwargs``; ``{}`` without a LoRA student or with ``push: merged`` (full weights are pushed).
 
     Raises:
         ValueError: ``engine_kwargs`` sets ``enable_lora: false``, a ``max_lora_rank`` below the adapter's rank or one
             vLLM does not accept, or ``max_loras < min_loras`` (naming ``key`` and what to set).
     """
-    if config is None:
+    if config is None or config.push == "merged":
         return {}
     kw = dict(enable_lora=True, max_lora_rank=config.vllm_max_lora_rank, max_loras=max(1, int(min_loras)))
     if engine_kwargs.get("enable_lora") is False:

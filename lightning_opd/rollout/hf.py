@@ -27,6 +27,7 @@ Only the model's EOS ids are read from its generation config (the stop ids, F23)
 
 from __future__ import annotations
 
+import copy as copy_module
 import logging
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from transformers import DynamicCache, GenerationConfig
 
 from lightning_opd.models.fsdp import is_sharded, unsharded_copy
-from lightning_opd.models.lora import AdapterState, load_adapter_state
+from lightning_opd.models.lora import AdapterState, is_lora_model, load_adapter_state
 from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
                                              SamplingParams, policy_configs)
 
@@ -154,7 +155,8 @@ class HFGenerator(Generator):
     def push_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
         """Copy ``state`` into the backend's private model (created from the attached student on the
         first push) and stamp it ``version``; returns seconds. A LoRA student's
-        :class:`~lightning_opd.models.lora.AdapterState` replaces the copy's adapter.
+        :class:`~lightning_opd.models.lora.AdapterState` replaces the copy's adapter; its merged weights
+        (``lora.push: merged``) load into a merged copy.
 
         Raises:
             KeyError: an adapter whose tensors are not the copy's (:func:`~lightning_opd.models.lora.load_adapter_state`).
@@ -162,7 +164,12 @@ class HFGenerator(Generator):
         t0 = time.perf_counter()
         with self._lock:
             if self._own_model is None:
-                self._own_model = unsharded_copy(self._policy.policy_model).eval().requires_grad_(False)
+                source = self._policy.policy_model
+                if is_lora_model(source) and not isinstance(state, AdapterState):  # lora.push: merged
+                    copy = copy_module.deepcopy(source).merge_and_unload()
+                else:
+                    copy = unsharded_copy(source)
+                self._own_model = copy.eval().requires_grad_(False)
             if isinstance(state, AdapterState):  # a LoRA student: its copy's adapter is replaced, the base stays
                 load_adapter_state(self._own_model, state)
             else:

@@ -58,9 +58,9 @@ def test_only_the_adapter_trains_and_the_optimizer_holds_only_its_parameters(mod
 
 
 class AdapterRecorder(RecordingOPD):
-    """Keeps every adapter it hands to the generator (by policy version) and, for every batch, the largest gap
-    between the behaviour log-probs and those recomputed with the adapter of the version each episode is stamped
-    with (and, as a control, with the learner's current adapter)."""
+    """Keeps every adapter it hands to the generator (by policy version) and, for every batch and every version that
+    played a turn of it, the largest gap between the behaviour log-probs of those turns' tokens and the log-probs
+    recomputed with that version's adapter (and, as a control, with the learner's current adapter)."""
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
@@ -71,35 +71,49 @@ class AdapterRecorder(RecordingOPD):
         self.adapters[self.policy_version] = state
         return state
 
-    def _recompute(self, batch, rows, state):
-        load_adapter_state(self.scratch, state)
+    def _recompute(self, batch, state):
+        if isinstance(state, AdapterState):
+            load_adapter_state(self.scratch, state)
+        else:  # lora.push: merged
+            self.scratch.load_state_dict(state, strict=True)
         with torch.no_grad():
-            logits = self.scratch(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits
-            lp = log_probs(logits[:, :-1], batch.sampling.temperature).gather(
-                -1, batch.input_ids[rows, 1:, None]).squeeze(-1)
-        mask = batch.loss_mask[rows, 1:] > 0
-        return (lp - batch.behaviour_logprobs[rows, 1:])[mask].abs().max().item()
+            logits = self.scratch(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+            lp = log_probs(logits, batch.sampling.temperature).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        return (lp - batch.behaviour_logprobs[:, 1:]).abs()
 
     def _check_on_policy(self, batch):
         if self.scratch is None:
             self.scratch = copy.deepcopy(self.student).eval()
-        current = super().policy_state_dict()
-        for v in sorted(set(batch.behaviour_version.tolist())):
-            rows = (batch.behaviour_version == v).nonzero().squeeze(1)
-            self.gaps.append((self.policy_version, v, self._recompute(batch, rows, self.adapters[v]),
-                              self._recompute(batch, rows, current)))
+            if self.lora.push == "merged":
+                self.scratch = self.scratch.merge_and_unload()
+        trajs = [t for t in batch.trajectories if t.turn_versions]
+        assert len(trajs) == batch.input_ids.shape[0]
+        turn = batch.turn_index[:, 1:]
+        token_version = torch.full_like(turn, -1)  # (B, T-1): the version that sampled each reply token
+        for b, t in enumerate(trajs):
+            for k, v in enumerate(t.turn_versions):
+                token_version[b][turn[b] == k] = v
+        mask = batch.loss_mask[:, 1:] > 0
+        current = self._recompute(batch, super().policy_state_dict())
+        for v in sorted(set(token_version[mask].tolist())):
+            sel = mask & (token_version == v)
+            self.gaps.append((self.policy_version, v, self._recompute(batch, self.adapters[v])[sel].max().item(),
+                              current[sel].max().item()))
         return super()._check_on_policy(batch)
 
 
-def test_async_samples_are_stamped_with_the_adapter_that_drew_them(model_dirs):
-    model = AdapterRecorder(student=model_dirs["student"], teacher=model_dirs["teacher"], lora=LoRAConfig(rank=4),
-                            optimizer=_adamw)
+@pytest.mark.parametrize("push", ["adapter", "merged"])
+def test_async_samples_are_stamped_with_the_adapter_that_drew_them(model_dirs, push):
+    model = AdapterRecorder(student=model_dirs["student"], teacher=model_dirs["teacher"],
+                            lora=LoRAConfig(rank=4, push=push), optimizer=_adamw)
     _trainer(6).fit(model, datamodule=_dm(mode="async", producer_lead=2))
     stale = [g for g in model.gaps if g[1] < g[0]]
     assert stale, f"no batch trained at lag >= 1: {model.gaps}"
     for learner_v, v, own, current in model.gaps:
         assert own < 1e-5, (learner_v, v, own)  # the stamped version's adapter drew these tokens
     assert max(g[3] for g in stale) > 1e-3  # the control: the learner's newer adapter would not have
+    want = AdapterState if push == "adapter" else dict
+    assert all(type(s) is want for s in model.adapters.values())
 
 
 def _fit_ckpt(model_dirs, steps, path=None, ckpt_path=None, save=False):

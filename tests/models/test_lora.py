@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_opd.models.lora import (AdapterState, LoRAConfig, adapter_state, apply_lora, check_vllm_lora,
-                                       load_adapter_state)
+                                       load_adapter_state, merged_state_dict)
 from lightning_opd.models.logits import trunk_hidden_states
 from tests.helpers import make_model
 
@@ -27,7 +27,7 @@ def test_config_defaults_and_refusals():
     peft_cfg = cfg.peft_config()
     assert peft_cfg.r == 4 and peft_cfg.lora_alpha == 8.0 and peft_cfg.lora_dropout == 0.0  # F25: no dropout key
     for bad, key in ((dict(rank=0), "lora.rank=0"), (dict(rank=513), "lora.rank=513"), (dict(alpha=0), "alpha=0"),
-                     (dict(target_modules=[]), "target_modules")):
+                     (dict(target_modules=[]), "target_modules"), (dict(push="full"), "push='full'")):
         with pytest.raises(ValueError, match=key):
             LoRAConfig(**bad)
 
@@ -96,9 +96,30 @@ def test_vllm_engine_arguments_for_a_lora_student():
         check_vllm_lora(cfg, {"max_loras": 1}, min_loras=3)
     with pytest.raises(ValueError, match="enable_lora=false"):
         check_vllm_lora(cfg, {"enable_lora": False})
+    assert check_vllm_lora(LoRAConfig(rank=4, push="merged"), {}) == {}  # full weights: no LoRA in the engine
 
 
 def test_adapter_state_is_a_mapping_a_full_push_path_can_tell_apart(tokenizer):
     state = adapter_state(_lora_model(tokenizer, rank=2))
     assert isinstance(state, AdapterState) and isinstance(state, dict)
     assert not isinstance(make_model(tokenizer).state_dict(), AdapterState)
+
+
+def test_merged_state_dict_is_base_plus_scaled_b_a_under_the_base_names(tokenizer):
+    import copy
+
+    model = _lora_model(tokenizer, rank=4, alpha=2.0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.1)
+    merged = merged_state_dict(model)
+    base = make_model(tokenizer, seed=0)
+    assert merged.keys() == base.state_dict().keys()
+    layer = model.get_base_model().model.layers[1].mlp.down_proj
+    want = layer.base_layer.weight + (2.0 / 4) * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    torch.testing.assert_close(merged["model.layers.1.mlp.down_proj.weight"], want.detach(), atol=1e-6, rtol=0)
+    assert torch.equal(merged["lm_head.weight"], base.state_dict()["lm_head.weight"])  # not a target: as it was
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    for k, v in reference.items():
+        torch.testing.assert_close(merged[k], v, atol=1e-6, rtol=0, msg=k)
