@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -352,7 +353,15 @@ def check_opd_remote(cli, tmp):
     assert isinstance(cli.model.teacher, RemoteTeacher) and not cli.model.teacher.pool.connected
 
 
-EXPECT = {"textworld/self_distill.yaml": check_self_distill, "textworld/opd_remote.yaml": check_opd_remote,
+def check_opd_lora(cli, tmp):
+    from lightning_opd.models.lora import LoRAConfig
+
+    assert cli.model.lora == LoRAConfig(rank=16, alpha=32.0, target_modules="all-linear", push="adapter")
+    assert type(cli.model.loss_fn) is FullVocabReverseKL  # the demo recipe's loss, kept
+    assert cli.model.optimizer_factory([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"] == 5e-4
+
+
+EXPECT = {"textworld/self_distill.yaml": check_self_distill, "textworld/opd_lora.yaml": check_opd_lora, "textworld/opd_remote.yaml": check_opd_remote,
           "textworld/opd.yaml": check_opd, "textworld/teacher_sft.yaml": check_teacher_sft,
           "model/opd_sampled.yaml": check_opd_sampled, "data/textworld.yaml": check_data_textworld,
           "debug/fast_dev_run.yaml": check_fast_dev_run, "callbacks/staleness_monitor.yaml": check_staleness_monitor,
