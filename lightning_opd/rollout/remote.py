@@ -265,6 +265,21 @@ class RemoteGenerator(Generator):
         return out
 
     # ------------------------------------------------------------------------------------------- push
+    def attach(self, policy, stop_ids) -> None:
+        """:meth:`Generator.attach <lightning_opd.rollout.generator.Generator.attach>`, refusing a LoRA student that
+        pushes its adapter alone: the served sampler reloads full weights (its adapter path,
+        ``/v1/load_lora_adapter``, is not built yet).
+
+        Raises:
+            ValueError: ``policy.lora`` with ``push: adapter``, naming the key that works today.
+        """
+        lora = getattr(policy, "lora", None)
+        if lora is not None and lora.push == "adapter":
+            raise ValueError("a served sampler (RemoteGenerator) with a LoRA student pushing its adapter alone: the "
+                             "server reloads full weights only for now; set model.init_args.lora.push=merged (the "
+                             "base with the adapter merged in), or sample in process (generator: vllm)")
+        super().attach(policy, stop_ids)
+
     def push_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
         """Serve ``state`` (a student ``state_dict``) from now on, stamped ``version``; returns seconds.
 
