@@ -35,6 +35,7 @@ import torch
 from lightning_opd.losses.base import TeacherSignal
 from lightning_opd.models.fsdp import with_root_params
 from lightning_opd.models.logits import output_head, trunk_hidden_states
+from lightning_opd.models.lora import is_lora_model, merged_state_dict
 from lightning_opd.models.tokenizers import first_difference
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.chat import ChatFormat
@@ -363,8 +364,9 @@ class PrivilegedTeacher(Teacher):
             self.push()
 
     def push(self) -> float:
-        """Served ``live``/``ema``: the scoring weights (the student's, or the EMA's) to the server, stamped with the
-        optimizer steps so far (:attr:`pushed_version`); seconds.
+        """Served ``live``/``ema``: the scoring weights (the student's, or the EMA's; a LoRA student's merged into its
+        base, :func:`~lightning_opd.models.lora.merged_state_dict`) to the server, stamped with the optimizer steps so
+        far (:attr:`pushed_version`); seconds.
 
         Raises:
             RuntimeError: no server, or nothing attached.
@@ -374,7 +376,9 @@ class PrivilegedTeacher(Teacher):
         """
         if self.server is None or self.model is None:
             raise RuntimeError(f"teacher {self.name}: push needs a server and attach_student()")
-        breakdown = self._pusher.push(self.server.pool, self.model.state_dict(), self._steps)
+        # a LoRA student's weights (live) or their EMA: the base with the adapter merged in, as the server names them
+        state = merged_state_dict(self.model) if is_lora_model(self.model) else self.model.state_dict()
+        breakdown = self._pusher.push(self.server.pool, state, self._steps)
         self.pushed_version = self._steps
         if self.server.pool.writers():  # a rank past the last URL writes nothing (one writer per server)
             self._pushes += 1

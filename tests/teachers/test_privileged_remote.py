@@ -57,15 +57,24 @@ def test_served_frozen_teacher_scores_like_the_in_process_one(server, served_mod
     remote.close()
 
 
-@pytest.mark.parametrize("weights", ["live", "ema"])
+@pytest.mark.parametrize("weights,lora", [("live", False), ("ema", False), ("live", True)],
+                         ids=["live", "ema", "live-lora"])
 def test_served_live_and_ema_teachers_push_the_scoring_weights_after_an_optimizer_step(
-        server, served_model_dirs, tokenizer, tmp_path, weights):
+        server, served_model_dirs, tokenizer, tmp_path, weights, lora):
     student = _student(served_model_dirs)
+    if lora:  # a LoRA student (issue 65): the server gets the base with the adapter merged in, under the base's names
+        from lightning_opd.models.lora import LoRAConfig, apply_lora
+
+        student = apply_lora(student, LoRAConfig(rank=8))
+        with torch.no_grad():
+            for n, p in student.named_parameters():
+                if ".lora_B." in n:
+                    p.normal_(0, 0.1)
     remote = _teacher(tokenizer, student, weights, server, ema_decay=0.5, weights_dir=str(tmp_path / "pushed"))
     local = _teacher(tokenizer, student, weights, ema_decay=0.5)
     batch, _ = _batch(tokenizer, temperature=1.0)
     before = _scores(remote, batch).sampled_logprobs
-    opt = torch.optim.SGD(student.parameters(), lr=0.5)
+    opt = torch.optim.SGD([p for p in student.parameters() if p.requires_grad], lr=0.5)
     student(input_ids=batch.input_ids).logits.float().logsumexp(-1).mean().backward()
     opt.step()
     remote.on_optimizer_step()  # what OPDModule.apply_update calls: the EMA update, then the push

@@ -219,11 +219,20 @@ def test_live_teacher_pass_builds_no_graph_and_leaves_the_optimizer_alone(tok):
             assert torch.equal(v, state[k][n]) if torch.is_tensor(v) else v == state[k][n]
 
 
-def test_frozen_live_and_ema_after_one_optimizer_step(tok):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_frozen_live_and_ema_after_one_optimizer_step(tok, lora):
     student = make_model(tok, seed=3).train()
+    if lora:  # a LoRA student (issue 65): base frozen, the adapter trains; the copies are of base + adapter
+        from lightning_opd.models.lora import LoRAConfig, apply_lora
+
+        student = apply_lora(student, LoRAConfig(rank=4))
+        with torch.no_grad():  # A trains only once B is non-zero
+            for n, p in student.named_parameters():
+                if ".lora_B." in n:
+                    p.normal_(0, 0.1)
     start = {n: p.detach().clone() for n, p in student.named_parameters()}
     teachers = {w: _teacher(tok, student, w, ema_decay=0.75) for w in ("frozen", "live", "ema")}
-    opt = torch.optim.SGD(student.parameters(), lr=0.5)
+    opt = torch.optim.SGD([p for p in student.parameters() if p.requires_grad], lr=0.5)
     batch, _ = _batch(tok)
     student(input_ids=batch.input_ids).logits.float().logsumexp(-1).mean().backward()
     opt.step()
