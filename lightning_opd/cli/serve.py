@@ -44,6 +44,10 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-public-dev-routes", action="store_true",
                    help="allow --dev-mode on a non-loopback --host: anyone who reaches the port can call "
                         "/collective_rpc and replace the weights; only on a network you trust")
+    p.add_argument("--lora-rank", type=int_at_least(1), default=None,
+                   help="a sampler for a LoRA student pushing its adapter (model.init_args.lora.rank): --enable-lora "
+                        "--max-lora-rank (vLLM's smallest rank >= it) --max-loras 1 and "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (the /v1/load_lora_adapter route); with --dev-mode")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="OMP_NUM_THREADS of the server")
     p.add_argument("--cpus", type=cpu_list, default=None,
                    help="pin the server to these CPUs (taskset -c syntax: 0 / 0,1 / 0-3), so a learner overlaps")
@@ -66,6 +70,7 @@ def serve_command(argv: list[str]) -> None:
     """
     import importlib.util
 
+    from lightning_opd.models.lora import LoRAConfig
     from lightning_opd.serving import VLLMServer
     from lightning_opd.serving.server import check_dev_mode_host
 
@@ -85,7 +90,8 @@ def serve_command(argv: list[str]) -> None:
                         threads=a.threads, cpus=a.cpus, start_timeout_s=a.start_timeout_s,
                         allow_public_dev_routes=a.allow_public_dev_routes,
                         max_model_len=a.max_model_len, dtype=a.dtype, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
-                        seed=a.seed, enforce_eager=not a.no_enforce_eager, extra_args=extra)
+                        seed=a.seed, enforce_eager=not a.no_enforce_eager, extra_args=extra,
+                        max_lora_rank=LoRAConfig(rank=a.lora_rank).vllm_max_lora_rank if a.lora_rank else None)
     print(f"command: {server.shell_command()}", flush=True)
     print(f"log: {server.log_path}", flush=True)
     if importlib.util.find_spec("vllm") is None:  # the server is another process: only that it imports matters

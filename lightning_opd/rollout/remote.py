@@ -83,7 +83,8 @@ import torch
 from lightning_opd.models.tokenizers import check_served_tokenizer
 from lightning_opd.rollout.generator import (ContextLimit, GenerationOutput, GenerationRequest, Generator,
                                              SamplingParams)
-from lightning_opd.serving import ServedTokenizer, ServerClient, ServerError, ServerPool, ServerWeightPush
+from lightning_opd.serving import (ServedTokenizer, ServerAdapterPush, ServerClient, ServerError, ServerPool,
+                                   ServerWeightPush)
 
 
 def sampler_server_args(max_model_len: int = 2048) -> list[str]:
@@ -266,19 +267,26 @@ class RemoteGenerator(Generator):
 
     # ------------------------------------------------------------------------------------------- push
     def attach(self, policy, stop_ids) -> None:
-        """:meth:`Generator.attach <lightning_opd.rollout.generator.Generator.attach>`, refusing a LoRA student that
-        pushes its adapter alone: the served sampler reloads full weights (its adapter path,
-        ``/v1/load_lora_adapter``, is not built yet).
-
-        Raises:
-            ValueError: ``policy.lora`` with ``push: adapter``, naming the key that works today.
-        """
+        """:meth:`Generator.attach <lightning_opd.rollout.generator.Generator.attach>`; a LoRA student that pushes its
+        adapter alone (``policy.lora.push == "adapter"``) gets adapter pushes
+        (:class:`~lightning_opd.serving.weight_push.ServerAdapterPush`: the servers must run with LoRA,
+        ``lightning-opd serve --lora-rank R``) and every request names the adapter of its version."""
         lora = getattr(policy, "lora", None)
-        if lora is not None and lora.push == "adapter":
-            raise ValueError("a served sampler (RemoteGenerator) with a LoRA student pushing its adapter alone: the "
-                             "server reloads full weights only for now; set model.init_args.lora.push=merged (the "
-                             "base with the adapter merged in), or sample in process (generator: vllm)")
+        adapter = lora is not None and lora.push == "adapter"
+        if adapter != isinstance(self._push, ServerAdapterPush):
+            self._push.close()
+            kind = ServerAdapterPush if adapter else ServerWeightPush
+            self._push = kind(self.weights_dir, self.server_weights_dir, self.push_timeout_s)
         super().attach(policy, stop_ids)
+
+    @property
+    def served_name(self) -> str | None:
+        """The ``model`` every request names: the adapter of the servers' version after an adapter push
+        (:meth:`ServerAdapterPush.adapter_name <lightning_opd.serving.weight_push.ServerAdapterPush.adapter_name>`),
+        else the served model (:attr:`model`)."""
+        if isinstance(self._push, ServerAdapterPush) and self._server_version is not None:
+            return ServerAdapterPush.adapter_name(self._server_version)
+        return self.model
 
     def push_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
         """Serve ``state`` (a student ``state_dict``) from now on, stamped ``version``; returns seconds.
@@ -317,7 +325,7 @@ class RemoteGenerator(Generator):
 
     def request_body(self, request: GenerationRequest, sampling: SamplingParams) -> dict:
         """The ``/v1/completions`` body of one reply (token ids in, sampled ids and their log-probs out)."""
-        return {"model": self.model, "prompt": list(request.prompt_ids), "n": 1, "max_tokens": sampling.max_new_tokens,
+        return {"model": self.served_name, "prompt": list(request.prompt_ids), "n": 1, "max_tokens": sampling.max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                 "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "seed": self.request_seed(request), "logprobs": 0,

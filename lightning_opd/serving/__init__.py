@@ -5,7 +5,7 @@ from lightning_opd.serving.client import Heartbeat, ServerClient, ServerError
 from lightning_opd.serving.pool import ServerPool, rank_world
 from lightning_opd.serving.served_tokenizer import ServedTokenizer
 from lightning_opd.serving.server import VLLMServer, free_port, vllm_serve_command
-from lightning_opd.serving.weight_push import ServerWeightPush
+from lightning_opd.serving.weight_push import ServerAdapterPush, ServerWeightPush
 
-__all__ = ["Heartbeat", "ServedTokenizer", "ServerClient", "ServerError", "ServerPool", "ServerWeightPush",
-           "VLLMServer", "free_port", "rank_world", "vllm_serve_command"]
+__all__ = ["Heartbeat", "ServedTokenizer", "ServerAdapterPush", "ServerClient", "ServerError", "ServerPool",
+           "ServerWeightPush", "VLLMServer", "free_port", "rank_world", "vllm_serve_command"]

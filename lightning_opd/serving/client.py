@@ -175,8 +175,9 @@ class ServerClient:
             return False
 
     def request(self, method: str, route: str, payload: Any = None, timeout_s: float | None = None,
-                retries: int | None = None) -> Any:
-        """``method route`` with a JSON body; the JSON answer (``None`` for an empty body).
+                retries: int | None = None, plain_text: bool = False) -> Any:
+        """``method route`` with a JSON body; the JSON answer (``None`` for an empty body), or with ``plain_text`` the
+        body as text (vLLM's LoRA routes answer ``Success: ...`` in plain text).
 
         ``timeout_s`` (default: the client's) is the total deadline of each attempt, ``retries`` (default: the
         client's) the retries of a transient failure; the whole call ends within ``timeout_s * (retries + 1) +
@@ -220,6 +221,8 @@ class ServerClient:
             self.request_count += 1
             if not body:
                 return None
+            if plain_text:
+                return text
             try:
                 return json.loads(body)
             except ValueError:
@@ -236,9 +239,9 @@ class ServerClient:
         return f" (the server refused the API key from ${self._key_env}: set it to the server's --api-key)"
 
     def post(self, route: str, payload: Any = None, timeout_s: float | None = None,
-             retries: int | None = None) -> Any:
+             retries: int | None = None, plain_text: bool = False) -> Any:
         """``POST route`` (see :meth:`request`)."""
-        return self.request("POST", route, payload, timeout_s, retries)
+        return self.request("POST", route, payload, timeout_s, retries, plain_text)
 
     def get(self, route: str, timeout_s: float | None = None, retries: int | None = None) -> Any:
         """``GET route`` (see :meth:`request`)."""

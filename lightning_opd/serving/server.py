@@ -86,7 +86,8 @@ def _redacted(command: Sequence[str]) -> list[str]:
 def vllm_serve_command(model: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
                        max_model_len: int = 2048, dtype: str = "float32", served_model_name: str | None = None,
                        kv_cache_memory_bytes: int | None = None, seed: int = 0, enforce_eager: bool = True,
-                       extra_args: Sequence[str] = (), python: str | None = None) -> list[str]:
+                       extra_args: Sequence[str] = (), python: str | None = None,
+                       max_lora_rank: int | None = None) -> list[str]:
     """The argument list of ``vllm serve`` for a student sampler or a teacher (one model directory).
 
     Args:
@@ -103,6 +104,10 @@ def vllm_serve_command(model: str | os.PathLike, *, host: str = "127.0.0.1", por
             measured gain at this scale; the in-process engine runs eager too).
         extra_args: more ``vllm serve`` flags, appended verbatim (``--enable-prefix-caching`` ...).
         python: interpreter (default: this one).
+        max_lora_rank: a sampler for a LoRA student that pushes its adapter: ``--enable-lora --max-lora-rank
+            max_lora_rank --max-loras 1`` (one of vLLM's ranks >= ``model.init_args.lora.rank``:
+            ``LoRAConfig.vllm_max_lora_rank``); the process also needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``
+            (:class:`VLLMServer` sets it).
 
     Returns:
         ``[python, "-m", "vllm.entrypoints.openai.api_server", "--model", ..., "--logprobs-mode",
@@ -118,6 +123,8 @@ def vllm_serve_command(model: str | os.PathLike, *, host: str = "127.0.0.1", por
         cmd += ["--served-model-name", served_model_name]
     if kv_cache_memory_bytes:
         cmd += ["--kv-cache-memory-bytes", str(int(kv_cache_memory_bytes))]
+    if max_lora_rank:
+        cmd += ["--enable-lora", "--max-lora-rank", str(int(max_lora_rank)), "--max-loras", "1"]
     return cmd + list(extra_args)
 
 
@@ -161,15 +168,20 @@ class VLLMServer:
         self.start_timeout_s = float(start_timeout_s)
         self.process: subprocess.Popen | None = None
         self.startup_s: float | None = None  #: seconds from spawn to the first ``/health`` 200
+        #: adapters loaded at run time (``max_lora_rank``): ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``
+        self.runtime_lora = bool(command_kwargs.get("max_lora_rank"))
 
     def environment(self) -> dict[str, str]:
-        """The server's environment: this one, offline, plus dev mode / thread count when asked."""
+        """The server's environment: this one, offline, plus dev mode / runtime LoRA loading / thread count when
+        asked."""
         env = dict(os.environ)
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as vLLM chooses
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.runtime_lora:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         if self.threads:
             env["OMP_NUM_THREADS"] = str(int(self.threads))
         return env
@@ -178,6 +190,8 @@ class VLLMServer:
         """The command as one shell line (what a user runs by hand on the server machine); an ``--api-key`` value
         is shown as ``<redacted>``."""
         prefix = "VLLM_SERVER_DEV_MODE=1 " if self.dev_mode else ""
+        if self.runtime_lora:
+            prefix += "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
         if self.threads:
             prefix += f"OMP_NUM_THREADS={int(self.threads)} "
         if self.cpus:

@@ -44,6 +44,9 @@ class ServerWeightPush:
         push_timeout_s: how long each step of a push may take on a server (seconds).
     """
 
+    #: the file a snapshot directory holds (what :meth:`restore` checks is still there)
+    snapshot_file = "model.safetensors"
+
     def __init__(self, weights_dir: str | None = None, server_weights_dir: str | None = None,
                  push_timeout_s: float = 600.0) -> None:
         self.weights_dir = weights_dir
@@ -118,7 +121,7 @@ class ServerWeightPush:
             raise ServerError(client.url, "its weights are written by another learner rank (one writer per server); "
                               "this rank does not take it back")
         local, remote = self.last_snapshot
-        if not (local / "model.safetensors").is_file():
+        if not (local / self.snapshot_file).is_file():
             raise ServerError(client.url, f"the last pushed snapshot {local} (version {self.last_version}) is gone")
         try:
             self.reload(client, remote, self.last_version, pool.lock)
@@ -142,15 +145,7 @@ class ServerWeightPush:
         reads through a group/ACL the operator grants)."""
         from safetensors.torch import save_file
 
-        if self.weights_dir is None and self._tmp_dir is None:
-            self._tmp_dir = tempfile.mkdtemp(prefix="lightning-opd-weights-")
-            # removed by close(), and otherwise when this pusher is collected or the process exits: an exception or
-            # Ctrl-C in fit skips the LightningModule's teardown, which closes a served privileged teacher
-            weakref.finalize(self, shutil.rmtree, self._tmp_dir, True)
-        base = Path(self.weights_dir or self._tmp_dir)
-        rank, world = rank_world()
-        sub = Path(f"rank{rank}") if world > 1 else Path()
-        name = f"v{version:08d}" if version >= 0 else f"v_{-version:08d}"
+        base, sub, name = self._snapshot_path(version)
         tensors: dict[str, torch.Tensor] = {}
         seen: set[tuple[int, int]] = set()
         for key, value in state.items():
@@ -166,6 +161,23 @@ class ServerWeightPush:
             save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
             (d / "model.safetensors").chmod(0o600)
 
+        return self._publish(base, sub, name, write)
+
+    def _snapshot_path(self, version: int) -> tuple[Path, Path, str]:
+        """``(weights_dir or a temporary one, rank<r> under several ranks, v<version>)`` of a snapshot."""
+        if self.weights_dir is None and self._tmp_dir is None:
+            self._tmp_dir = tempfile.mkdtemp(prefix="lightning-opd-weights-")
+            # removed by close(), and otherwise when this pusher is collected or the process exits: an exception or
+            # Ctrl-C in fit skips the LightningModule's teardown, which closes a served privileged teacher
+            weakref.finalize(self, shutil.rmtree, self._tmp_dir, True)
+        base = Path(self.weights_dir or self._tmp_dir)
+        rank, world = rank_world()
+        sub = Path(f"rank{rank}") if world > 1 else Path()
+        name = f"v{version:08d}" if version >= 0 else f"v_{-version:08d}"
+        return base, sub, name
+
+    def _publish(self, base: Path, sub: Path, name: str, write) -> tuple[Path, str]:
+        """Write a snapshot directory atomically with ``write(tmp_dir)``, owner-only: ``(local, the servers' path)``."""
         local = write_dir_atomic(base / sub / name, write)
         local.chmod(0o700)  # owner-only (F35): the learner's weights are not for other users of the machine
         remote = str(Path(self.server_weights_dir) / sub / name) if self.server_weights_dir else str(local)
@@ -207,3 +219,79 @@ class ServerWeightPush:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             self._tmp_dir, self._snapshot = None, None
             self.last_snapshot, self.last_version = None, None
+
+
+class ServerAdapterPush(ServerWeightPush):
+    """Pushes a LoRA student's adapter (:class:`~lightning_opd.models.lora.AdapterState`) to ``vllm serve`` samplers
+    started with LoRA (``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``:
+    ``lightning-opd serve --lora-rank R``), one directory per push, as :class:`ServerWeightPush` does with full weights.
+
+    Each server: ``POST /v1/load_lora_adapter {"lora_name": "student-v<version>", "lora_path": DIR, "load_inplace":
+    true}`` (in place: a server given the same version again, e.g. at a rejoin, reloads it), ``POST
+    /update_weight_version`` (what :meth:`RemoteGenerator._confirm <lightning_opd.rollout.remote.RemoteGenerator>`
+    reads), then ``POST /v1/unload_lora_adapter`` of the adapter it held before (best effort). Requests name the
+    adapter of the version they are stamped with (:meth:`adapter_name`), so a sample's version is the adapter that drew
+    it; no pause is needed (vLLM's prefix cache keys include the adapter). Same arguments as :class:`ServerWeightPush`.
+    """
+
+    snapshot_file = "adapter_model.safetensors"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._held: dict[str, str] = {}  # server URL -> the adapter name it holds (pushed by this pusher)
+
+    @staticmethod
+    def adapter_name(version: int) -> str:
+        """The served adapter name of policy version ``version``: ``student-v<version>``."""
+        return f"student-v{int(version)}"
+
+    def write_snapshot(self, state, version: int) -> tuple[Path, str]:
+        """The adapter as ``<weights_dir>[/rank<r>]/v<version>/`` (``adapter_config.json``,
+        ``adapter_model.safetensors`` in the learner's dtype), atomically and owner-only (F35)."""
+        base, sub, name = self._snapshot_path(version)
+
+        def write(d: Path) -> None:
+            state.save(d)
+            for f in d.iterdir():
+                f.chmod(0o600)
+
+        return self._publish(base, sub, name, write)
+
+    def reload(self, client: ServerClient, path: str, version: int, lock: threading.Lock) -> None:
+        """One server: load the adapter at ``path`` as :meth:`adapter_name` ``(version)``, stamp ``version``, unload
+        the adapter it held before (best effort: a failure leaves it in vLLM's LRU cache).
+
+        Raises:
+            ServerError: a step failed, naming the server, the step and (HTTP 404 on the LoRA route) how to start the
+                server with runtime LoRA loading.
+        """
+        control = ServerClient(client.url, self.push_timeout_s, retries=0)
+        name = self.adapter_name(version)
+        steps = (("POST /v1/load_lora_adapter", "/v1/load_lora_adapter",
+                  {"lora_name": name, "lora_path": path, "load_inplace": True}),
+                 ("POST /update_weight_version", "/update_weight_version", {"new_version": str(version)}))
+        try:
+            for what, route, body in steps:
+                try:
+                    control.post(route, body, plain_text=True)
+                except ServerError as err:
+                    detail = str(err).removeprefix(f"{client.url}: ")
+                    hint = ""
+                    if "HTTP 404" in detail:
+                        hint = (" (the route is missing: start the sampler with LoRA and runtime adapter loading, "
+                                "lightning-opd serve --lora-rank R: --enable-lora --max-lora-rank R and "
+                                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; /update_weight_version needs --dev-mode)")
+                    raise ServerError(client.url, f"pushing the LoRA adapter of version {version} from {path}: {what} "
+                                      f"failed: {detail}{hint}") from err
+            old = self._held.get(client.url)
+            if old is not None and old != name:
+                try:
+                    control.post("/v1/unload_lora_adapter", {"lora_name": old}, plain_text=True)
+                except ServerError:
+                    pass  # it stays in the server's LRU cache of adapters; no request names it again
+            self._held[client.url] = name
+        finally:
+            with lock:
+                client.bytes_sent += control.bytes_sent
+                client.bytes_received += control.bytes_received
+                control.bytes_sent = control.bytes_received = 0

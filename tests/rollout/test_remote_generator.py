@@ -89,17 +89,6 @@ def max_gap(model, ps, outs, sampling) -> float:
 
 
 # ------------------------------------------------------------------------------------ without a server
-def test_a_lora_student_pushing_its_adapter_alone_is_refused_naming_merged(tokenizer):
-    from types import SimpleNamespace
-
-    from lightning_opd.models.lora import LoRAConfig
-
-    gen = RemoteGenerator("http://127.0.0.1:1")
-    with pytest.raises(ValueError, match="model.init_args.lora.push=merged"):
-        gen.attach(SimpleNamespace(lora=LoRAConfig(rank=8)), [0])
-    gen.attach(SimpleNamespace(lora=LoRAConfig(rank=8, push="merged")), [0])  # full weights: the path it has
-
-
 def test_knobs_are_checked_and_nothing_is_asked_before_use():
     with pytest.raises(ValueError, match="urls is empty"):
         RemoteGenerator([])
