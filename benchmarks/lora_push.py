@@ -1,19 +1,22 @@
 """A LoRA student's weight push against a full fine-tune's, and what sampling costs afterwards (issue 65).
 
-Same run, same process, the demo's student (SmolLM2-135M, fp32) with a rank-``--rank`` adapter on every linear layer
-of the decoder (conf/textworld/opd_lora.yaml's; its ``B`` drawn at random so the adapter changes the outputs):
+Same run, the demo's student (SmolLM2-135M, fp32) with a rank-``--rank`` adapter on every linear layer of the decoder
+(conf/textworld/opd_lora.yaml's; its ``B`` drawn at random so the adapter changes the outputs), four generators:
 
-* ``full``: ``merged_state_dict`` (what ``lora.push: merged`` and a full fine-tune send: 134.5 M parameters) loaded
-  into an in-process vLLM engine started without LoRA (``VLLMWeightSync``: in place);
-* ``adapter``: ``adapter_state`` (the default ``lora.push: adapter``) loaded into an engine started with LoRA
-  (``VLLMGenerator.push_adapter``: written to a folder, ``add_lora`` under a new id, the previous one removed).
+* ``in-process full``: ``merged_state_dict`` (what ``lora.push: merged`` and a full fine-tune send: every tensor of
+  the model) into an in-process vLLM engine started without LoRA (``VLLMWeightSync``: in place);
+* ``in-process adapter``: ``adapter_state`` (the default ``lora.push: adapter``) into an engine started with LoRA
+  (``VLLMGenerator.push_adapter``: written to a folder, ``add_lora`` under a new id, the previous one removed);
+* ``served full`` / ``served adapter``: the same two into ``vllm serve`` samplers on this machine (dev mode; the second
+  with ``--enable-lora``): a safetensors snapshot and vLLM's reload route, or the adapter's folder and
+  ``/v1/load_lora_adapter`` (``--no-served`` leaves them out).
 
-Per push: bytes of the tensors shipped and seconds from the learner's state to an engine ready to sample (building
-the state included). Then sampling: the same ``--prompts`` prompts of ``--prompt-tokens`` tokens, ``--new-tokens``
-new tokens each (the demo's turn: 16), greedy, prefix cache emptied before each call, timed on each engine; rounds
-alternate the two engines (``--rounds``). Learner memory: the peak resident memory of one OPD-shaped update
-(forward, backward of the sampled-token loss and an AdamW step over ``--learner-tokens`` tokens), full fine-tuning vs
-LoRA, each in a fresh process (``ru_maxrss``).
+Per push: bytes of the tensors shipped and seconds from the learner's state to a generator that samples with it
+(building the state included). Then sampling: ``--prompts`` fresh prompts of ``--prompt-tokens`` tokens per round,
+``--new-tokens`` new tokens each (the demo's turn: 16), greedy, the same prompts on each generator; rounds alternate
+the order (``--rounds``). Learner memory: the peak resident memory of two OPD-shaped updates (forward, backward of a
+sampled-token loss and an AdamW step over ``--learner-tokens`` tokens), full fine-tuning vs LoRA, each in a fresh
+process (``ru_maxrss``).
 
 Results: benchmarks/results/lora_push.json (the CPU model and cores named). Run alone on the cores:
   .venv/bin/python -m benchmarks.lora_push
@@ -49,27 +52,45 @@ def _student(path: str, rank: int):
     return model
 
 
-def _engine(path: str, lora: LoRAConfig | None, model):
+class _Policy:
+    """What ``PolicyModule`` offers a generator: the student, its directory, version and LoRA configuration."""
+
+    def __init__(self, model, path: str, lora: LoRAConfig | None, tokenizer=None) -> None:
+        self.policy_model, self.student_path, self.lora, self.policy_version = model, path, lora, 0
+        self.tokenizer = tokenizer
+
+
+def _in_process(path: str, lora: LoRAConfig | None, model):
     from lightning_opd.rollout.vllm import VLLMGenerator
 
-    class Policy:  # what PolicyModule offers a generator: the student, its directory, its LoRA configuration
-        policy_model, policy_version, student_path = model, 0, path
-
-    Policy.lora = lora
     gen = VLLMGenerator(kv_cache_memory_bytes=1 << 30, max_model_len=2048)
-    gen.attach(Policy(), [model.config.eos_token_id])
+    gen.attach(_Policy(model, path, lora), [model.config.eos_token_id])
     gen.follow_policy = False
     gen.start()
-    return gen
+    return gen, None
+
+
+def _served(path: str, lora: LoRAConfig, model, tokenizer):
+    """A sampler server (dev mode, ``sampler_server_args``; with LoRA for ``push: adapter``) and its generator."""
+    from lightning_opd.rollout.remote import RemoteGenerator, sampler_server_args
+    from lightning_opd.serving import VLLMServer
+
+    server = VLLMServer(path, dev_mode=True, max_model_len=2048, kv_cache_memory_bytes=1 << 30, threads=2,
+                        max_lora_rank=lora.vllm_max_lora_rank if lora.push == "adapter" else None,
+                        extra_args=tuple(sampler_server_args(2048))).start()
+    gen = RemoteGenerator(server.url, heartbeat_s=0)
+    gen.attach(_Policy(model, path, lora, tokenizer), [model.config.eos_token_id])
+    gen.follow_policy = False
+    return gen, server
 
 
 def _sample(gen, prompts, new_tokens: int) -> float:
-    import vllm
+    from lightning_opd.rollout.generator import GenerationRequest, SamplingParams
 
-    params = vllm.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    gen.llm.reset_prefix_cache()
+    requests = [GenerationRequest(key=(i, len(p)), prompt_ids=p, seed=i) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
-    gen.llm.generate(prompts, params, use_tqdm=False, lora_request=gen._lora_request)
+    gen.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=new_tokens))
+    gen.release()
     return time.perf_counter() - t0
 
 
@@ -102,6 +123,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=600)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--learner-tokens", type=int, default=2048)
+    parser.add_argument("--served", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the served sampler (two `vllm serve` processes: without LoRA and with it)")
     parser.add_argument("--child", choices=["full", "lora"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -119,38 +142,56 @@ def main() -> None:
         print(f"learner {kind}: peak {memory[kind]['peak_rss_mb']:.0f} MB, "
               f"{memory[kind]['trainable_parameters']:,} trainable parameters", flush=True)
     model = _student(args.model, args.rank)
-    engines = {"full": _engine(args.model, None, model), "adapter": _engine(args.model, LoRAConfig(rank=args.rank), model)}
-    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (args.prompt_tokens,),
-                                                  generator=torch.Generator().manual_seed(i)).tolist()}
-               for i in range(args.prompts)]
-    pushes = {k: [] for k in engines}
-    samples = {k: [] for k in engines}
+    from lightning_opd.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    adapter, merged = LoRAConfig(rank=args.rank), LoRAConfig(rank=args.rank, push="merged")
+    gens, servers = {}, []
+    for name, make in (("in-process full", lambda: _in_process(args.model, None, model)),
+                       ("in-process adapter", lambda: _in_process(args.model, adapter, model)),
+                       ("served full", lambda: _served(args.model, merged, model, tokenizer)),
+                       ("served adapter", lambda: _served(args.model, adapter, model, tokenizer))):
+        if name.startswith("served") and not args.served:
+            continue
+        gens[name], server = make()
+        servers += [server] if server is not None else []
+    pushes = {k: [] for k in gens}
+    samples = {k: [] for k in gens}
     nbytes = {}
     version = 0
-    for r in range(args.rounds):
-        for kind in (("full", "adapter") if r % 2 == 0 else ("adapter", "full")):
-            gen = engines[kind]
-            version += 1
-            t0 = time.perf_counter()
-            state = merged_state_dict(model) if kind == "full" else adapter_state(model, args.model)
-            gen.push_weights(state, version)
-            pushes[kind].append(time.perf_counter() - t0)
-            nbytes[kind] = sum(t.numel() * t.element_size() for t in state.values())
-            samples[kind].append(_sample(gen, prompts, args.new_tokens))
-            print(f"round {r} {kind}: push {pushes[kind][-1]:.2f} s ({nbytes[kind] / 1e6:.1f} MB), sampling "
-                  f"{samples[kind][-1]:.2f} s", flush=True)
+    try:
+        for r in range(args.rounds):
+            prompts = [torch.randint(100, 40000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(
+                1000 * r + i)).tolist() for i in range(args.prompts)]
+            order = list(gens) if r % 2 == 0 else list(reversed(gens))
+            for kind in order:
+                gen = gens[kind]
+                version += 1
+                t0 = time.perf_counter()  # from the learner's state to a generator that samples with it
+                state = adapter_state(model, args.model) if kind.endswith("adapter") else merged_state_dict(model)
+                gen.push_weights(state, version)
+                pushes[kind].append(time.perf_counter() - t0)
+                nbytes[kind] = sum(t.numel() * t.element_size() for t in state.values())
+                samples[kind].append(_sample(gen, prompts, args.new_tokens))
+                print(f"round {r} {kind}: push {pushes[kind][-1]:.2f} s ({nbytes[kind] / 1e6:.1f} MB), sampling "
+                      f"{samples[kind][-1]:.2f} s", flush=True)
+    finally:
+        for gen in gens.values():
+            gen.close() if hasattr(gen, "close") else gen.shutdown()
+        for server in servers:
+            server.stop()
     record = {"model": args.model, "rank": args.rank, "rounds": args.rounds, "prompts": args.prompts,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "push_bytes": nbytes, "push_seconds": pushes, "sampling_seconds": samples,
               "push_seconds_median": {k: statistics.median(v) for k, v in pushes.items()},
               "sampling_seconds_median": {k: statistics.median(v) for k, v in samples.items()},
-              "sampling_ratio_adapter_over_full": [a / f for a, f in zip(samples["adapter"], samples["full"])],
+              "sampling_ratio_adapter_over_full": {
+                  where: [a / f for a, f in zip(samples[f"{where} adapter"], samples[f"{where} full"])]
+                  for where in ("in-process", "served") if f"{where} adapter" in samples},
               "learner_memory": memory}
     write_json(RESULTS / "lora_push.json", record)
     print(json.dumps({k: record[k] for k in ("push_bytes", "push_seconds_median", "sampling_seconds_median",
                                              "sampling_ratio_adapter_over_full")}, indent=1))
-    for gen in engines.values():
-        gen.shutdown()
 
 
 if __name__ == "__main__":
