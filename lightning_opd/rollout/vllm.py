@@ -343,6 +343,18 @@ class VLLMGenerator(Generator):
         name = self.weights_dtype or getattr(self._policy, "dtype_name", None) or "float32"
         return str(resolve_dtype(name)).removeprefix("torch.")
 
+    def close(self) -> None:
+        """The session ends (:meth:`Generator.close <lightning_opd.rollout.generator.Generator.close>`): a LoRA
+        student's adapter leaves the engine and its folder the disk; the engine stays, and a later ``generate`` serves
+        whatever is pushed next (its version is unknown until then). Nothing to do without an adapter."""
+        with self._lock:
+            if self._lora_request is not None and self.llm is not None:
+                self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
+                self._lora_request, self._engine_version = None, None
+            if self._adapter_root is not None:
+                shutil.rmtree(self._adapter_root, ignore_errors=True)
+                self._adapter_root = None
+
     def shutdown(self) -> None:
         """Release the engine (and a LoRA student's adapter folder)."""
         self.llm, self.sync, self._engine_version, self._lora_request = None, None, None, None

@@ -76,9 +76,13 @@ def test_pushed_adapter_makes_the_engine_score_as_the_learner(tmp_path, tokenize
             assert max(gaps) > 1e-2
         assert not os.path.exists(seen_dirs[0]) and os.path.isdir(seen_dirs[1])  # the old adapter's files removed
         root = gen._adapter_root
+        gen.close()  # the session ends: the adapter leaves the engine and the disk, the engine stays
+        assert not os.path.exists(root) and gen.llm.llm_engine.list_loras() == set() and gen.policy_version == -1
+        gen.push_weights(adapter_state(student, str(path)), 5)  # a later session pushes again
+        assert gen.generate(requests[:1], sampling)[0].policy_version == 5
     finally:
         gen.shutdown()
-    assert not os.path.exists(root)
+    assert gen._adapter_root is None
 
 
 def test_adapter_push_to_an_engine_without_lora_is_refused(tmp_path, tokenizer):
