@@ -356,7 +356,7 @@ def check_opd_remote(cli, tmp):
 def check_opd_lora(cli, tmp):
     from lightning_opd.models.lora import LoRAConfig
 
-    assert cli.model.lora == LoRAConfig(rank=16, alpha=32.0, target_modules="all-linear", push="adapter")
+    assert cli.model.lora == LoRAConfig(rank=16, alpha=32.0, target_modules="all-linear", push="auto")
     assert type(cli.model.loss_fn) is FullVocabReverseKL  # the demo recipe's loss, kept
     assert cli.model.optimizer_factory([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"] == 5e-4
 

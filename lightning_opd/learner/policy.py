@@ -124,7 +124,10 @@ class PolicyModule(L.LightningModule):
         self.eval_metrics["version_gap"] = MaxMetric()
 
     def setup(self, stage: str) -> None:
-        """Hand the trainer's DataModule (if any) to :meth:`connect_data`."""
+        """Resolve a LoRA student's ``push: auto`` for the trainer's device (before any generator sees it), then hand
+        the trainer's DataModule (if any) to :meth:`connect_data`."""
+        if self.lora is not None and self._trainer is not None:
+            self.lora = self.lora.resolved(self.trainer.strategy.root_device.type)
         dm = self.trainer.datamodule if self._trainer is not None else None
         if dm is not None:
             self.connect_data(dm)
@@ -225,7 +228,7 @@ class PolicyModule(L.LightningModule):
         (:class:`~lightning_opd.models.lora.AdapterState`, ~1% of the bytes at rank 16 on SmolLM2-135M), or with
         ``lora.push: merged`` the base with the adapter merged in, named as the base model names its tensors."""
         if self.lora is not None:
-            if self.lora.push == "merged":
+            if not self.lora.pushes_adapter:
                 return merged_state_dict(self.student)
             return adapter_state(self.student, self.student_path)
         return full_state_dict(self.student)

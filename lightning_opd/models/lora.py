@@ -15,16 +15,17 @@ tokens must not be noisy); there is no key for it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
 #: what a LoRA student pushes to its generators (:attr:`LoRAConfig.push`)
-PUSH_MODES = ("adapter", "merged")
+PUSH_MODES = ("auto", "adapter", "merged")
 
 #: the ranks vLLM 0.32 accepts as ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``): an adapter of rank r is served
 #: by an engine started with the smallest of these >= r
@@ -40,12 +41,14 @@ class LoRAConfig:
         alpha: the scaling numerator (the update is ``alpha / rank * B A``); ``None``: ``2 * rank``.
         target_modules: peft's ``target_modules``: ``"all-linear"`` (every linear layer of the decoder, not the LM
             head) or a list of module names (``["q_proj", "v_proj"]``).
-        push: what generators receive each version: ``"adapter"`` (default: the adapter alone,
-            :class:`AdapterState`; vLLM samples with base + adapter through its LoRA kernels) or ``"merged"`` (the base
-            with the adapter merged in, :func:`merged_state_dict`, pushed as a full fine-tune's weights: the engine
-            runs without LoRA). On CPU vLLM 0.32's LoRA kernels are torch reference ops (``punica_cpu``): sampling
-            with an adapter took 3-5x the time of the same engine without LoRA (docs/benchmarks.md#lora-push), so
-            ``merged`` trades a full-size push for full-speed sampling there; on a GPU ``adapter`` is the point.
+        push: what generators receive each version: ``"adapter"`` (the adapter alone, :class:`AdapterState`; vLLM
+            samples with base + adapter through its LoRA kernels), ``"merged"`` (the base with the adapter merged in,
+            :func:`merged_state_dict`, pushed as a full fine-tune's weights: the engine runs without LoRA) or
+            ``"auto"`` (default: ``merged`` when the learner runs on CPU, ``adapter`` otherwise; resolved at setup,
+            :meth:`resolved`; ``adapter`` where nothing resolves it). On CPU vLLM 0.32's LoRA kernels are torch
+            reference ops (``punica_cpu``): sampling with an adapter took 5.9x the time of the same engine without
+            LoRA (docs/benchmarks.md#lora-push), far more than the full-size push saves; on a GPU ``adapter`` is the
+            point.
 
     Raises:
         ValueError: ``rank`` outside ``[1, 512]``, ``alpha <= 0``, an empty ``target_modules`` or an unknown ``push``
@@ -55,7 +58,7 @@ class LoRAConfig:
     rank: int = 16
     alpha: float | None = None
     target_modules: str | list[str] = "all-linear"
-    push: str = "adapter"
+    push: str = "auto"
 
     def __post_init__(self) -> None:
         if not 1 <= int(self.rank) <= VLLM_MAX_LORA_RANKS[-1]:
@@ -67,7 +70,20 @@ class LoRAConfig:
             raise ValueError("model.init_args.lora.target_modules is empty: use 'all-linear' or a list of module names")
         if self.push not in PUSH_MODES:
             raise ValueError(f"model.init_args.lora.push={self.push!r}: use one of {PUSH_MODES} (adapter: the adapter "
-                             "alone; merged: the base with the adapter merged in, full-speed sampling on CPU)")
+                             "alone; merged: the base with the adapter merged in, full-speed sampling on CPU; auto: "
+                             "merged on CPU, adapter elsewhere)")
+
+    @property
+    def pushes_adapter(self) -> bool:
+        """Whether generators receive the adapter alone (``push`` ``adapter``, or ``auto`` not resolved)."""
+        return self.push != "merged"
+
+    def resolved(self, device_type: str) -> "LoRAConfig":
+        """This configuration with ``push: auto`` made concrete for a learner on ``device_type`` (``"cpu"``:
+        ``merged``; anything else: ``adapter``); an explicit ``push`` is kept."""
+        if self.push != "auto":
+            return self
+        return dataclasses.replace(self, push="merged" if device_type == "cpu" else "adapter")
 
     @property
     def scaling_alpha(self) -> float:
@@ -211,7 +227,7 @@ def check_vllm_lora(config: LoRAConfig | None, engine_kwargs: Mapping, min_loras
         ValueError: ``engine_kwargs`` sets ``enable_lora: false``, a ``max_lora_rank`` below the adapter's rank or one
             vLLM does not accept, or ``max_loras < min_loras`` (naming ``key`` and what to set).
     """
-    if config is None or config.push == "merged":
+    if config is None or not config.pushes_adapter:
         return {}
     kw = dict(enable_lora=True, max_lora_rank=config.vllm_max_lora_rank, max_loras=max(1, int(min_loras)))
     if engine_kwargs.get("enable_lora") is False:

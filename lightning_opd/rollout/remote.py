@@ -268,11 +268,11 @@ class RemoteGenerator(Generator):
     # ------------------------------------------------------------------------------------------- push
     def attach(self, policy, stop_ids) -> None:
         """:meth:`Generator.attach <lightning_opd.rollout.generator.Generator.attach>`; a LoRA student that pushes its
-        adapter alone (``policy.lora.push == "adapter"``) gets adapter pushes
+        adapter alone (``policy.lora.pushes_adapter``) gets adapter pushes
         (:class:`~lightning_opd.serving.weight_push.ServerAdapterPush`: the servers must run with LoRA,
         ``lightning-opd serve --lora-rank R``) and every request names the adapter of its version."""
         lora = getattr(policy, "lora", None)
-        adapter = lora is not None and lora.push == "adapter"
+        adapter = lora is not None and lora.pushes_adapter
         if adapter != isinstance(self._push, ServerAdapterPush):
             self._push.close()
             kind = ServerAdapterPush if adapter else ServerWeightPush

@@ -54,6 +54,9 @@ def test_only_the_adapter_trains_and_the_optimizer_holds_only_its_parameters(mod
     assert trained_base.keys() == dict(base.named_parameters()).keys()
     for name, p in base.named_parameters():
         assert torch.equal(trained_base[name], p), name  # bit-identical: frozen
+    # lora.push auto on a CPU learner: the base with the adapter merged in, under the base's names
+    assert model.lora.push == "merged" and model.policy_state_dict().keys() == base.state_dict().keys()
+    model.lora = LoRAConfig(rank=4, push="adapter")
     assert isinstance(model.policy_state_dict(), AdapterState)
 
 

@@ -22,6 +22,9 @@ def _lora_model(tokenizer, rank=4, seed=0, **kw):
 def test_config_defaults_and_refusals():
     cfg = LoRAConfig(rank=4)
     assert cfg.scaling_alpha == 8.0 and cfg.vllm_max_lora_rank == 8
+    assert cfg.push == "auto" and cfg.pushes_adapter  # unresolved auto: the adapter
+    assert cfg.resolved("cpu").push == "merged" and cfg.resolved("cuda").push == "adapter"
+    assert LoRAConfig(rank=4, push="adapter").resolved("cpu").push == "adapter"  # explicit: kept
     assert LoRAConfig(rank=16, alpha=4).scaling_alpha == 4.0 and LoRAConfig(rank=16).vllm_max_lora_rank == 16
     assert LoRAConfig(rank=17).vllm_max_lora_rank == 32
     peft_cfg = cfg.peft_config()
