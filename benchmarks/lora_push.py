@@ -145,7 +145,7 @@ def main() -> None:
     from lightning_opd.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    adapter, merged = LoRAConfig(rank=args.rank), LoRAConfig(rank=args.rank, push="merged")
+    adapter, merged = LoRAConfig(rank=args.rank, push="adapter"), LoRAConfig(rank=args.rank, push="merged")
     gens, servers = {}, []
     for name, make in (("in-process full", lambda: _in_process(args.model, None, model)),
                        ("in-process adapter", lambda: _in_process(args.model, adapter, model)),
