@@ -242,3 +242,28 @@ def spawn_ranks(target, args, timeout: float = 240, world: int = 2) -> None:
         p.kill()
     assert not alive, "a rank hung"
     assert [p.exitcode for p in procs] == [0] * world
+
+
+class LoRAPolicy(StaticPolicy):
+    """A policy whose student is a peft model, as ``PolicyModule`` with ``lora`` (issue 65's generator tests)."""
+
+    def __init__(self, model, tokenizer, lora, path: str | None = None) -> None:
+        super().__init__(model, tokenizer)
+        self.lora, self.student_path = lora, path
+
+
+def reply_logprobs(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
+    """``(len(ids),)`` log-probs of a reply's ``ids`` after ``prompt`` under ``model`` at temperature 1 (the F02 oracle,
+    :func:`sampling_log_probs`)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+    return sampling_log_probs(logits, SamplingParams(temperature=1.0)).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+
+
+def move_adapter(model, seed: int, std: float = 0.2) -> None:
+    """Draw every ``lora_B`` of a peft model from N(0, std^2) (seeded), so its adapter changes the outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)

@@ -13,18 +13,10 @@ from lightning_opd.rollout.chat import ChatFormat, stop_token_ids
 from lightning_opd.rollout.generator import GenerationRequest, SamplingParams
 from lightning_opd.rollout.remote import RemoteGenerator, sampler_server_args
 from lightning_opd.serving import ServerAdapterPush, ServerClient
-from tests.helpers import StaticPolicy, sampling_log_probs
+from tests.helpers import LoRAPolicy, move_adapter, reply_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 MAX_LEN = 1024
-
-
-class LoRAPolicy(StaticPolicy):
-    """A policy whose student is a peft model, as ``PolicyModule`` with ``lora``."""
-
-    def __init__(self, model, tokenizer, lora: LoRAConfig) -> None:
-        super().__init__(model, tokenizer)
-        self.lora = lora
 
 
 @pytest.fixture(scope="module")
@@ -34,20 +26,6 @@ def lora_server(served_model_dirs):
 
     return served(served_model_dirs["student"], dev_mode=True, max_model_len=MAX_LEN, max_lora_rank=8,
                   extra_args=tuple(sampler_server_args(MAX_LEN)))
-
-
-def _logprobs(model, prompt, ids):
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
-    return sampling_log_probs(logits, SamplingParams(temperature=1.0)).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-
-
-def _move_adapter(model, seed):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
 
 
 def test_the_server_command_enables_runtime_lora(lora_server):
@@ -73,7 +51,7 @@ def test_pushed_adapter_makes_the_server_score_as_the_learner(lora_server, serve
     client = ServerClient(lora_server.url)
     try:
         for version, seed in ((3, 1), (4, 2)):
-            _move_adapter(student, seed)
+            move_adapter(student, seed)
             gen.push_weights(adapter_state(student), version)
             assert gen.served_name == f"student-v{version}"
             served = {m["id"] for m in client.get("/v1/models")["data"]}
@@ -82,10 +60,10 @@ def test_pushed_adapter_makes_the_server_score_as_the_learner(lora_server, serve
             outs = gen.generate(requests, sampling)
             assert all(o.policy_version == version for o in outs)
             for p, o in zip(ps, outs):
-                torch.testing.assert_close(torch.tensor(o.logprobs), _logprobs(student, p, o.token_ids),
+                torch.testing.assert_close(torch.tensor(o.logprobs), reply_logprobs(student, p, o.token_ids),
                                            atol=1e-3, rtol=0)
             with student.disable_adapter():  # the control: the base alone scores these tokens differently
-                gaps = [(torch.tensor(o.logprobs) - _logprobs(student, p, o.token_ids)).abs().max()
+                gaps = [(torch.tensor(o.logprobs) - reply_logprobs(student, p, o.token_ids)).abs().max()
                         for p, o in zip(ps, outs)]
             assert max(gaps) > 1e-2
         # a server that reports another version (as after a restart) is given the last adapter again, in place

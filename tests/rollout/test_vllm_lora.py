@@ -16,31 +16,9 @@ from lightning_opd.models.lora import LoRAConfig, adapter_state, apply_lora  # n
 from lightning_opd.rollout.chat import ChatFormat, stop_token_ids  # noqa: E402
 from lightning_opd.rollout.generator import GenerationRequest, SamplingParams  # noqa: E402
 from lightning_opd.rollout.vllm import VLLMGenerator  # noqa: E402
-from tests.helpers import StaticPolicy, make_model, sampling_log_probs  # noqa: E402
+from tests.helpers import LoRAPolicy, StaticPolicy, make_model, move_adapter, reply_logprobs  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
-
-
-class LoRAPolicy(StaticPolicy):
-    """A policy whose student is a peft model, as ``PolicyModule`` with ``lora``."""
-
-    def __init__(self, model, tokenizer, lora: LoRAConfig, path: str) -> None:
-        super().__init__(model, tokenizer)
-        self.lora, self.student_path = lora, path
-
-
-def _logprobs(model, prompt, ids):
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
-    return sampling_log_probs(logits, SamplingParams(temperature=1.0)).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-
-
-def _move_adapter(model, seed):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
 
 
 def test_pushed_adapter_makes_the_engine_score_as_the_learner(tmp_path, tokenizer):
@@ -60,7 +38,7 @@ def test_pushed_adapter_makes_the_engine_score_as_the_learner(tmp_path, tokenize
         assert cfg.max_lora_rank == 8 and cfg.max_loras == 1
         seen_dirs = []
         for version, seed in ((3, 1), (4, 2)):
-            _move_adapter(student, seed)
+            move_adapter(student, seed)
             state = adapter_state(student, str(path))
             gen.push_weights(state, version)
             seen_dirs.append(gen._lora_request.lora_path)
@@ -68,10 +46,10 @@ def test_pushed_adapter_makes_the_engine_score_as_the_learner(tmp_path, tokenize
             outs = gen.generate(requests, sampling)
             assert all(o.policy_version == version for o in outs)
             for p, o in zip(prompts, outs):
-                torch.testing.assert_close(torch.tensor(o.logprobs), _logprobs(student, p, o.token_ids),
+                torch.testing.assert_close(torch.tensor(o.logprobs), reply_logprobs(student, p, o.token_ids),
                                            atol=1e-3, rtol=0)
             with student.disable_adapter():  # the control: the base alone scores these tokens differently
-                gaps = [(torch.tensor(o.logprobs) - _logprobs(student, p, o.token_ids)).abs().max()
+                gaps = [(torch.tensor(o.logprobs) - reply_logprobs(student, p, o.token_ids)).abs().max()
                         for p, o in zip(prompts, outs)]
             assert max(gaps) > 1e-2
         assert not os.path.exists(seen_dirs[0]) and os.path.isdir(seen_dirs[1])  # the old adapter's files removed
