@@ -250,8 +250,8 @@ def load_student(name: str, path: str, base: str | None, dtype: str, device: tor
     A checkpoint is a ``.ckpt`` file or the folder of shards an FSDP run writes (its ``last.ckpt``, F30),
     read by :func:`~lightning_opd.models.checkpoints.read_policy_checkpoint` (shards consolidated in this
     process; ``torch.load(weights_only=True)``, F15); its ``state_dict`` entries ``student.*`` are loaded
-    (strict) into the model at ``base`` (the ``model.init_args.student`` the run started from), whose
-    tokenizer is used; its training seconds come from its ``Timer`` state
+    (strict) into the model at ``base`` (the ``model.init_args.student`` the run started from; a LoRA student's
+    checkpoint, which names its ``lora``, into ``base`` with that adapter, then merged), whose tokenizer is used; its training seconds come from its ``Timer`` state
     (:func:`~lightning_opd.models.checkpoints.train_seconds`), its rollouts generated and used so far from
     ``rollout_totals`` (``OPDModule.log_rollout_counts``).
 
@@ -276,7 +276,14 @@ def load_student(name: str, path: str, base: str | None, dtype: str, device: tor
     except ValueError as err:
         raise ValueError(f"--students {path!r}: {err}") from None
     model = load_causal_lm(base, dtype)
-    model.load_state_dict(state, strict=True)
+    if ckpt.get("lora") is not None:  # a LoRA student (issue 65): base + adapter, merged for evaluation
+        from lightning_opd.models.lora import LoRAConfig, apply_lora
+
+        model = apply_lora(model, LoRAConfig(**ckpt["lora"]))
+        model.load_state_dict(state, strict=True)
+        model = model.merge_and_unload()
+    else:
+        model.load_state_dict(state, strict=True)
     model.to(device).eval()
     rollouts = ckpt.get("rollout_totals")
     return LoadedStudent(name, str(p), "ckpt", model, load_tokenizer(base), engine_path=str(base),

@@ -25,6 +25,7 @@ Metric glossary (validation ``val/``, test ``test/``; means over held-out episod
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
@@ -388,10 +389,12 @@ class PolicyModule(L.LightningModule):
         self.trainer.strategy.barrier("export")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Saves the policy version, the non-finite update counts (``nonfinite_steps``: skipped, in_a_row; the same
+        """Saves the policy version, a LoRA student's configuration (``lora``, a plain dict), the non-finite update counts (``nonfinite_steps``: skipped, in_a_row; the same
         on every rank, F28) and every rank's random states (``rng_states``, a list indexed by rank: a collective,
         reached on every rank as Lightning saves on every rank, F21)."""
         checkpoint["policy_version"] = int(self.policy_version)
+        if self.lora is not None:  # what evaluation needs to rebuild the student from the checkpoint alone
+            checkpoint["lora"] = dataclasses.asdict(self.lora)
         checkpoint["nonfinite_steps"] = self.nonfinite.state_dict()
         checkpoint["rng_states"] = gather_per_rank(rng_states(), self._trainer.world_size if self._trainer else 1)
 

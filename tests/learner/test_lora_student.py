@@ -170,3 +170,15 @@ def test_a_lora_student_under_fsdp_is_refused(model_dirs):
     model.data_parallel_mesh = lambda: object()
     with pytest.raises(ValueError, match="model.init_args.lora with an FSDP strategy"):
         model.configure_model()
+
+
+def test_a_lora_checkpoint_is_evaluated_as_base_plus_its_adapter_merged(model_dirs, tmp_path):
+    from lightning_opd.evaluation.evaluate import load_student
+
+    model, _ = _fit_ckpt(model_dirs, 2, path=tmp_path / "ckpt", save=True)
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["lora"]["rank"] == 4
+    loaded = load_student("lora", str(tmp_path / "ckpt" / "last.ckpt"), model_dirs["student"], "float32", "cpu")
+    ids = torch.tensor([[1, 4, 9, 16, 25, 36]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(input_ids=ids).logits, model.student.eval()(input_ids=ids).logits,
+                                   atol=1e-5, rtol=0)
