@@ -168,6 +168,8 @@ def as_recorded(config: dict) -> dict:
     # packing is off by default
     assert config["trainer"]["precision"] == "auto" and init.pop("pack_sequences") is False
     config["trainer"]["precision"] = None
+    # issue 65: a LoRA student is opt-in (null: full fine-tuning, as recorded)
+    assert init.pop("lora") is None
     return config
 
 
