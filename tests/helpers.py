@@ -267,3 +267,14 @@ def move_adapter(model, seed: int, std: float = 0.2) -> None:
         for name, p in model.named_parameters():
             if ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def assert_scored_as_the_adapter(student, prompts, outs, atol: float = 1e-3, control: float = 1e-2) -> None:
+    """Each reply's behaviour log-probs equal ``student``'s (a peft model: base + adapter) within ``atol`` nats, and
+    the base alone (adapter disabled) scores some reply's tokens more than ``control`` nats differently."""
+    for p, o in zip(prompts, outs):
+        torch.testing.assert_close(torch.tensor(o.logprobs), reply_logprobs(student, p, o.token_ids), atol=atol, rtol=0)
+    with student.disable_adapter():
+        gaps = [(torch.tensor(o.logprobs) - reply_logprobs(student, p, o.token_ids)).abs().max()
+                for p, o in zip(prompts, outs)]
+    assert max(gaps) > control

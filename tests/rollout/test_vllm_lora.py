@@ -16,7 +16,8 @@ from lightning_opd.models.lora import LoRAConfig, adapter_state, apply_lora  # n
 from lightning_opd.rollout.chat import ChatFormat, stop_token_ids  # noqa: E402
 from lightning_opd.rollout.generator import GenerationRequest, SamplingParams  # noqa: E402
 from lightning_opd.rollout.vllm import VLLMGenerator  # noqa: E402
-from tests.helpers import LoRAPolicy, StaticPolicy, make_model, move_adapter, reply_logprobs  # noqa: E402
+from tests.helpers import (LoRAPolicy, StaticPolicy, assert_scored_as_the_adapter, make_model,  # noqa: E402
+                           move_adapter)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -45,13 +46,7 @@ def test_pushed_adapter_makes_the_engine_score_as_the_learner(tmp_path, tokenize
             assert gen.llm.llm_engine.list_loras() == {gen._lora_request.lora_int_id}  # the previous id is gone
             outs = gen.generate(requests, sampling)
             assert all(o.policy_version == version for o in outs)
-            for p, o in zip(prompts, outs):
-                torch.testing.assert_close(torch.tensor(o.logprobs), reply_logprobs(student, p, o.token_ids),
-                                           atol=1e-3, rtol=0)
-            with student.disable_adapter():  # the control: the base alone scores these tokens differently
-                gaps = [(torch.tensor(o.logprobs) - reply_logprobs(student, p, o.token_ids)).abs().max()
-                        for p, o in zip(prompts, outs)]
-            assert max(gaps) > 1e-2
+            assert_scored_as_the_adapter(student, prompts, outs)  # and the base alone scores them differently
         assert not os.path.exists(seen_dirs[0]) and os.path.isdir(seen_dirs[1])  # the old adapter's files removed
         root = gen._adapter_root
         gen.close()  # the session ends: the adapter leaves the engine and the disk, the engine stays
