@@ -9,9 +9,9 @@ One training step = one rollout batch (docs/design.md "Data flow"):
    supervised-token count, backward;
 3. gradient clipping, optimizer step, LR scheduler step, ``policy_version += 1``.
 
-ATOD's hybrid objective (docs/algorithms.md §3) is the subclass :class:`~lightning_opd.learner.atod.ATODModule`,
-which fills the hooks this class leaves empty (:meth:`OPDModule.prepare_batch`, :meth:`OPDModule.loss_inputs`,
-:meth:`OPDModule.updates`, :meth:`OPDModule.after_micro_batch`, :meth:`OPDModule.step_extras`).
+ATOD's hybrid objective (docs/algorithms.md §3) is the subclass :class:`~lightning_opd.learner.atod.ATODModule`, which
+fills the hooks this class leaves empty (``prepare_batch``, ``loss_inputs``, ``updates``, ``after_micro_batch``,
+``step_extras``).
 
 The teacher is a seam (:mod:`lightning_opd.teachers`): the module asks its :attr:`OPDModule.teacher` for
 the signal the loss needs at the supervised positions, and refuses at construction a loss the teacher cannot serve.
@@ -19,14 +19,13 @@ A teacher that provides ``FULL_VOCAB`` (the in-process one) hands over hidden st
 ``forward``); one that does not (a remote endpoint) its sampled-token and top-k log-probs (the loss's
 ``forward_signals``), and the per-token KL is then the k1 estimate, logged as ``train/kl_sampled`` (§6.5).
 A ``teacher`` given as a model directory is scored by :class:`~lightning_opd.teachers.in_process.InProcessTeacher`.
-
 The metrics it logs every step are listed in :mod:`lightning_opd.learner.step_metrics` (metric glossary).
 
 Token weightings (f-OPD freshness, the truncated ratio, TurnOPD's turn blend) are one component,
 :attr:`OPDModule.weightings` (:class:`~lightning_opd.learner.weightings.LossWeightings`), installed by callbacks through
-:meth:`OPDModule.configure_freshness` and :meth:`OPDModule.configure_turn_blend`. Collectives, the non-finite skip and
-the optimizer step are :class:`~lightning_opd.learner.policy.PolicyModule`'s; the teacher owns its per-step metrics,
-the weight sync the served sampler's and the producer lead in use.
+:meth:`OPDModule.configure_freshness` and :meth:`OPDModule.configure_turn_blend`. Collectives, the non-finite skip
+(F28, :mod:`~lightning_opd.learner.nonfinite`) and the optimizer step are :class:`~.policy.PolicyModule`'s; the
+teacher owns its per-step metrics, the weight sync the served sampler's and the producer lead in use.
 
 ``training_step`` returns ``{"loss": ..., "turn_stats": TurnStats, "skipped_update": bool,
 "freshness": FreshnessReport | None}`` (``skipped_update``: the freshness filter dropped every sample, so
@@ -35,10 +34,6 @@ Lightning hands that dict to every callback's ``on_train_batch_end`` as ``output
 (:class:`~lightning_opd.metrics.turn_stats.TurnStats`) holds the step's per-sample, per-turn sums on this
 rank (what the rollout-depth controller reads; ``None`` after a step with a non-finite update, F28), ``freshness``
 what the freshness weighting measured (what the staleness monitor reads).
-
-F28: an optimizer update whose loss or gradient is not finite on any rank is skipped on every rank (weights, optimizer
-state and LR unchanged) and counted (``train/nonfinite_steps_skipped``); ``max_nonfinite_steps`` in a row stop the
-run (:mod:`lightning_opd.learner.nonfinite`).
 """
 
 from __future__ import annotations
@@ -527,11 +522,10 @@ class OPDModule(PolicyModule):
         :meth:`updates` optimizer updates; ``policy_version += 1``.
 
         An update whose samples the freshness filter (M2) all dropped, on every rank, is skipped (PROPOSED,
-        docs/algorithms.md §1.5): no ``optimizer.step()`` and no LR-scheduler step, so weights and optimizer
-        state are unchanged; Lightning still counts it as an optimizer step (``global_step``, ``max_steps``), and
-        ``policy_version`` still moves by 1 (a rollout iteration; the weights equal the previous version's). So is an
-        update whose loss or gradient is not finite on any rank (F28, :meth:`PolicyModule.apply_update`), also counted;
-        ``max_nonfinite_steps`` of them in a row raise :class:`~lightning_opd.learner.nonfinite.NonFiniteUpdateError`.
+        docs/algorithms.md §1.5): no ``optimizer.step()`` and no LR-scheduler step, so weights and optimizer state are
+        unchanged; Lightning still counts it as an optimizer step, and ``policy_version`` still moves by 1 (a rollout
+        iteration). So is an update whose loss or gradient is not finite on any rank (F28, :meth:`apply_update`,
+        counted; ``max_nonfinite_steps`` in a row raise ``NonFiniteUpdateError``).
         A step with no applied update is recorded (:attr:`lags`), so it ages no buffered batch: every lag the step
         measures and logs counts applied updates (:class:`~lightning_opd.learner.lags.AppliedLags`, §7.2).
 

@@ -43,6 +43,7 @@ import torch
 
 from lightning_opd.models.fsdp import is_sharded
 from lightning_opd.models.logits import trunk, trunk_hidden_states
+from lightning_opd.teachers.in_process import InProcessTeacher
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def check_packing(model) -> str | None:
     autocast; the model's mode is restored). Runs on the model's device, a few dozen tokens."""
     if is_sharded(model):
         return "the model is FSDP-sharded (packing is not verified under sharding)"
-    impl = getattr(model.config, "_attn_implementation", None)
+    impl = model.config._attn_implementation
     if impl not in PACKABLE_ATTENTION:
         return f"attn_implementation={impl!r} (packing needs one of {PACKABLE_ATTENTION})"
     device = next(model.parameters()).device
@@ -200,7 +201,7 @@ class SequencePacking:
         """Give ``teacher`` (one that runs a transformer in this process and reads its trunk from a ``trunk``
         attribute, :class:`~lightning_opd.teachers.in_process.InProcessTeacher`) :meth:`hidden_states` as that trunk,
         so it scores the same micro-batches packed; any other teacher is left alone. Returns ``self``."""
-        if hasattr(teacher, "trunk"):
+        if isinstance(teacher, InProcessTeacher):
             teacher.trunk = self.hidden_states
         return self
 

@@ -189,7 +189,7 @@ class PolicyModule(L.LightningModule):
         ``dtype: auto`` takes it; an explicit dtype stays) when the run is bf16 and ``frozen`` has the setter.
         Returns ``frozen``."""
         dtype = self.precision_weights_dtype()
-        if dtype is not None and hasattr(frozen, "set_weights_dtype"):
+        if dtype is not None and hasattr(frozen, "set_weights_dtype"):  # hasattr: only in-process weights follow
             frozen.set_weights_dtype(dtype)
         return frozen
 
