@@ -28,6 +28,41 @@ The same run from the shell::
 
     lightning-opd fit --config conf/textworld/grpo.yaml --config tutorials/03_compose_controllers.yaml
     lightning-opd report runs/composed/version_0
+
+Your own intervention policy (teacher intervention, issue 64; docs/usage.md "Teacher intervention"): a policy decides
+before each turn of a training episode whether the teacher plays it. Subclass ``InterventionPolicy`` and answer
+``teacher_plays(traj, turn)`` from the episode so far (``traj.rewards``, ``traj.invalid_actions``, ``traj.turn_roles``,
+``traj.seed``; draw randomness from a generator seeded on ``traj.seed`` and ``turn``, never a global one, so runs
+replay and resume exactly). This one lets the teacher open every episode and the student play on from there::
+
+    from lightning_opd.rollout.intervention import InterventionPolicy
+
+
+    class FirstTurnsTeacher(InterventionPolicy):
+        # The teacher plays the first `turns` turns of every training episode; the student the rest.
+
+        def __init__(self, turns: int = 1) -> None:
+            if turns < 0:
+                raise ValueError(f"turns={turns} must be >= 0 (teacher turns at the start of an episode)")
+            self.turns = turns
+
+        def teacher_plays(self, traj, turn: int) -> bool:
+            return turn < self.turns
+
+Save it as ``my_policies.py`` on the Python path and choose it in an overlay on ``conf/textworld/opd.yaml``
+(``teacher_generator: hf`` samples the teacher's turns from the teacher the module scores with)::
+
+    data:
+      init_args:
+        intervention:
+          class_path: my_policies.FirstTurnsTeacher
+          init_args: {turns: 2}
+        teacher_generator: hf
+
+A knob that a controller moves during training gets a setter and a state: ``set_intervention_prob`` (the
+``AnnealingSchedule(attribute: intervention_prob)`` controller calls it through the DataModule) and
+``state_dict`` / ``load_state_dict`` returning plain numbers, as ``AnnealedIntervention`` does. The student trains on
+its own turns; ``model.init_args.teacher_turn_loss: {kind: ce}`` also trains it on the teacher's.
 """
 
 from __future__ import annotations

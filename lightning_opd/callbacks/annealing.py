@@ -11,7 +11,8 @@ per attribute does it: ``AnnealingSchedule("kappa", 1.0, 0.1, steps=80)`` and
 ``AnnealingSchedule("rho", 1.0, 2.0, steps=80)``. The value is a pure function of the step, set on the
 module in ``on_train_batch_start`` before every rollout batch (nothing to restore on resume but the
 horizon), through the module's named setter ``set_<attribute>`` (``ATODModule.set_kappa`` /
-``set_rho``, which check the value when it is set). At fit setup the schedule also hands itself to the module's
+``set_rho``, which check the value when it is set), or the DataModule's where the module has none
+(``RolloutDataModule.set_intervention_prob``: the teacher-intervention probability, Guided-OPD arXiv 2606.15912). At fit setup the schedule also hands itself to the module's
 ``set_<attribute>_schedule`` where it has one (``ATODModule.set_kappa_schedule`` / ``set_rho_schedule``), so the
 module's F22 check sees the coefficient at every iteration (Lightning runs the callbacks' setup before the module's).
 The step ``s`` is ``pl_module.policy_version``: rollout iterations trained on, however many optimizer updates each
@@ -44,7 +45,8 @@ class AnnealingSchedule(StepSchedule):
 
     Args:
         attribute: the coefficient to anneal, e.g. ``"kappa"`` or ``"rho"`` (``ATODModule``): the module must
-            have a setter ``set_<attribute>`` and a numeric attribute ``<attribute>``.
+            have a setter ``set_<attribute>`` and a numeric attribute ``<attribute>``; else the DataModule
+            (``"intervention_prob"``: ``RolloutDataModule.set_intervention_prob``).
         start: value at step 0.
         end: value from the end of the horizon on.
         steps: horizon T_anneal in rollout iterations (>= 1).
@@ -54,8 +56,8 @@ class AnnealingSchedule(StepSchedule):
 
     Raises:
         ValueError: neither or both of ``steps``/``fraction``, a value out of range or an unknown shape
-            (named in the message); at setup, a module without ``set_<attribute>`` or whose ``<attribute>``
-            is not a number, or ``fraction`` with ``trainer.max_steps`` unset.
+            (named in the message); at setup, neither the module nor the DataModule has ``set_<attribute>``, its
+            ``<attribute>`` is not a number, or ``fraction`` with ``trainer.max_steps`` unset.
     """
 
     def __init__(self, attribute: str, start: float, end: float, steps: int | None = None,
@@ -109,7 +111,7 @@ class AnnealingSchedule(StepSchedule):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._check_attribute(pl_module)
+        self._check_attribute(self._owner(trainer, pl_module))
         if self.fraction is not None:
             iterations = self.training_iterations(trainer, pl_module, "give the horizon in steps")
             self.horizon = max(1, round(self.fraction * iterations))
@@ -120,7 +122,7 @@ class AnnealingSchedule(StepSchedule):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        getattr(pl_module, self.setter_name)(self.value_at(int(pl_module.policy_version)))
+        getattr(self._owner(trainer, pl_module), self.setter_name)(self.value_at(int(pl_module.policy_version)))
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -128,12 +130,20 @@ class AnnealingSchedule(StepSchedule):
         pl_module.log(f"schedule/{self.attribute}", self.value_at(self.trained_step(pl_module)), batch_size=1)
 
     # ------------------------------------------------------------------------------------- internals
+    def _owner(self, trainer: L.Trainer, pl_module: L.LightningModule):
+        """Whose ``set_<attribute>`` this schedule calls: the module's, else the DataModule's where it has one."""
+        if callable(getattr(pl_module, self.setter_name, None)):
+            return pl_module
+        datamodule = getattr(trainer, "datamodule", None)
+        return datamodule if callable(getattr(datamodule, self.setter_name, None)) else pl_module
+
     def _check_attribute(self, pl_module) -> None:
         module = type(pl_module).__name__
         if not callable(getattr(pl_module, self.setter_name, None)):
             raise ValueError(f"AnnealingSchedule: {module} has no setter {self.setter_name}() for {self.attribute!r} "
                              "to anneal (ATODModule anneals 'kappa' and 'rho': model.class_path="
-                             "lightning_opd.learner.ATODModule)")
+                             "lightning_opd.learner.ATODModule; the DataModule anneals 'intervention_prob' with "
+                             "data.init_args.intervention an AnnealedIntervention)")
         current = getattr(pl_module, self.attribute, None)
         if isinstance(current, bool) or not isinstance(current, (int, float)):
             raise ValueError(f"AnnealingSchedule: {module}.{self.attribute} is {type(current).__name__}, not a number")

@@ -19,7 +19,12 @@ Validation/test: the held-out tasks, played by the same agent loop with ``eval_t
 in chunks of ``eval_batch_size`` episodes, with the learner's current weights in every mode (async and
 ``forced_lag`` push them first, F29; every turn carries the version that played it).
 
-Knobs for controllers go through named setters (``set_max_turns``, ``set_probe_schedule``, ``set_lag_bound``).
+Knobs for controllers go through named setters (``set_max_turns``, ``set_probe_schedule``, ``set_lag_bound``,
+``set_intervention_prob``).
+
+Teacher intervention (issue 64): ``intervention`` (a policy, :mod:`lightning_opd.rollout.intervention`) and
+``teacher_generator`` (``hf``: the in-process teacher's weights; or a ``Generator`` on the served teacher) let the
+teacher play some turns of training episodes; held-out episodes are always the student's alone.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from lightning_opd.envs.base import EnvFactory
 from lightning_opd.models.precision import weights_dtype_for
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.generator import Generator, SamplingParams
+from lightning_opd.rollout.intervention import InterventionPolicy, NoIntervention
 from lightning_opd.rollout.sampler import EpisodeSampler
-from lightning_opd.rollout.session import RolloutSession, choose_generator
+from lightning_opd.rollout.session import RolloutSession, choose_generator, choose_teacher_generator
 from lightning_opd.rollout.weight_sync import SyncConfig, WeightSync
 
 
@@ -78,11 +84,18 @@ class RolloutDataModule(L.LightningDataModule):
             batch can have being ``producer_lead + N - 1`` (``max_allowed_lag``).
         group_size: episodes per task, sharing a ``group_id`` (GRPO groups; 1 = every episode its own group).
         seed: seeds the task order and every episode's sampling seed.
+        intervention: teacher intervention in training episodes (``class_path``/``init_args`` of an
+            :class:`~lightning_opd.rollout.intervention.InterventionPolicy`: ``AnnealedIntervention``,
+            ``TakeoverIntervention``); ``None`` or ``NoIntervention`` (default): every turn is the student's.
+        teacher_generator: samples the teacher's turns: ``"hf"`` (the in-process teacher, ``model.init_args.teacher`` a
+            model directory; frozen, never pushed) or a ``Generator`` (``RemoteGenerator`` on the served teacher).
+            Needed by ``intervention``.
 
     Raises:
         ValueError: a count or limit is not positive, ``max_env_error_rate`` outside [0, 1], an unknown mode, a
             negative ``producer_lead`` (or below 1 async), or ``forced_lag`` with async
-            (:class:`~lightning_opd.rollout.weight_sync.SyncConfig` checks the last three); each names its key.
+            (:class:`~lightning_opd.rollout.weight_sync.SyncConfig` checks the last three); each names its key;
+            ``intervention`` without ``teacher_generator``.
     """
 
     def __init__(self, env: EnvFactory, generator: Generator | Literal["auto", "vllm", "hf"] | None = None,
@@ -91,7 +104,8 @@ class RolloutDataModule(L.LightningDataModule):
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eval_temperature: float = 0.0,
                  eval_max_turns: int | None = None, eval_batch_size: int = 25, max_env_error_rate: float = 0.5,
                  mode: str = "sync", producer_lead: int = 1, forced_lag: int = 0, weight_sync_interval: int = 1,
-                 group_size: int = 1, seed: int = 0) -> None:
+                 group_size: int = 1, seed: int = 0, intervention: InterventionPolicy | None = None,
+                 teacher_generator: Generator | Literal["hf"] | None = None) -> None:
         super().__init__()
         for name, value in (("eval_batch_size", eval_batch_size), ("max_context_tokens", max_context_tokens),
                             ("weight_sync_interval", weight_sync_interval)):
@@ -112,11 +126,15 @@ class RolloutDataModule(L.LightningDataModule):
                                             top_k=0 if eval_temperature == 0 else top_k, max_new_tokens=max_new_tokens)
         self.eval_max_turns = eval_max_turns or max_turns
         self.eval_batch_size = eval_batch_size
+        if isinstance(intervention, NoIntervention):  # today's behaviour, exactly: no policy in the loop
+            intervention = None
         #: the one session every batch of this DataModule is played by
         self.session = RolloutSession(
             env, choose_generator(generator, max_context_tokens), max_context_tokens=max_context_tokens,
             max_turns=max_turns, max_env_error_rate=max_env_error_rate, sync=sync, sampler=sampler,
-            sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens))
+            sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens),
+            intervention=intervention,
+            teacher_generator=choose_teacher_generator(teacher_generator) if intervention is not None else None)
 
     # ----------------------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
@@ -235,6 +253,27 @@ class RolloutDataModule(L.LightningDataModule):
         """
         return self.session.set_lag_bound(lag_bound)
 
+    @property
+    def intervention_prob(self) -> float:
+        """The intervention policy's per-turn teacher probability (``AnnealedIntervention.prob``; 0.0 for no policy or
+        one without it), the value ``AnnealingSchedule(attribute="intervention_prob")`` anneals."""
+        return float(getattr(self.session.intervention, "prob", 0.0))  # getattr: only the annealed policy has one
+
+    def set_intervention_prob(self, prob: float) -> None:
+        """Set the annealed intervention's per-turn teacher probability for batches started from now on (the
+        ``AnnealingSchedule`` controller's setter; async: the producer's next batch on).
+
+        Raises:
+            ValueError: the configured intervention has no probability (``data.init_args.intervention`` is not an
+                ``AnnealedIntervention``), or ``prob`` is outside [0, 1].
+        """
+        setter = getattr(self.session.intervention, "set_intervention_prob", None)  # only the annealed policy's
+        if setter is None:
+            raise ValueError(f"set_intervention_prob({prob}): data.init_args.intervention="
+                             f"{type(self.session.intervention).__name__} has no per-turn probability; use "
+                             "lightning_opd.rollout.intervention.AnnealedIntervention")
+        setter(prob)
+
     # ------------------------------------------------------------------------------------- dataloaders
     def next_train_batch(self) -> RolloutBatch:
         """See :meth:`~lightning_opd.rollout.session.RolloutSession.next_batch`."""
@@ -280,6 +319,8 @@ class RolloutDataModule(L.LightningDataModule):
         state = {"world_size": world, "per_rank": gather_per_rank(self.session.state_dict(), world)}
         if self.forced_lag:
             state["weight_snapshots"] = self.session.weight_sync.snapshots()
+        if self.session.intervention is not None:  # the same on every rank (e.g. the annealed probability)
+            state["intervention"] = self.session.intervention.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -310,6 +351,8 @@ class RolloutDataModule(L.LightningDataModule):
             own = per_rank[0]
         self.session.load_state_dict(own)
         self.session.weight_sync.restore(state.get("weight_snapshots", {}))  # restored weights are pushed again
+        if self.session.intervention is not None and "intervention" in state:
+            self.session.intervention.load_state_dict(state["intervention"])
 
 
 def _identity(x):

@@ -11,6 +11,12 @@ A reply is finished when it ends on one of the generator's stop ids (F23); only 
 ``max_new_tokens`` gets the template's end-of-turn token appended (outside the loss). The context
 limit is the smaller of ``max_context_tokens`` and the generator's own limit (F24), so an over-long
 episode ends as truncated on every backend instead of failing the batch in the engine.
+
+Teacher intervention (issue 64, :mod:`lightning_opd.rollout.intervention`): with a policy and a teacher generator,
+each round the policy says per running training episode whether this turn is the teacher's; student turns go through
+the student generator in one call as before, teacher turns through the teacher generator, and each reply is recorded
+with its role (``Trajectory.turn_roles``; the teacher's tokens in ``teacher_mask``, not in ``assistant_mask``).
+Without a policy (the default) the loop makes exactly the same requests in the same order as before.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from transformers import PreTrainedTokenizerBase
 from lightning_opd.envs.base import EnvFactory, StepResult, TextEnv
 from lightning_opd.rollout.chat import ChatFormat
 from lightning_opd.rollout.generator import GenerationRequest, Generator, SamplingParams
-from lightning_opd.rollout.types import NON_ASSISTANT, Trajectory
+from lightning_opd.rollout.intervention import InterventionPolicy
+from lightning_opd.rollout.types import NON_ASSISTANT, STUDENT, TEACHER, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +65,20 @@ class AgentLoop:
             warning at construction names both; :attr:`max_context_tokens` is the effective limit).
         max_env_error_rate: raise :class:`EnvironmentFailureError` when more than this fraction of a
             batch's episodes hit an environment exception (1.0: never raise, only count).
+        intervention: who plays each turn of a training episode
+            (:class:`~lightning_opd.rollout.intervention.InterventionPolicy`); ``None``: the student, always.
+        teacher_generator: samples the teacher's turns (attached to the teacher's weights, with the same stop ids);
+            needed with ``intervention``.
 
     Raises:
-        ValueError: a limit is not positive, or the generator's stop ids do not include the chat
-            template's end-of-turn id (attach it with ``stop_token_ids(tokenizer, ...)``).
+        ValueError: a limit is not positive, a generator's stop ids do not include the chat
+            template's end-of-turn id (attach it with ``stop_token_ids(tokenizer, ...)``), or ``intervention``
+            without ``teacher_generator``.
     """
 
     def __init__(self, envs: EnvFactory, generator: Generator, tokenizer: PreTrainedTokenizerBase,
-                 max_turns: int = 8, max_context_tokens: int = 4096, max_env_error_rate: float = 0.5) -> None:
+                 max_turns: int = 8, max_context_tokens: int = 4096, max_env_error_rate: float = 0.5,
+                 intervention: InterventionPolicy | None = None, teacher_generator: Generator | None = None) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns={max_turns} must be >= 1")
         if max_context_tokens < 1:
@@ -76,20 +89,27 @@ class AgentLoop:
         self.generator = generator
         self.tokenizer = tokenizer
         self.chat = ChatFormat(tokenizer, envs.system_prompt)
-        if self.chat.end_of_turn_id not in generator.stop_ids:
-            raise ValueError(
-                f"{type(generator).__name__} stops on ids {sorted(generator.stop_ids)}, which lack the chat template's "
-                f"end-of-turn id {self.chat.end_of_turn_id}; attach it with "
-                "lightning_opd.rollout.chat.stop_token_ids(tokenizer, generation_config)")
+        if intervention is not None and teacher_generator is None:
+            raise ValueError(f"intervention={type(intervention).__name__} needs a teacher_generator to play the "
+                             "teacher's turns (data.init_args.teacher_generator)")
+        self.intervention, self.teacher_generator = intervention, teacher_generator
+        for gen in (generator, teacher_generator) if teacher_generator is not None else (generator,):
+            if self.chat.end_of_turn_id not in gen.stop_ids:
+                raise ValueError(
+                    f"{type(gen).__name__} stops on ids {sorted(gen.stop_ids)}, which lack the chat template's "
+                    f"end-of-turn id {self.chat.end_of_turn_id}; attach it with "
+                    "lightning_opd.rollout.chat.stop_token_ids(tokenizer, generation_config)")
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
-        limit = generator.context_limit
-        if limit is not None and limit.tokens < max_context_tokens:
-            rank_zero_warn(
-                f"max_context_tokens={max_context_tokens} (data.init_args.max_context_tokens) is above the "
-                f"generator's limit {limit.tokens} ({limit.source}); episodes are truncated at {limit.tokens} tokens. "
-                f"Set data.init_args.max_context_tokens <= {limit.tokens} or raise {limit.source} to silence this.")
-            self.max_context_tokens = limit.tokens
+        for gen in (generator, teacher_generator):  # the teacher generator's own limit too, when there is one
+            limit = gen.context_limit if gen is not None else None
+            if limit is not None and limit.tokens < self.max_context_tokens:
+                rank_zero_warn(
+                    f"max_context_tokens={max_context_tokens} (data.init_args.max_context_tokens) is above the "
+                    f"generator's limit {limit.tokens} ({limit.source}); episodes are truncated at {limit.tokens} "
+                    f"tokens. Set data.init_args.max_context_tokens <= {limit.tokens} or raise {limit.source} to "
+                    "silence this.")
+                self.max_context_tokens = limit.tokens
         self.max_env_error_rate = max_env_error_rate
 
     @property
@@ -127,8 +147,9 @@ class AgentLoop:
             except Exception:  # noqa: BLE001
                 pass
 
-    def run(self, episodes: list[EpisodeSpec], sampling: SamplingParams) -> list[Trajectory]:
-        """Play ``episodes`` to the end, all turns batched through the generator.
+    def run(self, episodes: list[EpisodeSpec], sampling: SamplingParams, intervene: bool = True) -> list[Trajectory]:
+        """Play ``episodes`` to the end, all turns batched through the generator (``intervene``: let the intervention
+        policy, if any, hand turns to the teacher generator; ``False`` for held-out evaluation).
 
         Returns:
             One :class:`Trajectory` per episode, in order.
@@ -151,17 +172,21 @@ class AgentLoop:
                     turn += 1
                     continue
                 active = sorted(envs)
-                reqs = [GenerationRequest(key=(id(self), i), prompt_ids=trajs[i].token_ids, turn=turn,
-                                          seed=trajs[i].seed, task_id=trajs[i].task_id) for i in active]
-                outs = self.generator.generate(reqs, sampling)
-                for i, out in zip(active, outs):
-                    if self._advance(trajs[i], envs[i], out, turn, sampling):
+                policy = self.intervention if intervene else None
+                teacher = [i for i in active if policy is not None and policy.teacher_plays(trajs[i], turn)]
+                student = [i for i in active if i not in teacher] if teacher else active
+                outs = dict(zip(student, self._generate(self.generator, trajs, student, turn, sampling)))
+                outs.update(zip(teacher, self._generate(self.teacher_generator, trajs, teacher, turn, sampling)))
+                for i in active:
+                    if self._advance(trajs[i], envs[i], outs[i], turn, sampling, TEACHER if i in teacher else STUDENT):
                         envs.pop(i).close()
                 turn += 1
         finally:
             for env in envs.values():
                 env.close()
             self.generator.release()
+            if self.teacher_generator is not None:
+                self.teacher_generator.release()
         errors = sum(t.env_error for t in trajs)
         if trajs and errors / len(trajs) > self.max_env_error_rate:
             msgs = "; ".join(sorted({t.error_message for t in trajs if t.env_error})[:3])
@@ -171,10 +196,28 @@ class AgentLoop:
             )
         return trajs
 
-    def _advance(self, traj: Trajectory, env: TextEnv, out, turn: int, sampling: SamplingParams) -> bool:
-        """Record one reply and step the environment; returns True when the episode is over."""
-        traj.append(out.token_ids, assistant=True, turn=turn, logprobs=out.logprobs)
+    def _generate(self, generator: Generator, trajs: list[Trajectory], rows: list[int], turn: int,
+                  sampling: SamplingParams) -> list:
+        """``generator``'s replies for episodes ``rows`` (none asked for no rows; a collective student generator
+        then joins the round with :meth:`Generator.idle_step`, F10)."""
+        if not rows:
+            if generator is self.generator and generator.collective:
+                generator.idle_step(sampling)
+            return []
+        reqs = [GenerationRequest(key=(id(self), i), prompt_ids=trajs[i].token_ids, turn=turn,
+                                  seed=trajs[i].seed, task_id=trajs[i].task_id) for i in rows]
+        return generator.generate(reqs, sampling)
+
+    def _advance(self, traj: Trajectory, env: TextEnv, out, turn: int, sampling: SamplingParams,
+                 role: str = STUDENT) -> bool:
+        """Record one reply (played by ``role``) and step the environment; returns True when the episode is over.
+        A teacher's reply is recorded outside ``assistant_mask``, with no behaviour log-probs (``teacher_mask``)."""
+        if role == TEACHER:
+            traj.append(out.token_ids, assistant=False, turn=turn, teacher=True)
+        else:
+            traj.append(out.token_ids, assistant=True, turn=turn, logprobs=out.logprobs)
         traj.turn_versions.append(out.policy_version)
+        traj.turn_roles.append(role)
         traj.turn_prefill_tokens.append(int(out.prompt_tokens_computed))
         traj.turn_cached_tokens.append(int(out.prompt_tokens_cached))
         if not out.finished:  # cut by max_new_tokens (no stop id): close the turn, not trained on

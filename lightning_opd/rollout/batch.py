@@ -41,6 +41,11 @@ class RolloutBatch:
         old_logprobs: ``(B, T)`` float, log π_old of each sampled token (nats; aligned like
             ``behaviour_logprobs``), set by the module when the hybrid loss needs them.
         turn_weight: ``(B, T)`` float, T-DUR weight of each token's turn (aligned like ``loss_mask``).
+        teacher_token_mask: ``(B, T)`` float, 1 on reply tokens the teacher sampled in a teacher-played turn (teacher
+            intervention, :mod:`lightning_opd.rollout.intervention`; the F23 stop rule applied), 0 elsewhere (all 0
+            without intervention). Never in ``loss_mask`` (the student trains on its own turns; their
+            ``behaviour_logprobs`` are 0 and ``turn_index`` -1), trained on only with ``teacher_turn_loss``
+            (:mod:`lightning_opd.learner.teacher_turns`). ``None`` in a batch built without it.
         sampling: sampling parameters the batch was generated with (the learner scores at the same
             temperature, F02).
         trajectories: the source trajectories (all of them, including empty ones), for logging.
@@ -64,15 +69,16 @@ class RolloutBatch:
     advantage: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     turn_weight: torch.Tensor | None = None
+    teacher_token_mask: torch.Tensor | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trajectories: list[Trajectory] = field(default_factory=list)
     task_ids: tuple[str, ...] = ()
 
     _TENSORS = ("input_ids", "attention_mask", "loss_mask", "turn_index", "behaviour_logprobs", "behaviour_version",
                 "rewards", "success", "num_turns", "group_id", "is_probe", "rollout_cap", "sample_weight", "advantage",
-                "old_logprobs", "turn_weight")
+                "old_logprobs", "turn_weight", "teacher_token_mask")
     _PER_TOKEN = ("input_ids", "attention_mask", "loss_mask", "turn_index", "behaviour_logprobs", "old_logprobs",
-                  "turn_weight")
+                  "turn_weight", "teacher_token_mask")
 
     def __post_init__(self) -> None:
         if self.sample_weight is None:
@@ -167,10 +173,11 @@ def pack_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[tuple[int, i
     return cuts[::-1]
 
 
-def _after_stop(t: Trajectory, stop_ids: Collection[int]) -> list[int]:
-    """Positions of reply tokens that follow a stop id of the same reply (turn)."""
+def _after_stop(t: Trajectory, stop_ids: Collection[int], reply_mask: list[int] | None = None) -> list[int]:
+    """Positions of reply tokens (``reply_mask``, default ``t.assistant_mask``) after a stop id of the same reply."""
     out, stopped_turn = [], None
-    for pos, (tok, mask, turn) in enumerate(zip(t.token_ids, t.assistant_mask, t.turn_index)):
+    replies = t.assistant_mask if reply_mask is None else reply_mask
+    for pos, (tok, mask, turn) in enumerate(zip(t.token_ids, replies, t.turn_index)):
         if not mask:
             continue
         if turn == stopped_turn:
@@ -207,6 +214,7 @@ def collate_trajectories(trajs: list[Trajectory], sampling: SamplingParams, pad_
     loss_mask = torch.zeros((b, length), dtype=torch.float32)
     turn = torch.full((b, length), NON_ASSISTANT, dtype=torch.long)
     blp = torch.zeros((b, length), dtype=torch.float32)
+    teacher = torch.zeros((b, length), dtype=torch.float32)
     for i, t in enumerate(rows):
         n = t.num_tokens
         input_ids[i, :n] = torch.tensor(t.token_ids)
@@ -216,6 +224,10 @@ def collate_trajectories(trajs: list[Trajectory], sampling: SamplingParams, pad_
             loss_mask[i, _after_stop(t, stop_ids)] = 0.0
         turn[i, :n] = torch.tensor(t.turn_index)
         blp[i, :n] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
+        if t.teacher_mask:  # teacher-played turns (intervention); the same F23 stop rule as the student's replies
+            teacher[i, :len(t.teacher_mask)] = torch.tensor(t.teacher_mask, dtype=torch.float32)
+            if stop_ids:
+                teacher[i, _after_stop(t, stop_ids, t.teacher_mask)] = 0.0
     turn = torch.where(loss_mask > 0, turn, torch.full_like(turn, NON_ASSISTANT))
 
     def per_row(values, dtype):
@@ -231,6 +243,7 @@ def collate_trajectories(trajs: list[Trajectory], sampling: SamplingParams, pad_
         is_probe=per_row([t.is_probe for t in rows], torch.bool),
         rollout_cap=per_row([t.rollout_cap for t in rows], torch.long),
         sampling=sampling, trajectories=list(trajs), task_ids=tuple(str(t.task_id) for t in rows),
+        teacher_token_mask=teacher,
     )
 
 
@@ -242,7 +255,7 @@ _SUMMED_FIELDS = (
     ("assistant_tokens", "num_assistant_tokens"), ("invalid_actions", "invalid_actions"),
     ("cut_replies", "cut_replies"), ("truncated", "truncated"), ("env_errors", "env_error"),
     ("reward", "total_reward"), ("prefill_tokens", "prefill_tokens"), ("cached_prompt_tokens", "cached_prompt_tokens"),
-    ("cap", "rollout_cap"), ("is_probe", "is_probe"),
+    ("cap", "rollout_cap"), ("is_probe", "is_probe"), ("teacher_turns", "num_teacher_turns"), ("takeovers", "took_over"),
 )
 
 
@@ -266,8 +279,10 @@ def rollout_stats(trajs: list[Trajectory]) -> dict[str, float]:
     ``prefill_tokens`` and ``cached_prompt_tokens`` (mean per episode over its turns: prompt tokens the generator
     prefilled, and those it served from a cache: HF's KV cache kept between turns, vLLM's prefix cache),
     ``cap`` (mean turn cap the episodes were played at, turns: a training batch shares one, so its cap; TurnOPD's
-    rollout-depth controller moves it) and ``is_probe`` (fraction of the episodes that were full-depth probes:
-    1 in a TurnOPD probe batch, else 0).
+    rollout-depth controller moves it), ``is_probe`` (fraction of the episodes that were full-depth probes:
+    1 in a TurnOPD probe batch, else 0), ``teacher_turns`` (mean turns per episode played by the teacher, teacher
+    intervention; 0 without it; ``turns`` counts both roles' turns) and ``takeovers`` (fraction of the episodes a
+    takeover policy handed to the teacher).
     These are this batch's values; ``OPDModule`` logs them over all ranks' episodes (:func:`rollout_sums`).
     """
     n = max(1, len(trajs))

@@ -31,6 +31,7 @@ from lightning_opd.rollout.batch import RolloutBatch, collate_trajectories
 from lightning_opd.rollout.chat import stop_token_ids
 from lightning_opd.rollout.generator import Generator, SamplingParams, policy_configs
 from lightning_opd.rollout.hf import HFGenerator
+from lightning_opd.rollout.intervention import InterventionPolicy
 from lightning_opd.rollout.producer import RolloutProducer
 from lightning_opd.rollout.sampler import EpisodeSampler
 from lightning_opd.rollout.types import Trajectory
@@ -52,11 +53,24 @@ class RolloutSession:
         sampler: the training episodes (:class:`~lightning_opd.rollout.sampler.EpisodeSampler`); ``None`` for a
             session that only plays given episodes (evaluation).
         sampling: sampling parameters of training batches (default ``SamplingParams()``).
+        intervention: who plays each turn of a training episode (teacher intervention,
+            :mod:`~lightning_opd.rollout.intervention`); ``None``: the student, always. Held-out episodes never.
+        teacher_generator: samples the teacher's turns; attached at :meth:`connect` to the teacher's frozen weights
+            (:class:`TeacherWeights`, never pushed) with the student's stop ids. Needed with ``intervention``.
+
+    Raises:
+        ValueError: ``intervention`` without ``teacher_generator``.
     """
 
     def __init__(self, env: EnvFactory, generator: Generator, *, max_context_tokens: int, max_turns: int = 8,
                  max_env_error_rate: float = 0.5, sync: SyncConfig | None = None,
-                 sampler: EpisodeSampler | None = None, sampling: SamplingParams | None = None) -> None:
+                 sampler: EpisodeSampler | None = None, sampling: SamplingParams | None = None,
+                 intervention: InterventionPolicy | None = None, teacher_generator: Generator | None = None) -> None:
+        if intervention is not None and teacher_generator is None:
+            raise ValueError(f"data.init_args.intervention={type(intervention).__name__} needs "
+                             "data.init_args.teacher_generator (hf: the in-process teacher's weights, or a Generator "
+                             "class_path such as lightning_opd.rollout.remote.RemoteGenerator on the served teacher)")
+        self.intervention, self.teacher_generator = intervention, teacher_generator
         self.env, self.generator, self.sampler = env, generator, sampler
         self.max_context_tokens, self.max_turns, self.max_env_error_rate = (
             max_context_tokens, max_turns, max_env_error_rate)
@@ -86,9 +100,18 @@ class RolloutSession:
             return self.weight_sync
         tok = policy.tokenizer
         self.policy = policy
-        self.generator.attach(policy, stop_token_ids(tok, policy_configs(policy)[1]))
+        stop_ids = stop_token_ids(tok, policy_configs(policy)[1])
+        self.generator.attach(policy, stop_ids)
+        if self.teacher_generator is not None:  # frozen teacher weights, the student's stop ids (F23)
+            teacher = TeacherWeights(policy)
+            if isinstance(self.teacher_generator, HFGenerator) and teacher.student_path is None:
+                raise ValueError("data.init_args.teacher_generator=hf samples from the in-process teacher: set "
+                                 "model.init_args.teacher to a model directory, or give a Generator class_path for a "
+                                 "served teacher (lightning_opd.rollout.remote.RemoteGenerator)")
+            self.teacher_generator.attach(teacher, stop_ids)
         self.loop = AgentLoop(self.env, self.generator, tok, max_turns=self.max_turns,
-                              max_context_tokens=self.max_context_tokens, max_env_error_rate=self.max_env_error_rate)
+                              max_context_tokens=self.max_context_tokens, max_env_error_rate=self.max_env_error_rate,
+                              intervention=self.intervention, teacher_generator=self.teacher_generator)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         self.producer = RolloutProducer(self.play_batch, lambda: int(self.generator.policy_version), self.sync)
         self.producer.set_lead_in_use(self.weight_sync.lead_in_use)  # a bound set before connect
@@ -106,6 +129,8 @@ class RolloutSession:
         removed). A later batch reconnects the generator."""
         self.stop(timeout=timeout)
         self.generator.close()
+        if self.teacher_generator is not None:
+            self.teacher_generator.close()
 
     def _connected(self) -> AgentLoop:
         if self.loop is None or self.producer is None:
@@ -123,9 +148,10 @@ class RolloutSession:
             return None
 
     # ---------------------------------------------------------------------------------------- playing
-    def play(self, specs: list[EpisodeSpec], sampling: SamplingParams) -> list[Trajectory]:
-        """Play ``specs`` together with the generator's current weights; trajectories in order."""
-        return self._connected().run(specs, sampling)
+    def play(self, specs: list[EpisodeSpec], sampling: SamplingParams, intervene: bool = False) -> list[Trajectory]:
+        """Play ``specs`` together with the generator's current weights; trajectories in order (``intervene``: the
+        intervention policy may hand turns to the teacher; training batches only)."""
+        return self._connected().run(specs, sampling, intervene=intervene)
 
     def collate(self, trajs: list[Trajectory], sampling: SamplingParams) -> RolloutBatch:
         """``trajs`` as one padded :class:`~lightning_opd.rollout.batch.RolloutBatch` (the loop's stop ids)."""
@@ -141,7 +167,7 @@ class RolloutSession:
         if self.sampler is None:
             raise RuntimeError("RolloutSession.play_batch needs an EpisodeSampler (sampler=...)")
         self.weight_sync.before_batch(int(self.policy.policy_version))
-        return self.play(self.sampler.next_batch(), self.sampling)
+        return self.play(self.sampler.next_batch(), self.sampling, intervene=True)
 
     def next_batch(self) -> RolloutBatch:
         """The next training batch, collated: generated now (sync) or from the background producer (async;
@@ -219,6 +245,49 @@ class RolloutSession:
         self.batches_taken = int(own.get("train_batches", 0))
         self.sampler.batches_started = int(own.get("batches_started", self.batches_taken))
         self.restored = [[Trajectory(**t) for t in batch] for batch in own.get("buffered_batches", [])]
+
+
+class TeacherWeights:
+    """The teacher's frozen weights as the policy a teacher generator is attached to (teacher intervention).
+
+    ``policy_model`` is ``policy.teacher_model`` (the in-process teacher, once loaded), ``student_path`` the teacher's
+    model directory ``policy.teacher_path`` (where a backend that starts from a directory, vLLM, reads it); the version
+    is always 0 and no weights are ever pushed to it (the weight sync only knows the student's generator).
+    """
+
+    policy_version = 0
+    lora = None  # a served teacher gets full-model requests (RemoteGenerator reads it)
+
+    def __init__(self, policy) -> None:
+        self._policy = policy
+        self.tokenizer = policy.tokenizer
+        self.trust_remote_code = bool(getattr(policy, "trust_remote_code", False))
+
+    @property
+    def policy_model(self):
+        """The teacher's ``PreTrainedModel`` (``None`` until loaded, or for a teacher held elsewhere)."""
+        return getattr(self._policy, "teacher_model", None)  # getattr: any policy (tests use StaticPolicy)
+
+    @property
+    def student_path(self) -> str | None:
+        """The teacher's model directory (``None`` for a teacher given as a ``Teacher`` object)."""
+        return getattr(self._policy, "teacher_path", None)
+
+
+def choose_teacher_generator(choice: Generator | str | None) -> Generator | None:
+    """The teacher's sampling backend for ``data.init_args.teacher_generator`` (teacher intervention): a ``Generator``
+    (e.g. ``RemoteGenerator`` on the served teacher's ``vllm serve`` endpoints) is itself; ``"hf"`` is an
+    ``HFGenerator`` on the in-process teacher's weights (``model.init_args.teacher`` a model directory); ``None``: none.
+
+    Raises:
+        ValueError: a string other than ``hf``.
+    """
+    if choice is None or isinstance(choice, Generator):
+        return choice
+    if choice != "hf":
+        raise ValueError(f"data.init_args.teacher_generator={choice!r}: use hf (the in-process teacher's weights) or a "
+                         "Generator class_path (e.g. lightning_opd.rollout.remote.RemoteGenerator on the served teacher)")
+    return HFGenerator()
 
 
 def choose_generator(choice: Generator | str | None, max_context_tokens: int) -> Generator:
