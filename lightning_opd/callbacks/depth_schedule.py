@@ -60,9 +60,9 @@ class DepthSchedule(StepSchedule):
 
     Raises:
         ValueError: ``start < 1``, ``start > end``, ``horizon < 1``, ``fraction`` outside (0, 1], an unknown
-            ``rounding``, or both or neither of ``horizon``/``fraction`` (named in the message); at setup, ``start`` above the
-            DataModule's ``max_turns`` when ``end`` is not given, ``fraction`` with ``trainer.max_steps`` unset,
-            or a ``RolloutDepthController`` among the trainer's callbacks.
+            ``rounding``, or both or neither of ``horizon``/``fraction`` (named in the message); at setup, ``start``
+            above the DataModule's ``max_turns`` when ``end`` is not given, ``fraction`` with ``trainer.max_steps``
+            unset, or a ``RolloutDepthController`` among the trainer's callbacks.
         TypeError: at setup, a DataModule without ``set_max_turns``.
     """
 

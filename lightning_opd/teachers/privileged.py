@@ -6,18 +6,21 @@ current weights, or an EMA of them), shown a privileged text the student never s
 :meth:`~lightning_opd.envs.base.EnvFactory.privileged_context`: a TextWorld walkthrough, Search-QA's gold documents
 and answer), and it scores exactly the student's sampled tokens.
 
-The teacher's view of an episode (:func:`teacher_view`): the student's first prompt (system message + first
-observation, one chat-template render with the generation prompt, :class:`~lightning_opd.rollout.chat.ChatFormat`)
-re-rendered with the privileged block inserted (``placement``), followed by the student's ids after the first prompt
-unchanged. Later turns are token deltas appended by the agent loop (F08), so they are the same ids in both
-sequences; every later position moves by one constant ``offset`` (tokens). The privileged text only enters this
-copy: the rollouts, the student's forward and the loss's student side never contain it.
+The teacher's view of an episode (``view``, :mod:`~lightning_opd.teachers.privileged_views`): ``"walkthrough"`` (the
+default, :func:`~lightning_opd.teachers.privileged_views.teacher_view`): the student's first prompt re-rendered with
+the privileged block inserted (``placement``), every later id unchanged at one constant offset; ``"next_action"``
+(PROPOSED after PivotOPD arXiv 2609.40285, :func:`~lightning_opd.teachers.privileged_views.next_action_view`): each
+user message with only the expert's next action for the turn that follows it, every reply token kept at a per-position
+map. Either way the teacher scores the student's reply tokens at exactly their ids (F08), at the view's positions.
+The privileged text only enters this copy: the rollouts, the student's forward and the loss's student side never
+contain it.
 
 Where the texts come from: the module hands the teacher its DataModule's environment factory
 (:meth:`~lightning_opd.teachers.base.Teacher.attach_envs`, at setup); the teacher asks it for each task's text
-once and keeps it. An environment without privileged context is refused there. Which row is which episode: each
-row of a batch is matched to its :class:`~lightning_opd.rollout.types.Trajectory` in ``batch.trajectories`` by
-task id and token ids (its first message is the environment's own text, rendered, never decoded ids).
+once and keeps it (next_action: its expert actions). An environment without privileged context is refused there
+(walkthrough view). Which row is which episode: each row of a batch is matched to its
+:class:`~lightning_opd.rollout.types.Trajectory` in ``batch.trajectories`` by task id and token ids (its first
+message is the environment's own text, rendered, never decoded ids).
 
 Deliberate simplifications: the ``frozen`` and ``ema`` copies are plain ``copy.deepcopy``s of an unsharded student
 in the student's dtype, kept out of the module tree (the EMA is saved in the checkpoint through
@@ -36,129 +39,17 @@ from lightning_opd.losses.base import TeacherSignal
 from lightning_opd.models.fsdp import with_root_params
 from lightning_opd.models.logits import output_head, trunk_hidden_states
 from lightning_opd.models.lora import is_lora_model, merged_state_dict
-from lightning_opd.models.tokenizers import first_difference
 from lightning_opd.rollout.batch import RolloutBatch
 from lightning_opd.rollout.chat import ChatFormat
 from lightning_opd.rollout.types import Trajectory
 from lightning_opd.serving import ServerWeightPush
 from lightning_opd.teachers.base import Teacher, TeacherScores
 from lightning_opd.teachers.in_process import scores_from_hidden
+from lightning_opd.teachers.privileged_views import (PLACEMENTS, VIEWS, TeacherView, TeacherViewError,  # noqa: F401
+                                                     expert_next_actions, next_action_view, privileged_messages,
+                                                     row_trajectories, teacher_view, walkthrough_view)
 
-PLACEMENTS = ("system", "before_observation")
 WEIGHTS = ("frozen", "live", "ema")
-
-
-class TeacherViewError(ValueError):
-    """An episode's ids do not start with its first prompt as the chat template renders it (F08)."""
-
-
-def privileged_messages(system_prompt: str | None, first_user: str, privileged: str,
-                        placement: str) -> list[dict[str, str]]:
-    """The teacher's first-prompt messages: the student's (``system_prompt``, ``first_user``) with ``privileged``
-    inserted.
-
-    ``"system"``: appended to the system message after a blank line (a system message of its own when the student
-    has none; it then replaces a template's default system message). ``"before_observation"``: before the first
-    observation in the first user message, followed by a blank line.
-
-    Raises:
-        ValueError: an unknown ``placement``.
-    """
-    if placement == "system":
-        system = privileged if system_prompt is None else f"{system_prompt}\n\n{privileged}"
-        return [{"role": "system", "content": system}, {"role": "user", "content": first_user}]
-    if placement == "before_observation":
-        head = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-        return head + [{"role": "user", "content": f"{privileged}\n\n{first_user}"}]
-    raise ValueError(f"placement={placement!r}: use one of {PLACEMENTS} (where the privileged text goes in the "
-                     "teacher's first prompt)")
-
-
-
-def teacher_view(traj: Trajectory, privileged: str, chat: ChatFormat,
-                 placement: str = "system") -> tuple[list[int], int]:
-    """The teacher's token sequence of an episode and the shift of every position after its first prompt.
-
-    ``traj.token_ids`` = ``first_prompt + rest``, where ``first_prompt`` is ``chat.first_prompt(messages[0])`` (the
-    system message and the first observation, generation prompt included). The view is ``P + rest`` with ``P`` the
-    render of :func:`privileged_messages` with the generation prompt; ``offset = len(P) - len(first_prompt)``. So
-    ``view[j + offset] == traj.token_ids[j]`` for every ``j >= len(first_prompt)`` (the replies and later turns,
-    token for token), and the teacher's logits at ``j - 1 + offset`` score the student's token ``j``.
-
-    Args:
-        traj: the episode (``token_ids``, ``assistant_mask``, ``messages[0]`` = the first user message).
-        privileged: the privileged text.
-        chat: the student's :class:`ChatFormat` (its tokenizer and the environment's system prompt).
-        placement: ``"system"`` or ``"before_observation"`` (:func:`privileged_messages`).
-
-    Returns:
-        ``(view_ids, offset)``: ``(T + offset,)`` ids, and the shift in tokens (negative when, with no system
-        prompt and ``placement="system"``, the privileged system message is shorter than the template's default).
-
-    Raises:
-        TeacherViewError: ``traj`` has no first user message, or its ids do not start with that message's render
-            (the message names the task and the first differing position), or a token of the first prompt is
-            marked as sampled.
-        ValueError: an unknown ``placement``.
-    """
-    view, offset, _ = _view_parts(traj, privileged, chat, placement)
-    return view, offset
-
-
-def _view_parts(traj: Trajectory, privileged: str, chat: ChatFormat, placement: str) -> tuple[list[int], int, int]:
-    """:func:`teacher_view`'s ``(view_ids, offset)`` and the length of the student's first prompt (tokens)."""
-    if not traj.messages or traj.messages[0].get("role") != "user":
-        raise TeacherViewError(f"episode of task {traj.task_id!r} has no first user message (messages[0]); the "
-                               "teacher's view re-renders it")
-    first_user = traj.messages[0]["content"]
-    prompt = chat.first_prompt(first_user)
-    n = len(prompt)
-    if traj.token_ids[:n] != prompt:
-        pos = first_difference(traj.token_ids[:n], prompt)
-        got = traj.token_ids[pos] if pos < traj.num_tokens else "end of episode"
-        want = prompt[pos] if pos < n else "end of prompt"
-        raise TeacherViewError(
-            f"episode of task {traj.task_id!r}: its ids differ from the chat template's render of its first prompt at "
-            f"position {pos} (episode {got}, render {want}); the teacher's view needs the episode rendered by "
-            "ChatFormat.first_prompt with the same tokenizer and system prompt (F08)")
-    if any(traj.assistant_mask[:n]):
-        raise TeacherViewError(f"episode of task {traj.task_id!r}: a token of its first prompt (positions < {n}) "
-                               "is marked as sampled")
-    view_prompt = chat.render(privileged_messages(chat.system_prompt, first_user, privileged, placement),
-                              add_generation_prompt=True)
-    return view_prompt + list(traj.token_ids[n:]), len(view_prompt) - n, n
-
-
-def expert_next_actions(traj: Trajectory, expert: list[str]) -> dict[int, str]:
-    """The expert's next action at each turn of an episode: turn -> ``expert[p]``, where ``p`` counts the expert's
-    actions the student has already taken in order (a reply whose first line equals ``expert[p]``, case and spaces
-    ignored, moves ``p`` on; any other reply leaves it). Turns after the expert's last action are left out.
-
-    PROPOSED (issue 42's hint-use diagnostic): with TextWorld's walkthrough as the expert, the command the
-    privileged text says comes next.
-    """
-    out: dict[int, str] = {}
-    p = 0
-    replies = [m["content"] for m in traj.messages if m.get("role") == "assistant"]
-    for turn, reply in enumerate(replies):
-        if p >= len(expert):
-            break
-        out[turn] = expert[p]
-        lines = reply.strip().splitlines()
-        if lines and " ".join(lines[0].lower().split()) == " ".join(expert[p].lower().split()):
-            p += 1
-    return out
-
-
-def row_trajectories(batch: RolloutBatch) -> list[tuple[str, Trajectory | None]]:
-    """Each row of ``batch`` as ``(task id, its Trajectory)``, matched in ``batch.trajectories`` by task id and token ids
-    (so also in a micro-batch); ``("", None)`` for a row with no task id (padding), ``(task, None)`` when unmatched."""
-    by_ids = {(str(t.task_id), tuple(t.token_ids)): t for t in batch.trajectories if t.num_tokens > 0}
-    out = []
-    for r, n in enumerate(batch.lengths):
-        task = batch.task_ids[r] if batch.task_ids else ""
-        out.append((task, by_ids.get((task, tuple(batch.input_ids[r, :n].tolist()))) if task else None))
-    return out
 
 
 class PrivilegedTeacher(Teacher):
@@ -170,7 +61,8 @@ class PrivilegedTeacher(Teacher):
     (:func:`~lightning_opd.teachers.in_process.scores_from_hidden`).
 
     Needs, from ``OPDModule``: :meth:`bind` (tokenizer, ``V``), :meth:`attach_envs` (at setup: the environment
-    factory, refused without privileged context), :meth:`attach_student` (at ``configure_model``: the student,
+    factory, refused without privileged context for the walkthrough view), :meth:`attach_student` (at
+    ``configure_model``: the student,
     copied for ``frozen``/``ema``), :meth:`on_optimizer_step` (after each optimizer step: the EMA update).
 
     Served (``server``: a :class:`~lightning_opd.teachers.remote.RemoteTeacher` on a ``vllm serve`` process started
@@ -188,21 +80,25 @@ class PrivilegedTeacher(Teacher):
             updated after each optimizer step, ``ema = ema_decay * ema + (1 - ema_decay) * student``).
         ema_decay: the EMA's decay in ``[0, 1)`` (used with ``weights="ema"``).
         placement: where the privileged text goes, ``"system"`` or ``"before_observation"``
-            (:func:`privileged_messages`).
+            (:func:`privileged_messages`; the walkthrough view).
+        view: ``"walkthrough"`` (the environment's privileged text in the first prompt) or ``"next_action"`` (only the
+            expert's next action in the user message before each turn, from the environment's ``expert_actions``;
+            PROPOSED after PivotOPD arXiv 2609.40285).
         server: score on this served teacher instead of in this process (``None``: in-process).
         push_every: ``live``/``ema`` with ``server``: push the weights every this many optimizer steps (>= 1).
         weights_dir, server_weights_dir: where pushed snapshots are written, and where the server sees them
             (:class:`~lightning_opd.serving.weight_push.ServerWeightPush`).
 
     Raises:
-        ValueError: an unknown ``weights`` or ``placement``, ``ema_decay`` outside ``[0, 1)``, ``push_every < 1``.
+        ValueError: an unknown ``weights``, ``placement`` or ``view``, ``ema_decay`` outside ``[0, 1)``,
+            ``push_every < 1``.
     """
 
     provides = frozenset(TeacherSignal)
 
     def __init__(self, weights: str = "frozen", ema_decay: float = 0.99, placement: str = "system",
                  server: Teacher | None = None, push_every: int = 1, weights_dir: str | None = None,
-                 server_weights_dir: str | None = None) -> None:
+                 server_weights_dir: str | None = None, view: str = "walkthrough") -> None:
         if weights not in WEIGHTS:
             raise ValueError(f"PrivilegedTeacher weights={weights!r}: use one of {WEIGHTS} (frozen: the student's "
                              "starting weights; live: its current weights; ema: an EMA of them)")
@@ -210,13 +106,16 @@ class PrivilegedTeacher(Teacher):
             raise ValueError(f"PrivilegedTeacher ema_decay={ema_decay} must be in [0, 1)")
         if placement not in PLACEMENTS:
             raise ValueError(f"PrivilegedTeacher placement={placement!r}: use one of {PLACEMENTS}")
+        if view not in VIEWS:
+            raise ValueError(f"PrivilegedTeacher view={view!r}: use one of {VIEWS} (walkthrough: the privileged text "
+                             "in the first prompt; next_action: the expert's next action before each turn)")
         if push_every < 1:
             raise ValueError(f"PrivilegedTeacher push_every={push_every} must be >= 1 (optimizer steps between pushes)")
         if server is not None and weights != "frozen" and not hasattr(server, "pool"):  # pushes need its ServerPool
             raise ValueError(f"PrivilegedTeacher weights={weights!r} with server={type(server).__name__}: pushing "
                              "weights needs a served teacher (lightning_opd.teachers.remote.RemoteTeacher) as "
                              "model.init_args.teacher.init_args.server, or weights='frozen'")
-        self.weights, self.ema_decay, self.placement = weights, float(ema_decay), placement
+        self.weights, self.ema_decay, self.placement, self.view = weights, float(ema_decay), placement, view
         self.server, self.push_every = server, int(push_every)
         if server is not None:
             self.provides = server.provides
@@ -238,11 +137,13 @@ class PrivilegedTeacher(Teacher):
         self.envs = None
         self.chat: ChatFormat | None = None
         self._texts: dict[str, str] = {}
+        self._experts: dict[str, list[str]] = {}  # task -> the expert's actions (next_action view)
 
     @property
     def name(self) -> str:
         where = f", server={self.server.name}" if self.server is not None else ""
-        return f"{type(self).__name__}(weights={self.weights}, placement={self.placement}{where})"
+        view = "" if self.view == "walkthrough" else f", view={self.view}"
+        return f"{type(self).__name__}(weights={self.weights}, placement={self.placement}{view}{where})"
 
     def bind(self, tokenizer, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
@@ -275,9 +176,8 @@ class PrivilegedTeacher(Teacher):
         for r, (task, traj) in enumerate(row_trajectories(batch)):
             if traj is None:
                 continue
-            try:
-                expert = list(self.envs.expert_actions(task))
-            except (NotImplementedError, KeyError):
+            expert = self._expert(task)
+            if expert is None:
                 continue
             first: dict[int, int] = {}
             for j, (m, k) in enumerate(zip(traj.assistant_mask, traj.turn_index)):
@@ -304,17 +204,18 @@ class PrivilegedTeacher(Teacher):
             self._pusher.close()
 
     def attach_envs(self, envs) -> None:
-        """Keep ``envs`` (the privileged texts and the system prompt).
+        """Keep ``envs`` (the privileged texts or, next_action view, the expert's actions; the system prompt).
 
         Raises:
-            ValueError: ``envs`` does not provide privileged context (names the environment and this teacher).
+            ValueError: walkthrough view and ``envs`` does not provide privileged context (names the environment and
+                this teacher).
         """
-        if not getattr(envs, "provides_privileged_context", False):
+        if self.view == "walkthrough" and not getattr(envs, "provides_privileged_context", False):
             raise ValueError(
                 f"teacher {self.name} needs privileged context from the environment, but {type(envs).__name__} "
                 "provides none (EnvFactory.provides_privileged_context is False): implement "
                 "EnvFactory.privileged_context for it, or use a trained teacher (model.init_args.teacher: a directory)")
-        self.envs, self._texts = envs, {}
+        self.envs, self._texts, self._experts = envs, {}, {}
         self._make_chat()
 
     def _make_chat(self) -> None:
@@ -427,35 +328,65 @@ class PrivilegedTeacher(Teacher):
             self._texts[task_id] = text
         return self._texts[task_id]
 
-    def view_batch(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The teacher's view of every row of ``batch``, right-padded.
+    def _expert(self, task_id: str) -> list[str] | None:
+        """The environment's expert actions for ``task_id`` (asked once, then kept); ``None`` without an expert."""
+        if task_id not in self._experts:
+            try:
+                self._experts[task_id] = list(self.envs.expert_actions(task_id))
+            except (NotImplementedError, KeyError):
+                self._experts[task_id] = None
+        return self._experts[task_id]
 
-        A row with no task id (a padding row of ``masked_rows``) is kept as it is (offset 0).
+    def episode_view(self, traj: Trajectory) -> TeacherView:
+        """The teacher's view of one episode (``view``: :func:`walkthrough_view` or :func:`next_action_view` with
+        :func:`expert_next_actions` as the hints).
+
+        Raises:
+            ValueError: ``next_action`` and an environment without an expert for the task (names both).
+            TeacherViewError: see the view functions.
+        """
+        if self.view == "walkthrough":
+            return walkthrough_view(traj, self.privileged_text(traj.task_id), self.chat, self.placement)
+        expert = self._expert(traj.task_id)
+        if expert is None:
+            raise ValueError(f"teacher {self.name}: {type(self.envs).__name__} has no expert actions for task "
+                             f"{traj.task_id!r} (EnvFactory.expert_actions); the next_action view hints them. Use "
+                             "view=walkthrough, or an environment with an expert")
+        return next_action_view(traj, expert_next_actions(traj, expert), self.chat)
+
+    def view_batch(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The teacher's view of every row of ``batch``, right-padded, with each student position's place in it.
+
+        A row with no task id (a padding row of ``masked_rows``) is kept as it is (positions unmoved, nothing kept).
+        Student positions past a row's length (padding) keep the row's last shift.
 
         Returns:
-            ``(input_ids, attention_mask, offsets, prompt_lens)``: ``(B, T')`` long each; ``(B,)`` long shifts and
-            ``(B,)`` long first-prompt lengths in the student's ids (tokens; 0 for a padding row).
+            ``(input_ids, attention_mask, positions, kept)``: ``(B, T')`` long each; ``(B, T)`` long view position of
+            each student position (:attr:`TeacherView.positions`) and ``(B, T)`` bool, the student's token is in the
+            view verbatim there (:attr:`TeacherView.kept`).
 
         Raises:
             RuntimeError: a row whose trajectory is not in ``batch.trajectories``.
-            TeacherViewError: see :func:`teacher_view`.
+            TeacherViewError, ValueError: see :meth:`episode_view`.
         """
         if self.chat is None:
             raise RuntimeError(f"teacher {self.name} is not ready: it needs bind() (tokenizer) and attach_envs()")
-        views, offsets, prompt_lens = [], [], []
+        width_s = batch.input_ids.shape[1]
+        views, positions = [], torch.arange(width_s).repeat(batch.size, 1)
+        kept = torch.zeros((batch.size, width_s), dtype=torch.bool)
         for i, (task, traj) in enumerate(row_trajectories(batch)):
             if not task:
                 views.append(batch.input_ids[i, :batch.lengths[i]].tolist())
-                offsets.append(0)
-                prompt_lens.append(0)
                 continue
             if traj is None:
                 raise RuntimeError(f"teacher {self.name}: row {i} (task {task!r}) has no trajectory in "
                                    "batch.trajectories; the teacher's view needs its first message")
-            view, offset, first = _view_parts(traj, self.privileged_text(task), self.chat, self.placement)
-            views.append(view)
-            offsets.append(offset)
-            prompt_lens.append(first)
+            view = self.episode_view(traj)
+            n = traj.num_tokens
+            views.append(view.ids)
+            positions[i, :n] = torch.tensor(view.positions, dtype=torch.long)
+            positions[i, n:] += len(view.ids) - n  # padding: the last shift
+            kept[i, :n] = torch.tensor(view.kept, dtype=torch.bool)
         width = max((len(v) for v in views), default=1)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = torch.full((len(views), width), pad, dtype=torch.long)
@@ -463,35 +394,34 @@ class PrivilegedTeacher(Teacher):
         for i, v in enumerate(views):
             ids[i, :len(v)] = torch.tensor(v, dtype=torch.long)
             mask[i, :len(v)] = 1
-        return ids, mask, torch.tensor(offsets, dtype=torch.long), torch.tensor(prompt_lens, dtype=torch.long)
+        return ids, mask, positions.clamp(0, width - 1), kept
 
     @torch.no_grad()
     def score(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor, signals: Collection[TeacherSignal],
               temperature: float = 1.0, top_k: int | None = None, chunk_size: int = 256) -> TeacherScores:
         """See :meth:`Teacher.score`. One forward of the scoring model over the teacher's views (eval mode, no
-        grad); position ``(r, c)`` of ``batch`` is read at ``(r, c + offset[r])`` of the views.
+        grad); position ``(r, c)`` of ``batch`` (scoring token ``c + 1``) is read at ``(r, positions[r, c + 1] - 1)``
+        of the views (:meth:`view_batch`), in process and served alike.
 
         Raises:
             RuntimeError: called before :meth:`attach_student`, or not ready (see :meth:`view_batch`).
             ValueError: a bad request (:meth:`Teacher.check_request`).
+            TeacherViewError: a view does not hold a scored student token (one it keeps) at its mapped position
+                (names the row and the position; a bug in the view).
 
-        A requested position inside a row's first prompt (before its last token) has no counterpart in the teacher's
-        view; it is read unshifted (a finite, meaningless score: the loss masks such positions).
+        A requested position whose token the view replaced (inside a first prompt or, with ``next_action``, a user
+        turn) has no counterpart in the teacher's view; it is read inside the replacement (a finite, meaningless
+        score: the loss masks such positions).
         """
         self.check_request(signals, top_k)
         if self.model is None and self.server is None:
             raise RuntimeError(f"teacher {self.name} has no weights: OPDModule.configure_model calls "
                                "attach_student(student); call it when scoring by hand")
         device = batch.input_ids.device
-        ids, mask, offsets, prompt_lens = (t.to(device) for t in self.view_batch(batch))
-        # a position inside a first prompt (the (0, 0) an all-masked micro-batch keeps): no counterpart, read unshifted
-        shift = torch.where(cols >= prompt_lens[rows] - 1, offsets[rows], 0)
-        tcols = cols + shift
+        ids, mask, positions, kept = (t.to(device) for t in self.view_batch(batch))
+        tcols = positions[rows, cols + 1] - 1
         targets = batch.input_ids[:, 1:][rows, cols]  # (N,)
-        moved = shift != 0
-        if not torch.equal(ids[:, 1:][rows, tcols][moved], targets[moved]):
-            raise RuntimeError(f"teacher {self.name}: the teacher's view does not hold the student's tokens at the "
-                               "shifted positions (a bug: the view must keep every id after the first prompt)")
+        self._check_kept(ids, rows, cols, tcols, targets, kept[rows, cols + 1])
         if self.server is not None:  # the views as token ids to the served teacher (the privileged prompt goes over)
             view = dataclasses.replace(batch, input_ids=ids, attention_mask=mask)
             out = self.server.score(view, rows, tcols, signals, temperature, top_k, chunk_size)
@@ -515,6 +445,19 @@ class PrivilegedTeacher(Teacher):
                                  self.vocab_size)
         self._hint_use_from_hidden(batch, rows, cols, hidden, frozen_head)
         return out
+
+    def _check_kept(self, ids, rows, cols, tcols, targets, kept) -> None:
+        """Every scored token the view keeps is the teacher-view token at its mapped position (F08).
+
+        Raises:
+            TeacherViewError: the first one that is not (row, student position, view position).
+        """
+        bad = (kept & (ids[:, 1:][rows, tcols] != targets)).nonzero(as_tuple=True)[0]
+        if bad.numel():
+            i = int(bad[0])
+            raise TeacherViewError(f"teacher {self.name}: row {int(rows[i])}: the student's token at position "
+                                   f"{int(cols[i]) + 1} is not in the teacher's view at its mapped position "
+                                   f"{int(tcols[i]) + 1} (a bug in the {self.view} view: it must keep every reply id)")
 
     def _hint_use_from_hidden(self, batch, rows, cols, hidden, head) -> None:
         """:meth:`hint_use` with the top-1 of the head at the turns' first reply positions only (a few rows)."""

@@ -171,4 +171,5 @@ def test_overlay_builds_and_replaces_turnopds_controller(base, model_dirs, games
     cli, _, _ = build([CONF / base], model_dirs, {"games_dir": games_dir, "data_dir": search_qa_dir}, tmp_path, extra)
     (sched,) = [c for c in cli.trainer.callbacks if isinstance(c, DepthSchedule)]
     assert not any(isinstance(c, RolloutDepthController) for c in cli.trainer.callbacks)
-    assert (sched.start, sched.fraction, sched.end, sched.horizon, sched.rounding) == (2, 0.5, None, None, "half_up")  # end, H: at setup
+    # end and H are set at setup
+    assert (sched.start, sched.fraction, sched.end, sched.horizon, sched.rounding) == (2, 0.5, None, None, "half_up")

@@ -13,7 +13,7 @@ from lightning_opd.envs.privileged import WithPrivilegedContext
 from lightning_opd.rollout import AgentLoop, EpisodeSpec, SamplingParams
 from lightning_opd.rollout.chat import ChatFormat
 from lightning_opd.rollout.scripted import ScriptedGenerator, walkthrough_replies
-from lightning_opd.teachers.privileged import privileged_messages
+from lightning_opd.teachers.privileged_views import privileged_messages
 from tests.helpers import KeywordEnvFactory
 from tests.teachers.test_privileged_teacher import HintedKeywordEnvFactory, _hint
 

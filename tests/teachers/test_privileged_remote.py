@@ -1,7 +1,7 @@
 """The privileged-context teacher served (``PrivilegedTeacher(server=RemoteTeacher(...))``) on a real ``vllm serve``
-of the tiny student (127.0.0.1, dev mode, marker ``vllm``): the teacher's views go over the wire as token ids and
-score like the in-process privileged teacher (within 1e-4 nats), and ``live``/``ema`` push the scoring weights after
-an optimizer step, after which the server scores with them."""
+of the tiny student (127.0.0.1, dev mode, marker ``vllm``): the teacher's views (walkthrough and next_action) go over
+the wire as token ids and score like the in-process privileged teacher (within 1e-4 nats), and ``live``/``ema`` push
+the scoring weights after an optimizer step, after which the server scores with them."""
 
 from __future__ import annotations
 
@@ -45,14 +45,18 @@ def _scores(t, batch):
     return t.score(batch, rows, cols, (S, K), 1.0, top_k=5)
 
 
-def test_served_frozen_teacher_scores_like_the_in_process_one(server, served_model_dirs, tokenizer, tmp_path):
+@pytest.mark.parametrize("view", ["walkthrough", "next_action"])
+def test_served_frozen_teacher_scores_like_the_in_process_one(server, served_model_dirs, tokenizer, tmp_path, view):
+    """Both views: the served teacher reads the view's ids at the same mapped positions as the in-process one."""
     student = _student(served_model_dirs)
-    remote, local = _teacher(tokenizer, student, "frozen", server), _teacher(tokenizer, student, "frozen")
+    remote = _teacher(tokenizer, student, "frozen", server, view=view)
+    local = _teacher(tokenizer, student, "frozen", view=view)
     assert remote.provides == {S, K}  # what the server provides: no hidden states over the wire
     batch, _ = _batch(tokenizer, temperature=1.0)
     a, b = _scores(remote, batch), _scores(local, batch)
     assert (a.sampled_logprobs - b.sampled_logprobs).abs().max() < 1e-4
     assert (a.topk_logprobs - b.topk_logprobs).abs().max() < 1e-4
+    assert remote.hint_totals["turns"] == local.hint_totals["turns"] > 0  # hint use counted from the served top-k
     assert remote.stats["requests"] >= 1 and remote.stats["pushes"] == 0
     remote.close()
 

@@ -26,7 +26,7 @@ from lightning_opd.rollout.chat import ChatFormat
 from lightning_opd.rollout.generator import SamplingParams
 from lightning_opd.rollout.types import NON_ASSISTANT, Trajectory
 from lightning_opd.teachers import PrivilegedTeacher
-from lightning_opd.teachers.privileged import TeacherViewError, privileged_messages, teacher_view
+from lightning_opd.teachers.privileged_views import TeacherViewError, privileged_messages, teacher_view
 from tests.helpers import CHATML, KeywordEnvFactory, make_model, make_tokenizer
 
 S, K, F = TeacherSignal.SAMPLED_TOKEN, TeacherSignal.TOP_K, TeacherSignal.FULL_VOCAB
@@ -376,7 +376,7 @@ def test_expert_next_actions_advance_when_the_student_takes_them():
     for reply in ("open door", "Look", "  Open  Door\nextra", "go east", "take key"):
         traj.messages.append({"role": "user", "content": "obs"})
         traj.messages.append({"role": "assistant", "content": reply})
-    from lightning_opd.teachers.privileged import expert_next_actions
+    from lightning_opd.teachers.privileged_views import expert_next_actions
 
     # "open door" taken at turn 0 -> next is "go east"; "Look" and a second "Open Door" are not it; "go east" taken
     # at turn 3 -> "take key" at turn 4, taken: the expert's actions end there

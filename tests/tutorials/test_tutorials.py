@@ -148,7 +148,7 @@ def test_02_guess_number_env_and_binary_search_expert(tokenizer):
     from lightning_opd.rollout import AgentLoop, EpisodeSpec, SamplingParams
     from lightning_opd.rollout.chat import ChatFormat
     from lightning_opd.rollout.scripted import ScriptedGenerator, walkthrough_replies
-    from lightning_opd.teachers.privileged import teacher_view
+    from lightning_opd.teachers.privileged_views import teacher_view
 
     assert env.provides_privileged_context and env.privileged_context("5") == "The secret number is 5."
     traj = AgentLoop(env, ScriptedGenerator(tokenizer, walkthrough_replies({"5": env.expert_actions("5")})), tokenizer,
