@@ -14,9 +14,7 @@ Same run, the demo's student (SmolLM2-135M, fp32) with a rank-``--rank`` adapter
 Per push: bytes of the tensors shipped and seconds from the learner's state to a generator that samples with it
 (building the state included). Then sampling: ``--prompts`` fresh prompts of ``--prompt-tokens`` tokens per round,
 ``--new-tokens`` new tokens each (the demo's turn: 16), greedy, the same prompts on each generator; rounds alternate
-the order (``--rounds``). Learner memory: the peak resident memory of two OPD-shaped updates (forward, backward of a
-sampled-token loss and an AdamW step over ``--learner-tokens`` tokens), full fine-tuning vs LoRA, each in a fresh
-process (``ru_maxrss``).
+the order (``--rounds``). The learner's memory, full fine-tuning vs LoRA, is benchmarks/lora_memory.py's.
 
 Results: benchmarks/results/lora_push.json (the CPU model and cores named). Run alone on the cores:
   .venv/bin/python -m benchmarks.lora_push
@@ -27,10 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
-import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -94,26 +89,6 @@ def _sample(gen, prompts, new_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def learner_peak(args) -> None:
-    """Child process: one OPD-shaped update; prints the peak resident MB."""
-    model = load_causal_lm(args.model)
-    if args.child == "lora":
-        model = apply_lora(model, LoRAConfig(rank=args.rank))
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
-    ids = torch.randint(100, 40000, (4, args.learner_tokens // 4), generator=torch.Generator().manual_seed(0))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    for _ in range(2):  # the second update holds the optimizer's moments, as every update after the first
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        (-(lp * torch.randn_like(lp)).mean()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_rss_mb": peak / 1024, "rss_before_mb": before / 1024,
-                      "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="artifacts/models/smollm2-135m")
@@ -122,25 +97,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=600)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--learner-tokens", type=int, default=2048)
     parser.add_argument("--served", action=argparse.BooleanOptionalAction, default=True,
                         help="also the served sampler (two `vllm serve` processes: without LoRA and with it)")
-    parser.add_argument("--child", choices=["full", "lora"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        learner_peak(args)
-        return
     from lightning_opd.cpu_isa import cpu_name
 
     print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores", flush=True)
-    memory = {}
-    for kind in ("full", "lora"):
-        out = subprocess.run([sys.executable, "-m", "benchmarks.lora_push", "--child", kind, "--model", args.model,
-                              "--rank", str(args.rank), "--learner-tokens", str(args.learner_tokens)],
-                             check=True, capture_output=True, text=True)
-        memory[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"learner {kind}: peak {memory[kind]['peak_rss_mb']:.0f} MB, "
-              f"{memory[kind]['trainable_parameters']:,} trainable parameters", flush=True)
     model = _student(args.model, args.rank)
     from lightning_opd.models.loading import load_tokenizer
 
@@ -187,8 +149,7 @@ def main() -> None:
               "sampling_seconds_median": {k: statistics.median(v) for k, v in samples.items()},
               "sampling_ratio_adapter_over_full": {
                   where: [a / f for a, f in zip(samples[f"{where} adapter"], samples[f"{where} full"])]
-                  for where in ("in-process", "served") if f"{where} adapter" in samples},
-              "learner_memory": memory}
+                  for where in ("in-process", "served") if f"{where} adapter" in samples}}
     write_json(RESULTS / "lora_push.json", record)
     print(json.dumps({k: record[k] for k in ("push_bytes", "push_seconds_median", "sampling_seconds_median",
                                              "sampling_ratio_adapter_over_full")}, indent=1))
