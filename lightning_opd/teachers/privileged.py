@@ -45,9 +45,9 @@ from lightning_opd.rollout.types import Trajectory
 from lightning_opd.serving import ServerWeightPush
 from lightning_opd.teachers.base import Teacher, TeacherScores
 from lightning_opd.teachers.in_process import scores_from_hidden
-from lightning_opd.teachers.privileged_views import (PLACEMENTS, VIEWS, TeacherView, TeacherViewError,  # noqa: F401
-                                                     expert_next_actions, next_action_view, privileged_messages,
-                                                     row_trajectories, teacher_view, walkthrough_view)
+from lightning_opd.teachers.privileged_views import (PLACEMENTS, VIEWS, TeacherView, TeacherViewError,
+                                                     expert_next_actions, next_action_view, row_trajectories,
+                                                     walkthrough_view)
 
 WEIGHTS = ("frozen", "live", "ema")
 
@@ -80,7 +80,7 @@ class PrivilegedTeacher(Teacher):
             updated after each optimizer step, ``ema = ema_decay * ema + (1 - ema_decay) * student``).
         ema_decay: the EMA's decay in ``[0, 1)`` (used with ``weights="ema"``).
         placement: where the privileged text goes, ``"system"`` or ``"before_observation"``
-            (:func:`privileged_messages`; the walkthrough view).
+            (:func:`~lightning_opd.teachers.privileged_views.privileged_messages`; the walkthrough view).
         view: ``"walkthrough"`` (the environment's privileged text in the first prompt) or ``"next_action"`` (only the
             expert's next action in the user message before each turn, from the environment's ``expert_actions``;
             PROPOSED after PivotOPD arXiv 2609.40285).
