@@ -361,7 +361,14 @@ def check_opd_lora(cli, tmp):
     assert cli.model.optimizer_factory([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"] == 5e-4
 
 
-EXPECT = {"textworld/self_distill.yaml": check_self_distill, "textworld/opd_lora.yaml": check_opd_lora, "textworld/opd_remote.yaml": check_opd_remote,
+def check_opd_top50(cli, tmp):
+    from lightning_opd.losses import TeacherTopKRenormalizedReverseKL
+
+    assert type(cli.model.loss_fn) is TeacherTopKRenormalizedReverseKL and cli.model.loss_fn.k == 50
+    assert cli.config["model.init_args.optimizer.init_args.lr"] == pytest.approx(5e-5)  # the base's, kept
+
+
+EXPECT = {"model/opd_top50.yaml": check_opd_top50, "textworld/self_distill.yaml": check_self_distill, "textworld/opd_lora.yaml": check_opd_lora, "textworld/opd_remote.yaml": check_opd_remote,
           "textworld/opd.yaml": check_opd, "textworld/teacher_sft.yaml": check_teacher_sft,
           "model/opd_sampled.yaml": check_opd_sampled, "data/textworld.yaml": check_data_textworld,
           "debug/fast_dev_run.yaml": check_fast_dev_run, "callbacks/staleness_monitor.yaml": check_staleness_monitor,
