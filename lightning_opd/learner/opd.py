@@ -51,6 +51,7 @@ from lightning_opd.learner.packing import SequencePacking
 from lightning_opd.learner.policy import PolicyModule, check_dtype, frozen_dtype
 from lightning_opd.learner.positions import micro_batch_layout, per_position, sampled_token_score, supervised_positions
 from lightning_opd.learner.step_metrics import StepMetrics, StepRecord
+from lightning_opd.learner.teacher_turns import TeacherTurnLoss, TeacherTurnTraining, check_teacher_turn_loss
 from lightning_opd.learner.weightings import LossWeightings, check_behaviour_signal, uses_behaviour_logprobs
 from lightning_opd.losses.aggregation import aggregate_token_loss, sequence_token_weights, supervised_sequences
 from lightning_opd.losses.base import TeacherSignal
@@ -77,7 +78,7 @@ warnings.filterwarnings("ignore", message="Found `dataloader_iter` argument")
 AGGREGATIONS = ("token", "sequence")
 
 
-class OPDModule(PolicyModule):
+class OPDModule(TeacherTurnTraining, PolicyModule):
     """On-policy distillation: the student learns to match the teacher on its own trajectories.
 
     Args:
@@ -122,6 +123,8 @@ class OPDModule(PolicyModule):
             the per-token loss exactly when the loss is a sampled-token estimator and the data configuration can
             produce a lag >= 1 (async, ``forced_lag``); decided at setup (:meth:`~lightning_opd.learner.weightings.
             LossWeightings.resolve`).
+        teacher_turn_loss: training on teacher-played turns (teacher intervention): ``{kind: none | ce | forward_kl,
+            weight}`` (:mod:`~lightning_opd.learner.teacher_turns`); default none: the student trains on its own turns.
 
     Raises:
         TokenizerMismatchError: at setup, when the teacher's tokenizer differs from the student's.
@@ -147,7 +150,7 @@ class OPDModule(PolicyModule):
                  gradient_checkpointing: bool = False, fsdp_mixed_precision: str | None = None,
                  micro_batch_tokens: int | None = None, aggregation: str = "token", max_nonfinite_steps: int = 3,
                  off_policy: OffPolicyConfig | None = None, pack_sequences: bool | str = False,
-                 lora: LoRAConfig | None = None) -> None:
+                 lora: LoRAConfig | None = None, teacher_turn_loss: TeacherTurnLoss | None = None) -> None:
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"model.init_args.aggregation={aggregation!r}: use one of {AGGREGATIONS} (token: the "
                              "mean over the step's supervised tokens, docs/algorithms.md §0.5; sequence: the mean "
@@ -184,6 +187,7 @@ class OPDModule(PolicyModule):
         self.teacher: Teacher = teacher
         self.packing = SequencePacking(pack_sequences).attach(teacher)  #: packed or padded passes, per model
         check_teacher_serves(self.loss_fn, self.teacher)
+        self.teacher_turn_loss = check_teacher_turn_loss(teacher_turn_loss, self.teacher, self)  #: teacher-turn term
 
     # ----------------------------------------------------------------------------------- the objective
     @staticmethod
@@ -260,18 +264,6 @@ class OPDModule(PolicyModule):
         self.lags.skipped_versions = [int(v) for v in checkpoint.get("skipped_versions", [])]
         if "teacher_state" in checkpoint:
             self.teacher.load_state_dict(checkpoint["teacher_state"])
-
-    def updates(self, batch: RolloutBatch) -> list[tuple[int, RolloutBatch]]:
-        """``(epoch, part)`` of every optimizer update of the step, in order. OPD: one update on the whole batch."""
-        return [(0, batch)]
-
-    def after_micro_batch(self, micro_batch: RolloutBatch, out: TokenLoss, keep: torch.Tensor) -> None:
-        """Called after each micro-batch's backward with its per-token output and ``(b, T-1)`` supervised
-        mask (statistics of the step). OPD: nothing."""
-
-    def step_extras(self) -> dict[str, float]:
-        """Scalars of the step beyond :mod:`~lightning_opd.learner.step_metrics`'s common set. OPD: none."""
-        return {}
 
     # ------------------------------------------------------------------------------------------ model
     @property
@@ -562,7 +554,7 @@ class OPDModule(PolicyModule):
                 part.loss_mask[:, 1:].sum().to(self.device))  # §0.5 per update: its own tokens
             sums, stats = self.backward_step(part, self.loss_denominator(part, part_tokens), self.manual_backward,
                                              self.trainer.world_size)
-            filtered = int(part_tokens) == 0  # no supervised token on any rank (all filtered, or none): no update
+            filtered = int(part_tokens) == 0 and self.no_teacher_turn_term()  # nothing to train on any rank: no update
             nonfinite = self.nonfinite.skipped
             norms.append(self.apply_update(opt, sched, sums["loss"], clip, filtered))
             if not filtered and self.nonfinite.skipped == nonfinite:

@@ -8,7 +8,7 @@ Metric glossary (logged every step):
 |---|---|---|
 | ``train/loss`` | nats | step loss (§0.5) |
 | ``train/kl`` | nats/token | mean exact reverse KL over supervised tokens (whatever the loss), with a teacher that provides ``FULL_VOCAB`` |
-| ``kl/turn_NN`` | nats/token | mean over supervised tokens of turn NN (zero-based), token-weighted across ranks; NaN at a step where no episode reached turn NN (after some step did) |
+| ``kl/turn_NN`` | nats/token | mean over supervised tokens of turn NN (zero-based), token-weighted across ranks; NaN at a step where no episode reached turn NN (after some step did). Student turns only: a turn the teacher played (teacher intervention) has no supervised token, so it is in no ``kl/turn_NN`` (turn NN counts every turn played, both roles) |
 | ``train/kl_sampled``, ``kl_sampled/turn_NN`` | nats/token | instead of ``train/kl``, ``kl/turn_NN`` with a teacher without ``FULL_VOCAB`` (a remote endpoint): the same means of the k1 estimate ``log p_S(a_t) - log p_T(a_t)`` of the reverse KL (docs/algorithms.md §6.5) |
 | ``train/entropy`` | nats/token | mean student entropy over supervised tokens |
 | ``train/grad_norm`` | - | global L2 norm before clipping |
@@ -23,6 +23,9 @@ Metric glossary (logged every step):
 | ``train/applied_updates`` | optimizer updates | applied in the step (0: every update skipped; the step then ages no batch, §7.2) |
 | ``train/samples_per_update`` | episodes | samples with supervised tokens that reached an applied update's loss, per applied update (0 when none) |
 | ``rollout/*`` | see ``lightning_opd.rollout.batch.rollout_stats`` | per batch: means over all ranks' episodes (sums and counts reduced, F27); ``env_errors`` summed |
+| ``rollout/teacher_turns``, ``rollout/takeovers`` | turns, fraction | teacher intervention (``data.init_args.intervention``): mean turns per episode the teacher played, fraction of episodes a takeover handed to the teacher (0 without intervention) |
+| ``rollout/teacher_turn_share`` | fraction | teacher turns / all turns played, all ranks' episodes (0 when no turn) |
+| ``train/teacher_turn_loss``, ``train/teacher_turn_tokens`` | nats/token, tokens | with ``model.init_args.teacher_turn_loss`` on: mean term (cross-entropy or forward KL) over the step's teacher-sampled tokens, all ranks, and their count (:mod:`lightning_opd.learner.teacher_turns`) |
 | ``rollout/lag_max`` | applied updates | max over all ranks' batches of learner version - behaviour version, counting only the steps that applied an update between them (a step whose every update was skipped is not counted, docs/algorithms.md §7.2) |
 | ``rollout/lag_mean``, ``rollout/lag_min`` | applied updates | mean / min over all ranks' episodes with a reply of the lag the step trains them at (learner version - the oldest version that played the episode); NaN when no episode has a reply |
 | ``rollout/producer_lead`` | policy versions | async only (``data.init_args.mode=async``): the producer lead in force when the step asked for its batch (the staleness monitor's producer-side control lowers it; 0 = synchronous fallback) |
@@ -173,8 +176,11 @@ class StepMetrics(torch.nn.Module):
         ``rollout/lag_min`` over the episodes with a reply (NaN when no rank has one); with ``record.lead_in_use``,
         ``rollout/producer_lead``. Collectives every rank reaches."""
         trajs = record.batch.trajectories
+        sums = rollout_sums(trajs)
         stats: dict[str, RankStat] = {f"rollout/{k}": Sum(v) if k in ROLLOUT_COUNTS else Mean(v, len(trajs), empty=0.0)
-                                      for k, v in rollout_sums(trajs).items()}
+                                      for k, v in sums.items()}
+        # teacher intervention: the share of turns the teacher played, over all ranks
+        stats["rollout/teacher_turn_share"] = Mean(sums["teacher_turns"], sums["turns"], empty=0.0)
         stats["rollout/lag_max"] = Max(float(record.lag_max))
         if record.lags is not None:  # the rows with a reply (lag >= 0): the same keys on every rank
             lags = record.lags[record.lags >= 0].double()

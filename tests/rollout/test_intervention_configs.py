@@ -24,3 +24,12 @@ def test_takeover_recipe(build_cli):
     policy = cli.datamodule.session.intervention
     assert isinstance(policy, TakeoverIntervention) and (policy.after_invalid_actions, policy.stall_turns) == (2, None)
     assert isinstance(cli.datamodule.session.teacher_generator, HFGenerator)
+
+
+def test_teacher_turn_loss_from_the_command_line(build_cli):
+    """docs/usage.md's third command: the takeover recipe training on the teacher's turns with cross-entropy."""
+    from lightning_opd.learner.teacher_turns import TeacherTurnLoss
+
+    cli, _, _ = build_cli(BASE, CONF / "textworld" / "intervention_takeover.yaml",
+                          extra=["--model.init_args.teacher_turn_loss.kind=ce"])
+    assert cli.model.teacher_turn_loss == TeacherTurnLoss(kind="ce", weight=1.0)
