@@ -65,12 +65,7 @@ class AnnealingSchedule(StepSchedule):
         if not attribute.isidentifier():
             raise ValueError(f"attribute={attribute!r} must be the name of a module coefficient with a setter "
                              "set_<attribute>, e.g. 'kappa' or 'rho' (ATODModule)")
-        if (steps is None) == (fraction is None):
-            raise ValueError(f"give exactly one of steps={steps} and fraction={fraction} (the horizon)")
-        if steps is not None and steps < 1:
-            raise ValueError(f"steps={steps} must be >= 1 (rollout iterations)")
-        if fraction is not None and not 0 < fraction <= 1:
-            raise ValueError(f"fraction={fraction} must be in (0, 1]")
+        self.check_horizon("steps", steps, fraction)
         if shape not in SHAPES:
             raise ValueError(f"shape={shape!r}: use one of {SHAPES}")
         self.attribute, self.start, self.end = attribute, float(start), float(end)

@@ -68,17 +68,11 @@ class DepthSchedule(StepSchedule):
 
     def __init__(self, start: int, horizon: int | None = None, fraction: float | None = None,
                  end: int | None = None, rounding: str = "half_up") -> None:
-        if (horizon is None) == (fraction is None):
-            raise ValueError(f"give exactly one of horizon={horizon} (rollout iterations) and fraction={fraction} "
-                             "(of training)")
+        self.check_horizon("horizon", horizon, fraction)
         if start < 1:
             raise ValueError(f"start={start} must be >= 1 (turns)")
         if end is not None and start > end:
             raise ValueError(f"start={start} is above end={end}: the cap grows from start to end (turns)")
-        if horizon is not None and horizon < 1:
-            raise ValueError(f"horizon={horizon} must be >= 1 (rollout iterations)")
-        if fraction is not None and not 0 < fraction <= 1:
-            raise ValueError(f"fraction={fraction} must be in (0, 1]")
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding={rounding!r}: use one of {ROUNDINGS}")
         self.start, self.end, self.fraction, self.rounding = int(start), end, fraction, rounding

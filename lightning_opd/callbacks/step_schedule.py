@@ -24,6 +24,22 @@ class StepSchedule(Callback):
 
     horizon: int | None = None
 
+    @staticmethod
+    def check_horizon(name: str, steps: int | None, fraction: float | None) -> None:
+        """Refuse a horizon given as neither or both of ``<name>=steps`` (rollout iterations, >= 1) and ``fraction``
+        (of training, in (0, 1]), or out of range; the messages name the values.
+
+        Raises:
+            ValueError: as above.
+        """
+        if (steps is None) == (fraction is None):
+            raise ValueError(f"give exactly one of {name}={steps} and fraction={fraction}: the horizon in rollout "
+                             "iterations or as a fraction of training")
+        if steps is not None and steps < 1:
+            raise ValueError(f"{name}={steps} must be >= 1 (rollout iterations)")
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(f"fraction={fraction} must be in (0, 1]")
+
     @property
     def schedule_name(self) -> str:
         """How messages name this schedule."""
