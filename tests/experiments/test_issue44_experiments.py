@@ -170,6 +170,9 @@ def as_recorded(config: dict) -> dict:
     config["trainer"]["precision"] = None
     # issue 65: a LoRA student is opt-in (null: full fine-tuning, as recorded)
     assert init.pop("lora") is None
+    # issue 64: teacher intervention is opt-in (null: the student plays every turn and trains on all of them, as recorded)
+    assert init.pop("teacher_turn_loss") is None
+    assert data.pop("intervention") is None and data.pop("teacher_generator") is None
     return config
 
 
