@@ -93,7 +93,8 @@ class AgentLoop:
             raise ValueError(f"intervention={type(intervention).__name__} needs a teacher_generator to play the "
                              "teacher's turns (data.init_args.teacher_generator)")
         self.intervention, self.teacher_generator = intervention, teacher_generator
-        for gen in (generator, teacher_generator) if teacher_generator is not None else (generator,):
+        generators = [g for g in (generator, teacher_generator) if g is not None]
+        for gen in generators:
             if self.chat.end_of_turn_id not in gen.stop_ids:
                 raise ValueError(
                     f"{type(gen).__name__} stops on ids {sorted(gen.stop_ids)}, which lack the chat template's "
@@ -101,8 +102,8 @@ class AgentLoop:
                     "lightning_opd.rollout.chat.stop_token_ids(tokenizer, generation_config)")
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
-        for gen in (generator, teacher_generator):  # the teacher generator's own limit too, when there is one
-            limit = gen.context_limit if gen is not None else None
+        for gen in generators:  # the teacher generator's own limit too, when there is one
+            limit = gen.context_limit
             if limit is not None and limit.tokens < self.max_context_tokens:
                 rank_zero_warn(
                     f"max_context_tokens={max_context_tokens} (data.init_args.max_context_tokens) is above the "
