@@ -85,25 +85,33 @@ def run_arm(tree: Path, steps: int, logs: Path, extra: list[str], seed: int) -> 
             "tokens": tokens[1:]}
 
 
+def speedup(results: ResultFile, rounds: int, base_arm: str, arm: str) -> str:
+    """``arm``'s speed-up over ``base_arm``: the mean over rounds of ``median step(base) / median step(arm)`` with
+    its Student-t 95% interval (rounds where both ran), formatted; ``-`` when no round has both."""
+    pairs = [(results.data[f"{base_arm}/{r}"]["median_s"], results.data[f"{arm}/{r}"]["median_s"])
+             for r in range(rounds) if f"{base_arm}/{r}" in results.data and f"{arm}/{r}" in results.data]
+    if not pairs:
+        return "-"
+    ratio = ratio_interval(*map(list, zip(*pairs)))
+    return f"{ratio['ratio']:.3f}" + (f" [{ratio['low']:.3f}, {ratio['high']:.3f}]" if ratio["low"] is not None else "")
+
+
 def report(results: ResultFile, rounds: int) -> str:
     """Per arm: the median step of each round, the rollout and update medians, and the speed-up over ``main-fp32``
-    with its interval over rounds."""
-    rows, base = [], [results.data.get(f"main-fp32/{r}") for r in range(rounds)]
+    and over the same commit's ``head-fp32`` (the issue's bf16 line), each with its interval over rounds."""
+    rows = []
     for arm in ARMS:
-        runs = [results.data.get(f"{arm}/{r}") for r in range(rounds)]
-        done = [x for x in runs if x]
+        done = [x for x in (results.data.get(f"{arm}/{r}") for r in range(rounds)) if x]
         if not done:
             continue
-        paired = [(b["median_s"], x["median_s"]) for b, x in zip(base, runs) if b and x]
-        ratio = ratio_interval(*map(list, zip(*paired))) if paired else None
-        speed = "-" if ratio is None else (f"{ratio['ratio']:.3f}" + (
-            f" [{ratio['low']:.3f}, {ratio['high']:.3f}]" if ratio["low"] is not None else ""))
         rows.append([arm, done[0].get("commit", "?"), " / ".join(f"{x['median_s']:.1f}" for x in done),
                      f"{statistics.median(v for x in done for v in x['rollout_s']):.1f}",
-                     f"{statistics.median(v for x in done for v in x['update_s']):.1f}", speed,
+                     f"{statistics.median(v for x in done for v in x['update_s']):.1f}",
+                     speedup(results, rounds, "main-fp32", arm), speedup(results, rounds, "head-fp32", arm),
                      done[0]["cpu"]])
     return markdown_table(["arm", "commit", "median s/step per round (steps 2..N)", "rollout s (median)",
-                           "update s (median)", "speed-up over main-fp32 (mean over rounds [95% t])", "CPU"], rows)
+                           "update s (median)", "speed-up over main-fp32 (mean over rounds [95% t])",
+                           "speed-up over head-fp32 (same commit)", "CPU"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
