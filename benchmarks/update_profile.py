@@ -21,7 +21,8 @@ and the update's remainder (gradient norm and clipping, metrics, logging). Also 
 batches) and tokens per pass (rows x padded length, and real tokens), and the profiler's top operators.
 
 Variants (each a key of ``benchmarks/results/update_profile.json``, resumable): ``--micro-batch-size`` /
-``--micro-batch-tokens`` (the module's micro-batching) and ``--no-fused`` (AdamW's ``foreach`` implementation instead
+``--micro-batch-tokens`` (the module's micro-batching), ``--precision`` (the Trainer's: ``bf16-mixed`` also loads the
+teacher and the vLLM engine in bfloat16, as a fit does; issue 61) and ``--no-fused`` (AdamW's ``foreach`` implementation instead
 of ``fused``). Profiler overhead inflates every phase a little; compare variants measured the same way.
 
 Run: ``.venv/bin/python -m benchmarks.update_profile [--micro-batch-size 1] [--no-fused]``   (needs ``make prepare
@@ -41,6 +42,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from benchmarks.common import ResultFile, add_artifact_args, markdown_table  # noqa: E402
+from lightning_opd.cpu_isa import cpu_name  # noqa: E402
 
 PHASES = ("opd.rollout", "rollout.weight_push", "opd.forward", "opd.teacher", "opd.student_trunk", "opd.backward",
           "opd.optimizer", "opd.policy_push")
@@ -119,6 +121,7 @@ def run(args) -> dict:
     model.agreed_micro_batches = agreed_micro_batches
     prof = StepProfiler(args.warmup, args.steps)
     L.Trainer(accelerator="cpu", max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
+              precision=args.precision,
               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
               callbacks=[prof]).fit(model, datamodule=dm)
     events = prof.prof.key_averages()
@@ -135,7 +138,8 @@ def run(args) -> dict:
             "update_s": sum(t["timing/update_s"] for t in timed) / len(timed),
             "pass_shapes": shapes, "pass_real_tokens": real,
             "top_ops": [[e.key, e.self_cpu_time_total / 1e6 / args.steps, e.count / args.steps] for e in top],
-            "torch_threads": torch.get_num_threads(), "fused_adamw": fused}
+            "torch_threads": torch.get_num_threads(), "fused_adamw": fused, "precision": args.precision,
+            "cpu": cpu_name()}
 
 
 def report(key: str, r: dict) -> str:
@@ -168,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--micro-batch-size", type=int, default=None, help="model.init_args.micro_batch_size")
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="model.init_args.micro_batch_tokens")
     p.add_argument("--no-fused", action="store_true", help="AdamW's foreach implementation (torch's default)")
+    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed", "bf16-true"),
+                   help="the Trainer's precision (bf16-*: teacher and vLLM engine in bfloat16 too)")
     p.add_argument("--force", action="store_true", help="rerun a finished variant")
     a = p.parse_args(argv)
     if a.micro_batch_size is None and a.micro_batch_tokens is None:
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = ResultFile("update_profile")
     key = (f"t{a.turns}/e{a.episodes}/n{a.max_new_tokens}/"
            + (f"mbt{a.micro_batch_tokens}" if a.micro_batch_tokens is not None else f"mb{a.micro_batch_size}")
-           + ("/foreach" if a.no_fused else "/fused"))
+           + ("/foreach" if a.no_fused else "/fused") + ("" if a.precision == "32-true" else f"/{a.precision}"))
     if key not in results or a.force:
         results.put(key, run(a))
     print(report(key, results[key]))
