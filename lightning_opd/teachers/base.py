@@ -10,8 +10,9 @@ does not fit, naming both and the losses that would work.
 
 Implementations: :class:`~lightning_opd.teachers.in_process.InProcessTeacher` (a Hugging Face model in the
 learner's process: all three signals), :class:`~lightning_opd.teachers.privileged.PrivilegedTeacher` (the
-student's own weights shown the environment's privileged context: other token positions, the same sampled tokens).
-A teacher that scores elsewhere (a ``vllm serve`` endpoint) or on its own view of the episode subclasses
+student's own weights shown the environment's privileged context: other token positions, the same sampled tokens),
+:class:`~lightning_opd.teachers.placebo.ShuffledTeacher` (a placebo control: the in-process teacher's scores permuted
+across the scored positions of each episode, PROPOSED). A teacher that scores elsewhere (a ``vllm serve`` endpoint) or on its own view of the episode subclasses
 :class:`Teacher`: it owns how it gets the numbers, and returns them at the student's positions.
 """
 

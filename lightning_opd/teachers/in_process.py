@@ -105,17 +105,27 @@ class InProcessTeacher(Teacher):
             ValueError: ``TOP_K`` without ``top_k >= 1``; ``temperature <= 0`` with ``SAMPLED_TOKEN`` or ``TOP_K``.
         """
         self.check_request(signals, top_k)
+        hidden = self.hidden_at(batch, rows, cols)
+        return scores_from_hidden(hidden, batch.input_ids[:, 1:][rows, cols], output_head(self.model, self.vocab_size),
+                                  signals, temperature, top_k, chunk_size, self.vocab_size)
+
+    @torch.no_grad()
+    def hidden_at(self, batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """``(N, D_T)`` final hidden states (after the last norm) at the ``N`` positions ``(rows, cols)`` of ``batch``:
+        one transformer pass over the ``(B, T)`` batch (:attr:`trunk`), no gradient.
+
+        Raises:
+            RuntimeError: called before :meth:`load`.
+        """
         if self.model is None:
             raise RuntimeError(f"teacher {self.name} is not loaded: call load() (OPDModule.configure_model does, "
                                "for fit) before scoring")
-        model, head = self.model, output_head(self.model, self.vocab_size)
+        model = self.model
 
         def hidden_states() -> torch.Tensor:  # (N, D_T)
             return self.trunk(model, batch.input_ids, batch.attention_mask)[rows, cols]
 
-        hidden = with_root_params(model, hidden_states)
-        return scores_from_hidden(hidden, batch.input_ids[:, 1:][rows, cols], head, signals, temperature, top_k,
-                                  chunk_size, self.vocab_size)
+        return with_root_params(model, hidden_states)
 
 
 def scores_from_hidden(hidden: torch.Tensor, targets: torch.Tensor, head, signals: Collection[TeacherSignal],
