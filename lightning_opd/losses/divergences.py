@@ -225,6 +225,11 @@ class SampledTokenReverseKL(TokenDivergence):
         """The loss needs the batch's rollout-time log-probs (``behaviour_logprobs`` keyword input)."""
         return self.signal == "behaviour"
 
+    def policy_advantage(self, advantage: torch.Tensor) -> torch.Tensor:
+        """The detached per-token factor of the policy-gradient term, from ``A_t`` ``(...)`` (nats): ``A_t`` itself here;
+        a subclass may reshape it (:class:`~lightning_opd.losses.sign_only.SignOnlyReverseKL`: its sign)."""
+        return advantage
+
     def token_terms(self, student_logits, teacher_logits, targets, temperature=1.0,
                     behaviour_logprobs: torch.Tensor | None = None) -> TokenLoss:
         """Per-token terms; ``behaviour_logprobs``: ``(...)`` log π_b of ``targets`` (nats), required with
@@ -239,7 +244,7 @@ class SampledTokenReverseKL(TokenDivergence):
             raise ValueError("SampledTokenReverseKL(signal='behaviour') needs behaviour_logprobs (the batch's "
                              "rollout-time log-probs of the sampled tokens)")
         reference = behaviour_logprobs.to(s_tok) if self.uses_behaviour_logprobs else s_tok
-        advantage = (gather_token(lp_t, targets) - reference).detach()
+        advantage = self.policy_advantage((gather_token(lp_t, targets) - reference).detach())
         ratio = torch.exp(s_tok - s_tok.detach())  # 1 in value, carries grad log p_S
         return self._full(-ratio * advantage, lp_s, lp_t, targets)
 
@@ -256,7 +261,7 @@ class SampledTokenReverseKL(TokenDivergence):
             raise ValueError("SampledTokenReverseKL(signal='behaviour') needs behaviour_logprobs (the batch's "
                              "rollout-time log-probs of the sampled tokens)")
         reference = behaviour_logprobs.to(s_tok) if self.uses_behaviour_logprobs else s_tok
-        advantage = (teacher_sampled_logprobs.to(s_tok) - reference).detach()
+        advantage = self.policy_advantage((teacher_sampled_logprobs.to(s_tok) - reference).detach())
         ratio = torch.exp(s_tok - s_tok.detach())  # 1 in value, carries grad log p_S
         return self._from_signals(-ratio * advantage, lp_s, targets, teacher_sampled_logprobs)
 

@@ -45,11 +45,11 @@ def test_a_sampled_token_teacher_is_refused_for_the_full_vocabulary_loss_naming_
     msg = str(err.value)
     assert "model.init_args.loss=FullVocabReverseKL needs the teacher's full_vocab" in msg
     assert "teacher SampledTokenTeacher provides only ['sampled_token']" in msg
-    assert "use one of SampledTokenReverseKL, ClippedSurrogate with this teacher" in msg
+    assert "use one of SampledTokenReverseKL, ClippedSurrogate, SignOnlyReverseKL with this teacher" in msg
 
 
 def test_a_top_k_teacher_fits_the_teacher_top_k_losses_only():
-    assert set(losses_for(TopKTeacher.provides)) == {"SampledTokenReverseKL", "ClippedSurrogate",
+    assert set(losses_for(TopKTeacher.provides)) == {"SampledTokenReverseKL", "ClippedSurrogate", "SignOnlyReverseKL",
                                                      "TeacherTopKForwardKL", "TeacherTopKRenormalizedReverseKL"}
     check_teacher_fits(TeacherTopKForwardKL(), TopKTeacher())
     with pytest.raises(ValueError, match=r"StudentTopKRenormalizedReverseKL needs the teacher's full_vocab.*"

@@ -153,8 +153,8 @@ def test_full_vocabulary_loss_with_a_top_k_teacher_is_refused_naming_the_losses_
     msg = str(err.value)
     assert "model.init_args.loss=FullVocabReverseKL needs the teacher's full_vocab log-probs" in msg
     assert "teacher LogitsTeacher provides only ['sampled_token', 'top_k']" in msg
-    assert ("use one of SampledTokenReverseKL, TeacherTopKForwardKL, TeacherTopKRenormalizedReverseKL, ClippedSurrogate"
-            " with this teacher") in msg
+    assert ("use one of SampledTokenReverseKL, TeacherTopKForwardKL, TeacherTopKRenormalizedReverseKL, ClippedSurrogate,"
+            " SignOnlyReverseKL with this teacher") in msg
     with pytest.raises(ValueError, match="FullVocabReverseKL needs the teacher's full_vocab"):
         check_teacher_serves(FullVocabReverseKL(), top_k_teacher)
     check_teacher_serves(TeacherTopKForwardKL(tail_bucket=True), top_k_teacher)  # fits: no error
