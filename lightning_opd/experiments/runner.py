@@ -340,7 +340,9 @@ class Runner:
 
     def evaluate_args(self, config: dict, seed: int) -> list[str]:
         """``evaluate`` flags from the fit configuration (base model, environment, episode limits, teacher),
-        the seed, then the experiment's own ``evaluate`` flags (which win)."""
+        the seed, then the experiment's own ``evaluate`` flags (which win). The teacher (``--teacher``, the
+        teacher-trajectory KL) is ``model.init_args.teacher`` when it is a directory, its ``init_args.path`` when it is a
+        class that names one (the placebo ``ShuffledTeacher``: the real teacher it shuffles), and none otherwise."""
         data = _get(config, "data.init_args") or {}
         env = data.get("env") or {}
         args = ["--base", str(_get(config, "model.init_args.student")), "--seeds", str(seed)]
@@ -351,6 +353,8 @@ class Runner:
             if data.get(key) is not None and flag not in args:
                 args += [flag, str(data[key])]
         teacher = _get(config, "model.init_args.teacher")
+        if isinstance(teacher, dict):  # a Teacher class: its weights' directory where it names one (ShuffledTeacher's
+            teacher = _get(teacher, "init_args.path")  # real teacher), else none (a served or privileged teacher)
         if self.exp.teacher_kl and teacher:
             args += ["--teacher", str(teacher)]
         return args + list(self.exp.evaluate)
