@@ -35,6 +35,7 @@ from lightning_opd.learner import ATODModule, OPDModule
 from lightning_opd.learner.policy import PolicyModule
 from lightning_opd.rollout.hf import HFGenerator
 from lightning_opd.learner import SFTModule
+from tests.conf_checks import check_opd_sign_only, check_teacher_shuffled
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -88,8 +89,11 @@ def overrides(cfg: dict, model_dirs: dict, data_dirs: dict[str, Path], tmp: Path
     model = cfg.get("model") or {}
     params = init_params(model)
     put("model.init_args.student", model_dirs["student"])
-    if "teacher" in params and not isinstance((model.get("init_args") or {}).get("teacher"), dict):
+    teacher = (model.get("init_args") or {}).get("teacher")
+    if "teacher" in params and not isinstance(teacher, dict):
         put("model.init_args.teacher", model_dirs["teacher"])  # a directory; a Teacher class (served, privileged) stays
+    elif "path" in init_params(teacher):  # a Teacher class over a directory (the placebo ShuffledTeacher)
+        put("model.init_args.teacher.init_args.path", model_dirs["teacher"])
     if "export_dir" in params:
         put("model.init_args.export_dir", tmp / "export")
     env = ((cfg.get("data") or {}).get("init_args") or {}).get("env")
@@ -375,7 +379,8 @@ EXPECT = {"model/opd_top50.yaml": check_opd_top50, "textworld/self_distill.yaml"
           "textworld/fopd_async.yaml": check_fopd_async, "data/vllm.yaml": check_vllm,
           "callbacks/rollout_depth.yaml": check_rollout_depth, "callbacks/turn_loss_blend.yaml": check_turn_loss_blend,
           "callbacks/annealing.yaml": check_annealing, "textworld/atod.yaml": check_atod, "textworld/grpo.yaml": check_grpo,
-          "search_qa/opd.yaml": check_search_qa_opd, "search_qa/teacher_sft.yaml": check_search_qa_teacher_sft}
+          "search_qa/opd.yaml": check_search_qa_opd, "search_qa/teacher_sft.yaml": check_search_qa_teacher_sft,
+          "model/teacher_shuffled.yaml": check_teacher_shuffled, "model/opd_sign_only.yaml": check_opd_sign_only}
 
 
 def test_callback_overlays_append_instead_of_replacing(build_cli, tmp_path):
