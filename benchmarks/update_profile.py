@@ -175,10 +175,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed", "bf16-true"),
                    help="the Trainer's precision (bf16-*: teacher and vLLM engine in bfloat16 too)")
     p.add_argument("--force", action="store_true", help="rerun a finished variant")
+    p.add_argument("--results", default="update_profile",
+                   help="result file benchmarks/results/<name>.json (another machine: another file)")
     a = p.parse_args(argv)
     if a.micro_batch_size is None and a.micro_batch_tokens is None:
         a.micro_batch_size = a.episodes
-    results = ResultFile("update_profile")
+    results = ResultFile(a.results)
     key = (f"t{a.turns}/e{a.episodes}/n{a.max_new_tokens}/"
            + (f"mbt{a.micro_batch_tokens}" if a.micro_batch_tokens is not None else f"mb{a.micro_batch_size}")
            + ("/foreach" if a.no_fused else "/fused") + ("" if a.precision == "32-true" else f"/{a.precision}"))
