@@ -9,8 +9,11 @@ def test_kernels_agree_in_float64():
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 9, 17, 64, dtype=torch.float64) for _ in range(3))
     ref = KERNELS["flash"](q, k, v)
-    for name, fn in KERNELS.items():
-        assert torch.allclose(fn(q, k, v), ref, atol=1e-10), name
+    assert torch.allclose(KERNELS["math"](q, k, v), ref, atol=1e-10)
+    # eager takes its softmax in float32 whatever the input dtype (transformers' eager attention does), so it agrees
+    # to float32 precision only
+    assert torch.allclose(KERNELS["eager"](q, k, v), ref, atol=1e-6)
+    assert not torch.allclose(KERNELS["eager"](q, k, v), ref, atol=1e-12)
 
 
 def test_eager_is_causal_by_hand():
@@ -21,7 +24,7 @@ def test_eager_is_causal_by_hand():
     out = eager(q, k, v)
     w1 = torch.softmax(torch.tensor([2.0 * 0.5, 2.0 * 1.0], dtype=torch.float64), 0)
     assert out[0, 0, 0, 0].item() == 3.0
-    assert abs(out[0, 0, 1, 0].item() - (w1[0] * 3.0 + w1[1] * 5.0).item()) < 1e-12
+    assert abs(out[0, 0, 1, 0].item() - (w1[0] * 3.0 + w1[1] * 5.0).item()) < 1e-6  # float32 softmax
 
 
 def test_time_kernel_reports_positive_medians():
