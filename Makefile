@@ -70,6 +70,18 @@ $(LONG_GAMES)/manifest.json: | $(STAMP)
 	$(LOPD) make-games --out $(LONG_GAMES) --train 200 --eval 50 --quest-length 5 --world-size 4 --nb-objects 8 --seed 1
 games-long: $(LONG_GAMES)/manifest.json
 
+# A task mix whose needed depth varies, for TurnOPD (issue 63, design 1: benchmarks/experiments/turnopd_mix_pilot.yaml,
+# turnopd_mix.yaml): quest-6 games in the quest-3 games' world (3 rooms, 6 objects; ~3 s per game), then the first 100
+# training and 25 held-out games of each length merged (task ids q3-..., q6-...; `lightning-opd merge-games`).
+QUEST6_GAMES := artifacts/games/quest6
+MIX_GAMES := artifacts/games/mix_q3_q6
+$(QUEST6_GAMES)/manifest.json: | $(STAMP)
+	$(LOPD) make-games --out $(QUEST6_GAMES) --train 100 --eval 25 --quest-length 6 --world-size 3 --nb-objects 6 --seed 0
+$(MIX_GAMES)/manifest.json: $(GAMES)/manifest.json $(QUEST6_GAMES)/manifest.json
+	$(LOPD) merge-games $(GAMES) $(QUEST6_GAMES) --out $(MIX_GAMES) --train 100 --eval 25 --force
+.PHONY: games-mix
+games-mix: $(MIX_GAMES)/manifest.json
+
 # The teacher: the committed LoRA adapter merged into SmolLM2 (seconds). `make teacher-train` redoes
 # the adapter itself (LoRA SFT on the expert walkthroughs of the 200 training games, ~35 min).
 $(TEACHER)/config.json: $(ADAPTER)/adapter_model.safetensors | $(MODEL)/config.json

@@ -22,6 +22,12 @@ tells it where logged; older runs fall back to the cumulative counters ``stalene
 (``tdur/mean_weight``) beside ``schedule/kappa``, ``schedule/rho`` and ``grpo/equal_reward_share``::
 
     python -m benchmarks.run_logs iterations benchmarks/results/atod_quest3/atod/seed0
+
+``depth``: what TurnOPD's rollout-depth controller did in each run (issue 63, design 1, "the cap moved"): the cap
+trajectory, whether the cap moved, the cap it settled on, and the share of the capped steps whose cap came from a
+decision where the success-coverage rule was binding (:mod:`benchmarks.depth_logs`)::
+
+    python -m benchmarks.run_logs depth benchmarks/results/turnopd_mix_pilot --arms turnopd
 """
 
 from __future__ import annotations
@@ -223,8 +229,8 @@ def iteration_table(run_dir: str | Path, tags: Sequence[str] = ITERATION_TAGS) -
 
 
 def main(argv: list[str] | None = None) -> str:
-    """``python -m benchmarks.run_logs validity ROOT --arms A ... [--seeds K ...]`` or ``iterations RUN [--tags ...]``;
-    prints and returns the markdown."""
+    """``python -m benchmarks.run_logs validity ROOT --arms A ... [--seeds K ...]``, ``iterations RUN [--tags ...]`` or
+    ``depth ROOT --arms A ... [--seeds K ...]``; prints and returns the markdown."""
     p = argparse.ArgumentParser(prog="benchmarks.run_logs", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validity", help="steps at lag >= 1 with an update applied, skipped and fallback steps, "
@@ -235,8 +241,18 @@ def main(argv: list[str] | None = None) -> str:
     it = sub.add_parser("iterations", help="per-iteration values of a run (e.g. T-DUR's mean weight)")
     it.add_argument("run", help="a run folder (its TensorBoard logs anywhere below)")
     it.add_argument("--tags", nargs="+", default=list(ITERATION_TAGS))
+    dp = sub.add_parser("depth", help="TurnOPD's cap per run: trajectory, moved or not, settled cap, share of capped "
+                                      "steps where the coverage rule was binding")
+    dp.add_argument("root", help="an experiment's results folder, e.g. benchmarks/results/turnopd_mix_pilot")
+    dp.add_argument("--arms", nargs="+", required=True)
+    dp.add_argument("--seeds", nargs="+", type=int, default=None, help="default: every seed* folder")
     a = p.parse_args(argv)
-    text = (validity_report(a.root, a.arms, a.seeds) if a.command == "validity" else iteration_table(a.run, a.tags))
+    if a.command == "depth":
+        from benchmarks.depth_logs import depth_report
+
+        text = depth_report(a.root, a.arms, a.seeds)
+    else:
+        text = (validity_report(a.root, a.arms, a.seeds) if a.command == "validity" else iteration_table(a.run, a.tags))
     print(text)
     return text
 

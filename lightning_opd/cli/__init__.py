@@ -4,6 +4,7 @@
     lightning-opd validate --config conf/textworld/opd.yaml       # held-out success of the student
     lightning-opd prepare-model [--out DIR]                       # SmolLM2-135M-Instruct, offline
     lightning-opd make-games [--out DIR --train N --eval N ...]   # TextWorld games, train/held-out
+    lightning-opd merge-games DIR DIR ... --out DIR               # games of several quest lengths, one set
     lightning-opd make-search-qa [--out DIR --train N --eval N]  # Search-QA knowledge base + questions
     lightning-opd merge-adapter --adapter DIR --out DIR           # base + LoRA adapter -> HF directory
     lightning-opd results RUN_DIR...                              # table of val/success from TensorBoard
@@ -16,7 +17,7 @@
 The helper commands go through a thin dispatcher (:func:`main`) in front of LightningCLI (:mod:`.fit`; its
 sub-commands are the Trainer's ``fit``, ``validate`` and ``test``; ``predict`` is refused: policies are evaluated by
 playing episodes, with ``validate``, ``test`` or ``evaluate``). One module per group of helpers: :mod:`.artifacts`
-(prepare-model, make-games, make-search-qa, merge-adapter), :mod:`.analysis` (results, report, compare,
+(prepare-model, make-games, merge-games, make-search-qa, merge-adapter), :mod:`.analysis` (results, report, compare,
 calibrate-freshness), :mod:`.evaluate`, :mod:`.serve`, :mod:`.experiment`; their shared argument types in
 :mod:`.args`, the help table in :mod:`.commands`. Helpers check their arguments before any work and
 never replace an existing output directory without ``--force``. Configs are composed from several
@@ -35,7 +36,7 @@ from collections.abc import Callable
 
 from lightning_opd.cli.analysis import calibrate_freshness_command, compare_command, report_command, results_command
 from lightning_opd.cli.artifacts import (make_games_command, make_search_qa_command, merge_adapter_command,
-                                         prepare_model_command)
+                                         merge_games_command, prepare_model_command)
 from lightning_opd.cli.commands import HELPERS, UNSUPPORTED
 from lightning_opd.cli.config_checks import cause_first
 from lightning_opd.cli.evaluate import evaluate_command
@@ -46,7 +47,8 @@ from lightning_opd.cli.serve import serve_command
 __all__ = ["COMMANDS", "HELPERS", "OPDCLI", "cause_first", "init_parameters", "main"]
 
 COMMANDS: dict[str, Callable[[list[str]], object]] = {
-    "prepare-model": prepare_model_command, "make-games": make_games_command, "make-search-qa": make_search_qa_command,
+    "prepare-model": prepare_model_command, "make-games": make_games_command, "merge-games": merge_games_command,
+    "make-search-qa": make_search_qa_command,
     "merge-adapter": merge_adapter_command, "results": results_command, "report": report_command,
     "evaluate": evaluate_command, "compare": compare_command, "calibrate-freshness": calibrate_freshness_command,
     "serve": serve_command, "experiment": experiment_command}

