@@ -47,6 +47,9 @@ only those arms' pairs (e.g. the pair that fits the hours at hand); the comparis
 of the experiment is done, the summary covers what is evaluated so far (contrasts with an arm not yet
 evaluated left out).
 
+To end a run between pairs (no fit killed part-way), create ``<results>/<name>/STOP`` (``touch``): the runner
+finishes the pair it is on, removes the file and starts no other pair; the same command continues later.
+
 Child processes die with the runner (Linux ``PR_SET_PDEATHSIG``); a lock file stops two runners from
 working on one experiment at once, and another (``<results>/.runner.lock``) two experiments under one results
 root (training seconds are only comparable on cores nothing else uses). At the end, once every pair is done, the runner prints ``lightning-opd compare`` of the
@@ -189,11 +192,14 @@ class Runner:
             machine.write(f"{self.exp.name}, pid {os.getpid()}\n")
             machine.flush()
             done, every = {}, {}  # the pairs this run ran or found done; those plus other arms' finished pairs
+            stopped = False
             for seed in self.exp.seeds:  # seed by seed: a stopped run already pairs every arm on its first seeds
                 for arm in self.exp.arms:
                     marker = self.exp.run_dir(arm, seed) / "done.json"
-                    if arms is None or arm.name in arms:
-                        done[(arm.name, seed)] = every[(arm.name, seed)] = self.run_pair(arm, seed)
+                    if (arms is None or arm.name in arms) and not stopped:
+                        stopped = not marker.is_file() and self._stop_requested(arm, seed)
+                        if not stopped:
+                            done[(arm.name, seed)] = every[(arm.name, seed)] = self.run_pair(arm, seed)
                     elif marker.is_file():  # another arm's finished pair (a run with --arms)
                         every[(arm.name, seed)] = json.loads(marker.read_text())
             if len(every) == len(self.exp.arms) * len(self.exp.seeds):
@@ -203,6 +209,18 @@ class Runner:
                           "(arm, seed) pairs done")
                 self.summarise_curves()
             return done
+
+    def _stop_requested(self, arm: Arm, seed: int) -> bool:
+        """True (and the request consumed) when ``<results>/<name>/STOP`` exists: the runner starts no further
+        (arm, seed) pair, so a run can end between pairs (e.g. before a session's end) without killing a fit;
+        the same command later continues with ``arm`` x ``seed``."""
+        stop = self.exp.root / "STOP"
+        if not stop.is_file():
+            return False
+        stop.unlink()
+        self.echo(f"[{arm.name} seed {seed}] not started: {stop} asked the runner to stop between pairs (removed); "
+                  "run the same command again to continue from here")
+        return True
 
     def check_arms(self, arms: list[str] | None) -> None:
         """Raises ValueError when ``arms`` (``--arms``) is empty or names an arm the experiment does not have."""

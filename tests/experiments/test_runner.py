@@ -346,6 +346,30 @@ def test_a_run_with_arms_fits_only_those_pairs_and_a_later_run_adds_the_rest(tmp
     assert len([c for c in calls(tmp_path) if c["cmd"] == "fit"]) == 6
 
 
+def test_a_stop_file_ends_the_run_between_pairs_and_the_same_command_continues(tmp_path, monkeypatch):
+    """``<results>/<name>/STOP`` written while (a, 0) fits: that pair finishes (fit, evaluations, done.json), no
+    other starts, the file is removed; the next run fits exactly the 3 pairs left, in the usual order."""
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
+    path = spec(tmp_path, 0)
+    root = tmp_path / "r" / "exp"
+    lines = []
+
+    def echo(line):
+        lines.append(line)
+        if line.startswith("[a seed 0] fit"):  # the fit of the first pair has started
+            (root / "STOP").touch()
+
+    done = Runner(load_experiment(path, results=tmp_path / "r"), cwd=ROOT, echo=echo).run()
+    assert list(done) == [("a", 0)] and (root / "a" / "seed0" / "done.json").is_file()
+    assert not (root / "b").exists() and not (root / "STOP").exists() and not (root / "compare.md").exists()
+    assert any(line.startswith("[b seed 0] not started") for line in lines)
+    assert [c["dir"][-7:] for c in calls(tmp_path) if c["cmd"] == "fit"] == ["a/seed0"]
+    done = Runner(load_experiment(path, results=tmp_path / "r"), cwd=ROOT, echo=lambda *_: None).run()
+    assert list(done) == [("a", 0), ("b", 0), ("a", 1), ("b", 1)] and (root / "compare.md").is_file()
+    assert [c["dir"][-7:] for c in calls(tmp_path) if c["cmd"] == "fit"] == ["a/seed0", "b/seed0", "a/seed1",
+                                                                              "b/seed1"]
+
+
 def test_an_arms_evaluate_checkpoints_wins_for_that_arm(tmp_path, monkeypatch):
     """The experiment evaluates every checkpoint (a learning curve); arm b says ``last``: only its final is
     evaluated, though it writes the same checkpoints (steps 2 and 4) as a, so both pay the same writes."""
