@@ -26,12 +26,28 @@ def test_it_loads_with_its_arms_seeds_contrasts_and_evaluation(tmp_path):
     assert {a.name: a.configs for a in exp.arms} == {
         "real": ["conf/textworld/opd.yaml"],
         "placebo": ["conf/textworld/opd.yaml", "conf/model/teacher_shuffled.yaml"],
-        "sampled": ["conf/textworld/opd.yaml", "conf/model/opd_sampled.yaml"],
-        "sign_only": ["conf/textworld/opd.yaml", "conf/model/opd_sign_only.yaml"]}
-    assert all(a.overrides == exp.arms[0].overrides for a in exp.arms)
+        "sampled": ["conf/textworld/opd.yaml", "conf/model/opd_sampled.yaml", "conf/model/lr_warmup2.yaml"],
+        "sign_only": ["conf/textworld/opd.yaml", "conf/model/opd_sign_only.yaml", "conf/model/lr_warmup2.yaml"]}
+    arms = {a.name: a for a in exp.arms}
+    assert arms["placebo"].overrides == arms["real"].overrides
+    assert arms["sign_only"].overrides == arms["sampled"].overrides
+    assert arms["sampled"].overrides == arms["real"].overrides[:2] + ["--model.init_args.optimizer.init_args.lr=1.0e-4",
+                                                                        "--trainer.precision=32-true"]
     assert {"--trainer.precision=32-true", "--trainer.limit_val_batches=0"} <= set(exp.arms[0].overrides)
     for config in {c for a in exp.arms for c in a.configs}:
         assert (ROOT / config).is_file(), config
+
+
+def test_the_reused_arms_are_the_recipes_they_are_copied_from(tmp_path):
+    """real seeds 0-2 are copied from lora_demo's `full` arm and sampled seeds 0-2 from fopd_answer's `sync` arm (the
+    YAML's header): that holds only while their configs and overrides are the same, seeds included."""
+    exp = load_experiment(PATH, results=tmp_path)
+    arms = {a.name: a for a in exp.arms}
+    for name, source, source_arm in (("real", "lora_demo", "full"), ("sampled", "fopd_answer", "sync")):
+        other = load_experiment(ROOT / "benchmarks" / "experiments" / f"{source}.yaml", results=tmp_path)
+        them = {a.name: a for a in other.arms}[source_arm]
+        assert (arms[name].configs, arms[name].overrides) == (them.configs, them.overrides), name
+        assert set(exp.seeds) <= set(other.seeds) and other.evaluate == exp.evaluate, name
 
 
 def test_the_placebo_shuffles_the_demo_teacher_and_sign_only_takes_the_sampled_rate():
@@ -43,7 +59,7 @@ def test_the_placebo_shuffles_the_demo_teacher_and_sign_only_takes_the_sampled_r
     sampled, sign = (yaml.safe_load((ROOT / f"conf/model/{n}.yaml").read_text())["model"]["init_args"]
                      for n in ("opd_sampled", "opd_sign_only"))
     assert sign["loss"] == {"class_path": "lightning_opd.losses.SignOnlyReverseKL"}
-    assert sign["optimizer"] == sampled["optimizer"]  # the same rate (2e-5): the arms differ in the advantage only
+    assert sign["optimizer"] == sampled["optimizer"]  # the same rate: the arms differ in the advantage only
 
 
 def test_every_arm_is_evaluated_against_the_real_teacher(tmp_path):
@@ -70,7 +86,9 @@ def test_arms_differ_only_where_the_design_says(tmp_path):
         init = c["model"]["init_args"]
         assert c["trainer"]["precision"] == "32-true" and c["trainer"]["max_steps"] == 20, name
         assert c["trainer"]["limit_val_batches"] == 0, name
-        assert init["optimizer"]["init_args"]["lr"] == (5e-5 if name in ("real", "placebo") else 2e-5), name
+        assert init["optimizer"]["init_args"]["lr"] == (5e-5 if name in ("real", "placebo") else 1e-4), name
+        warmup = (init.get("lr_scheduler") or {}).get("init_args", {}).get("total_iters")
+        assert warmup == (None if name in ("real", "placebo") else 2), name  # issue 62's rate and warm-up
         assert Runner(exp).evaluate_args(c, 0)[-5:-3] == ["--teacher", TEACHER], name  # the real teacher, every arm
 
     def without(config: dict, key: str) -> dict:
