@@ -19,6 +19,7 @@
         evaluate_final: []           # optional, per arm (e.g. Avg@4 on the main arms' finals only)
         evaluate_checkpoints: last   # optional, per arm (e.g. finals only for an ablation)
         evaluate_at_seconds: [600]   # optional, per arm ([]: none)
+        reuse: other_exp/opd         # optional: copy <results>/other_exp/opd/seed<k> where it is this recipe (reuse.py)
     evaluate: [--avg-k, "4", --temperature, "0.7"]   # extra `lightning-opd evaluate` flags
     evaluate_final: []               # flags for the final checkpoint only, after `evaluate` (e.g. Avg@4 there only)
     keep_checkpoints: true           # false: delete a pair's checkpoints/ and student/ once it is evaluated
@@ -59,6 +60,7 @@ class Arm:
     evaluate_final: list[str] | None = None  # flags for this arm's final checkpoint; None: the experiment's
     evaluate_checkpoints: str | None = None  # "last" or "all"; None: the experiment's
     evaluate_at_seconds: list[float] | None = None  # training-second marks; None: the experiment's
+    reuse: str | None = None  # "<experiment>/<arm>": that arm's finished pairs, checked and copied (reuse.py)
 
 
 @dataclass
@@ -107,7 +109,8 @@ class Experiment:
             name, ``checkpoint_every < 1``, ``max_time <= 0``, a target outside [0, 1] or an unknown
             ``evaluate_checkpoints``, or a contrast that is not two different arm names; a bad
             ``evaluate_at_seconds`` (not a list of positive, increasing seconds within ``max_time``; the message
-            names the value) or ``validity_max_cap`` (not an integer >= 1).
+            names the value) or ``validity_max_cap`` (not an integer >= 1); an arm's ``reuse`` that is not
+            ``"<experiment>/<arm>"`` of another arm.
     """
 
     name: str
@@ -158,6 +161,12 @@ class Experiment:
         for a in self.arms:
             if a.evaluate_at_seconds is not None:
                 a.evaluate_at_seconds = check_at_seconds(a.evaluate_at_seconds, f"arm {a.name!r}: ", self.max_time)
+        for a in self.arms:
+            if a.reuse is not None and (not isinstance(a.reuse, str)
+                                        or not re.fullmatch(r"[\w.+-]+/[\w.+-]+", a.reuse)
+                                        or a.reuse == f"{self.name}/{a.name}"):
+                raise ValueError(f"arm {a.name!r}: reuse={a.reuse!r}: give another experiment's arm as "
+                                 "'<experiment>/<arm>' (folders under the results root), e.g. 'lora_demo/full'")
         cap = self.validity_max_cap
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"validity_max_cap={cap!r} must be a whole number of turns >= 1 (or null: no verdict)")
@@ -206,17 +215,17 @@ def load_experiment(path: str | os.PathLike, results: str | os.PathLike | None =
     for name, spec in data.pop("arms").items():
         spec = spec or {}
         bad = set(spec) - {"configs", "overrides", "checkpoint_every", "evaluate_final", "evaluate_checkpoints",
-                           "evaluate_at_seconds"}
+                           "evaluate_at_seconds", "reuse"}
         if bad:
             raise ValueError(f"{path}: arm {name!r}: unknown key(s) {sorted(bad)}; use configs, overrides, "
-                             "checkpoint_every, evaluate_final, evaluate_checkpoints and evaluate_at_seconds")
+                             "checkpoint_every, evaluate_final, evaluate_checkpoints, evaluate_at_seconds and reuse")
         final = spec.get("evaluate_final")
         if final is not None and not isinstance(final, list):
             raise ValueError(f"{path}: arm {name!r}: evaluate_final={final!r} must be a list of flags "
                              "(e.g. [--avg-k, \"4\"]; [] for none)")
         arms.append(Arm(str(name), [str(c) for c in spec.get("configs", [])], [str(o) for o in spec.get("overrides", [])],
                         spec.get("checkpoint_every"), None if final is None else [str(f) for f in final],
-                        spec.get("evaluate_checkpoints"), spec.get("evaluate_at_seconds")))
+                        spec.get("evaluate_checkpoints"), spec.get("evaluate_at_seconds"), spec.get("reuse")))
     if results is not None:
         data["results"] = results
     return Experiment(arms=arms, **data)

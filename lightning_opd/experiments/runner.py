@@ -30,6 +30,10 @@ Per (arm, seed), in ``<results>/<name>/<arm>/seed<k>/``:
    ``global_step``, ``train_seconds``);
 4. ``done.json``, written last and atomically: a pair with it is never run again.
 
+An arm with ``reuse: <experiment>/<arm>`` copies that experiment's finished pair of the same seed instead of steps 2-3,
+once its resolved configuration, evaluations and starting student are checked to be this pair's (:mod:`.reuse`); a
+seed the source has not finished is fitted.
+
 With ``evaluate_start: true`` (every arm continues one trained student, ``model.init_args.student``), that
 student is evaluated once per seed, before the first fit of the seed, to ``<results>/<name>/start/seed<k>/eval/
 step=0.json`` with the ``evaluate`` flags (not ``evaluate_final``): iteration 0 at 0 training seconds of every
@@ -81,6 +85,7 @@ import yaml
 from lightning_opd.cpu_isa import cpu_name  # imports torch only to pin
 from lightning_opd.experiments.experiment import ROOT, Arm, Experiment
 from lightning_opd.experiments.marks import MARKS_FILE, mark_steps, read_marks  # pure Python
+from lightning_opd.experiments.reuse import check_reusable, copy_pair, evaluated_steps, needed_steps
 from lightning_opd.files import write_text_atomic
 
 _STEP = re.compile(r"^step=(\d+)\.ckpt$")
@@ -249,6 +254,8 @@ class Runner:
         if precision is not None:  # one precision for every arm and seed, whatever machine a resume lands on
             base_cmd = base_cmd + [f"--trainer.precision={precision}"]
         start_sha256 = self.evaluate_start(arm, seed, config)[1] if self.exp.evaluate_start else None
+        if arm.reuse and not (d / "fit.done").is_file() and (reused := self._reuse(arm, seed, d, config, start_sha256)):
+            return reused
         if not (d / "fit.done").is_file():
             cmd = list(base_cmd)
             last = d / "checkpoints" / "last.ckpt"
@@ -272,6 +279,34 @@ class Runner:
         if not self.exp.keep_checkpoints:
             for sub in ("checkpoints", "student"):
                 shutil.rmtree(d / sub, ignore_errors=True)
+        return record
+
+    def _reuse(self, arm: Arm, seed: int, d: Path, config: dict, start_sha256: str | None) -> dict | None:
+        """Copy ``arm.reuse``'s finished pair for ``seed`` into ``d`` once it is checked to be this pair's recipe
+        (:mod:`.reuse`) and return its ``done.json`` record; ``None`` (this pair is fitted) when the source has not
+        finished that seed.
+
+        Raises:
+            ValueError: the source pair is another recipe (:func:`~.reuse.check_reusable`) or has no evaluation.
+        """
+        source = self.exp.results / str(arm.reuse) / f"seed{seed}"
+        if not (source / "done.json").is_file():
+            self.echo(f"[{arm.name} seed {seed}] {source} is not finished: fitting this pair")
+            return None
+        recorded = json.loads((source / "done.json").read_text())
+        steps = evaluated_steps(recorded)
+        if not steps:
+            raise ValueError(f"{d} cannot reuse {source}: its done.json lists no eval/step=N.json evaluation")
+        final = steps[-1]
+        marks = [m.get("step") or final for m in recorded.get("at_seconds") or []] if self.exp.at_seconds(arm) else []
+        flags = self.evaluate_args(config, seed)
+        expected = {s: flags + (self.exp.final_flags(arm) if s == final else [])
+                    for s in needed_steps(final, self.exp.every(arm), self.exp.evaluated(arm), marks)}
+        record = copy_pair(source, d, check_reusable(source, d, config, expected, start_sha256), list(expected))
+        if not self.exp.keep_checkpoints:
+            for sub in ("checkpoints", "student"):
+                shutil.rmtree(d / sub, ignore_errors=True)
+        self.echo(f"[{arm.name} seed {seed}] reused {source}: the same resolved configuration and evaluations")
         return record
 
     # ---------------------------------------------------------------------------------------- pieces

@@ -54,10 +54,11 @@ def test_the_pilot_and_the_arms_share_start_seeds_cadence_and_evaluation():
         assert (exp.checkpoint_every, exp.evaluate_checkpoints, exp.evaluate) == (32, "all", FLAGS), exp.name
         assert exp.evaluate_start and not exp.keep_checkpoints and exp.max_time is None, exp.name
         assert all(exp.every(a) == 32 and exp.evaluated(a) == "all" for a in exp.arms), exp.name
-    # the pilot is the grpo arm, so its 3 pairs are that arm's seeds 0-2 (copied, not rerun)
+    # the pilot is the grpo arm, so its 3 pairs are that arm's seeds 0-2 (reused: checked and copied, not rerun)
     (arm,) = pilot.arms
     grpo = main.arms[2]
     assert (arm.configs, arm.overrides) == (grpo.configs, grpo.overrides)
+    assert grpo.reuse == "atod_pilot_early/grpo" and [a.reuse for a in main.arms[:2]] == [None, None]
     assert set(pilot.seeds) < set(main.seeds)
 
 

@@ -44,6 +44,7 @@ def test_the_reused_arms_are_the_recipes_they_are_copied_from(tmp_path):
     exp = load_experiment(PATH, results=tmp_path)
     arms = {a.name: a for a in exp.arms}
     for name, source, source_arm in (("real", "lora_demo", "full"), ("sampled", "fopd_answer", "sync")):
+        assert arms[name].reuse == f"{source}/{source_arm}", name  # the runner checks the resolved configs too
         other = load_experiment(ROOT / "benchmarks" / "experiments" / f"{source}.yaml", results=tmp_path)
         them = {a.name: a for a in other.arms}[source_arm]
         assert (arms[name].configs, arms[name].overrides) == (them.configs, them.overrides), name
