@@ -164,7 +164,8 @@ class Experiment:
         for a in self.arms:
             if a.reuse is not None and (not isinstance(a.reuse, str)
                                         or not re.fullmatch(r"[\w.+-]+/[\w.+-]+", a.reuse)
-                                        or a.reuse == f"{self.name}/{a.name}"):
+                                        or a.reuse == f"{self.name}/{a.name}"
+                                        or {".", ".."} & set(a.reuse.split("/"))):
                 raise ValueError(f"arm {a.name!r}: reuse={a.reuse!r}: give another experiment's arm as "
                                  "'<experiment>/<arm>' (folders under the results root), e.g. 'lora_demo/full'")
         cap = self.validity_max_cap

@@ -17,10 +17,15 @@ same. Here the sameness is checked, per seed, before anything is copied (:func:`
 3. it evaluated what this arm evaluates (the final checkpoint; every checkpoint with ``evaluate_checkpoints: all``;
    the ``evaluate_at_seconds`` marks' checkpoints) with this experiment's ``evaluate`` arguments (each evaluation's
    command line in the source's ``eval.log``, from ``--base`` on, must be the one this runner would run);
-4. with ``evaluate_start``, it continued the same starting student (``start_sha256`` in the two ``done.json``).
+4. with ``evaluate_start``, it continued the same starting student (``start_sha256`` in the two ``done.json``);
+5. with ``trainer.precision: auto``, both experiments picked the same precision (their ``precision.json``).
 
-Then :func:`copy_pair` copies the source folder (TensorBoard logs, fit and evaluation logs, evaluations; the
-checkpoints where they were kept) and writes this pair's ``done.json``, its evaluation paths under this folder and
+Not compared (stated, not checked): the code version, ``evaluate_command``, and the weights behind a teacher or base
+path (rebuilt at the same path they pass), and a start accepted only as an ``equivalents`` entry is refused.
+
+Then :func:`copy_pair` empties this pair's folder (but its own resolved config and overlay) and copies the
+source folder (TensorBoard logs, fit and evaluation logs, the checkpoints where they were kept, and only the evaluations
+this arm makes) and writes this pair's ``done.json``, its evaluation paths under this folder and
 ``"reused_from"`` naming the source. A seed the source has not finished is fitted as usual. PROPOSED here (runner
 plumbing, not an algorithm).
 """
@@ -55,7 +60,8 @@ def config_differences(a, b, prefix: str = "") -> list[str]:
         return out
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in config_differences(x, y, f"{prefix}[{i}]")]
-    return [] if a == b else [f"{prefix}: {a!r} here, {b!r} in the source"]
+    same = a == b and type(a) is type(b)  # 1 (one batch) is not 1.0 (all batches)
+    return [] if same else [f"{prefix}: {a!r} here, {b!r} in the source"]
 
 
 def evaluated_steps(done: dict) -> list[int]:
@@ -85,7 +91,7 @@ def evaluation_command(log: Path, out: Path) -> str | None:
 
 
 def check_reusable(source: Path, target: Path, config: dict, expected: dict[int, list[str]],
-                   start_sha256: str | None) -> dict:
+                   start_sha256: str | None, precision: str | None = None) -> dict:
     """Check that the finished pair in ``source`` is the pair this runner would make in ``target`` (module
     docstring, checks 2-4) and return the source's ``done.json``.
 
@@ -96,10 +102,13 @@ def check_reusable(source: Path, target: Path, config: dict, expected: dict[int,
         expected: ``{step: evaluate arguments from --base on}`` for every checkpoint step this arm evaluates
             (:meth:`Runner.evaluate_args` plus the final flags on the final step).
         start_sha256: this experiment's starting student's sha256 (``evaluate_start``), or ``None``.
+        precision: this experiment's pick for ``trainer.precision: auto`` (its ``precision.json``), or ``None`` when
+            the configuration names a precision (then compared as part of it).
 
     Raises:
         ValueError: the recipes differ: the configuration keys that differ (up to 8, and how many), an evaluation
-            the source lacks or made with other arguments (both command lines), or another starting student; each
+            the source lacks or made with other arguments (both command lines), another starting student, or another
+            pick for ``precision: auto``; each
             message names the source and says what to do (fit this pair: remove the arm's ``reuse``).
         FileNotFoundError: the source has no ``done.json`` or ``fit_config.yaml``.
     """
@@ -127,24 +136,36 @@ def check_reusable(source: Path, target: Path, config: dict, expected: dict[int,
     if start_sha256 is not None and theirs != start_sha256:
         raise ValueError(f"{target} cannot reuse {source}: it continued another starting student (sha256 "
                          f"{str(theirs)[:12]}..., this experiment's {start_sha256[:12]}...): {fix}")
+    if precision is not None:
+        picked = source.parents[1] / "precision.json"
+        theirs = json.loads(picked.read_text())["precision"] if picked.is_file() else None
+        if theirs != precision:
+            raise ValueError(f"{target} cannot reuse {source}: trainer.precision=auto picked {theirs!r} there "
+                             f"({picked}), {precision!r} here: {fix}")
     return done
 
 
 def copy_pair(source: Path, target: Path, done: dict, steps: list[int]) -> dict:
-    """Copy the source pair's files into ``target`` (its own ``fit_config.yaml`` and ``runner_overlay.yaml`` kept)
-    and write ``target/done.json`` last (atomically): the source's record with ``run_dir``, ``evaluations`` under
+    """Empty ``target`` but its own ``fit_config.yaml`` and ``runner_overlay.yaml``, copy the source pair's files
+    into it (of its evaluations only those of ``steps``; ``fit.done`` last) and write ``target/done.json`` last (atomically): the source's record with ``run_dir``, ``evaluations`` under
     ``target``: those of ``steps`` (optimizer steps, the checkpoints this arm evaluates), and ``"reused_from":
     {"run_dir": <where it ran, through any earlier copies>, "copied_from": <source>}``. Returns the record."""
-    keep = {"fit_config.yaml", "runner_overlay.yaml", "done.json"}
+    keep = {"fit_config.yaml", "runner_overlay.yaml"}
+    for item in target.iterdir():  # a partial fit or an interrupted copy: nothing of it may mix with the source's
+        if item.name not in keep:
+            shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
     for item in source.iterdir():
-        if item.name in keep:
+        if item.name in keep | {"done.json", "fit.done", "eval"}:
             continue
-        dest = target / item.name
         if item.is_dir():
-            shutil.copytree(item, dest, dirs_exist_ok=True, symlinks=True)
+            shutil.copytree(item, target / item.name, symlinks=True)
         else:
-            shutil.copy2(item, dest)
-    record = {**done, "run_dir": str(target),
+            shutil.copy2(item, target / item.name, follow_symlinks=False)
+    (target / "eval").mkdir()
+    for s in steps:  # only this arm's evaluations (the summary reads every eval/step=N.json it finds)
+        shutil.copy2(source / "eval" / f"step={s}.json", target / "eval" / f"step={s}.json")
+    shutil.copy2(source / "fit.done", target / "fit.done")  # last but done.json: an interrupted copy is redone
+    record = {**done, "arm": target.parent.name, "run_dir": str(target),
               "evaluations": [str(target / "eval" / f"step={s}.json") for s in sorted(steps)],
               "reused_from": {"run_dir": str((done.get("reused_from") or {}).get("run_dir") or done.get("run_dir")
                                              or source), "copied_from": str(source)}}

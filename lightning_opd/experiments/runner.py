@@ -254,7 +254,8 @@ class Runner:
         if precision is not None:  # one precision for every arm and seed, whatever machine a resume lands on
             base_cmd = base_cmd + [f"--trainer.precision={precision}"]
         start_sha256 = self.evaluate_start(arm, seed, config)[1] if self.exp.evaluate_start else None
-        if arm.reuse and not (d / "fit.done").is_file() and (reused := self._reuse(arm, seed, d, config, start_sha256)):
+        if arm.reuse and not (d / "fit.done").is_file() and (
+                reused := self._reuse(arm, seed, d, config, start_sha256, precision)):
             return reused
         if not (d / "fit.done").is_file():
             cmd = list(base_cmd)
@@ -281,7 +282,8 @@ class Runner:
                 shutil.rmtree(d / sub, ignore_errors=True)
         return record
 
-    def _reuse(self, arm: Arm, seed: int, d: Path, config: dict, start_sha256: str | None) -> dict | None:
+    def _reuse(self, arm: Arm, seed: int, d: Path, config: dict, start_sha256: str | None,
+               precision: str | None) -> dict | None:
         """Copy ``arm.reuse``'s finished pair for ``seed`` into ``d`` once it is checked to be this pair's recipe
         (:mod:`.reuse`) and return its ``done.json`` record; ``None`` (this pair is fitted) when the source has not
         finished that seed.
@@ -302,7 +304,8 @@ class Runner:
         flags = self.evaluate_args(config, seed)
         expected = {s: flags + (self.exp.final_flags(arm) if s == final else [])
                     for s in needed_steps(final, self.exp.every(arm), self.exp.evaluated(arm), marks)}
-        record = copy_pair(source, d, check_reusable(source, d, config, expected, start_sha256), list(expected))
+        record = copy_pair(source, d, check_reusable(source, d, config, expected, start_sha256, precision),
+                           list(expected))
         if not self.exp.keep_checkpoints:
             for sub in ("checkpoints", "student"):
                 shutil.rmtree(d / sub, ignore_errors=True)

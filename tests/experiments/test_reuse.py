@@ -57,7 +57,9 @@ def test_the_same_recipe_is_copied_for_the_seeds_it_has_and_the_others_are_fitte
     assert done["reused_from"] == {"run_dir": str(src0), "copied_from": str(src0)}
     assert done["run_dir"] == str(d0) and done["evaluations"] == [str(d0 / "eval" / "step=4.json")]
     assert (d0 / "eval" / "step=4.json").read_bytes() == (src0 / "eval" / "step=4.json").read_bytes()
-    assert (d0 / "eval" / "step=2.json").is_file() and (d0 / "fit.done").is_file()  # the folder is copied whole
+    assert (d0 / "fit.done").is_file() and (d0 / "fit.log").read_text() == (src0 / "fit.log").read_text()  # copied
+    assert not (d0 / "eval" / "step=2.json").exists()  # but only the evaluations this arm ("last") makes
+    assert done["arm"] == "a" and done["seed"] == 0
     assert any(f"[a seed 0] reused {src0}" in line for line in lines)
     assert any(f"[a seed 1] {source.root / 'a' / 'seed1'} is not finished: fitting this pair" in line for line in lines)
     assert "reused_from" not in json.loads((d1 / "done.json").read_text())
@@ -113,6 +115,30 @@ def test_paths_under_the_source_run_folder_are_read_as_this_one_and_the_start_mu
         check_reusable(src, tgt, config, args, "cd" * 32)
     with pytest.raises(ValueError, match=r"differ in model.lr: 0.0002 here, 0.0001 in the source"):
         check_reusable(src, tgt, {**config, "model": {"lr": 2e-4}}, args, None)
+    # trainer.precision: auto is resolved per experiment (precision.json): the picks must agree
+    with pytest.raises(ValueError, match=r"trainer.precision=auto picked None there .*'bf16-mixed' here"):
+        check_reusable(src, tgt, config, args, None, precision="bf16-mixed")
+    (tmp_path / "copy" / "precision.json").write_text(json.dumps({"precision": "32-true"}))
+    assert check_reusable(src, tgt, config, args, None, precision="32-true")["run_dir"] == str(ran)
+    with pytest.raises(ValueError, match=r"picked '32-true' there .*'bf16-mixed' here"):
+        check_reusable(src, tgt, config, args, None, precision="bf16-mixed")
+
+
+def test_a_partial_fit_in_the_target_is_replaced_not_merged(tmp_path, source):
+    """A pair fitted part-way before the source finished: its logs and checkpoints go before the copy (TensorBoard
+    readers would otherwise see steps 1..N twice)."""
+    exp = experiment(tmp_path, "tgt", [0], {**RECIPE, "reuse": "src/a"})
+    d = exp.run_dir(exp.arms[0], 0)
+    (d / "logs").mkdir(parents=True)
+    (d / "logs" / "events.out.old").write_text("stale")
+    (d / "checkpoints").mkdir()
+    (d / "checkpoints" / "step=2.ckpt").write_text("{}")
+    (d / "checkpoints" / "last.ckpt").symlink_to("step=2.ckpt")
+    Runner(exp, cwd=ROOT, echo=lambda *_: None).run()
+    assert not (d / "logs" / "events.out.old").exists()
+    src = source.run_dir(source.arms[0], 0)
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == sorted(p.name for p in (src / "checkpoints").iterdir())
+    assert json.loads((d / "done.json").read_text())["reused_from"]["copied_from"] == str(src)
 
 
 def test_config_differences_needed_steps_and_the_evaluation_command_by_hand(tmp_path):
@@ -121,6 +147,7 @@ def test_config_differences_needed_steps_and_the_evaluation_command_by_hand(tmp_
     assert config_differences(a, b) == ["only_a: 0 here, missing in the source", "only_b: missing here, None in the source",
                                         "t.cb[1].k: 2 here, 3 in the source"]
     assert config_differences(a, a) == []
+    assert config_differences({"limit": 1}, {"limit": 1.0}) == ["limit: 1 here, 1.0 in the source"]  # 1 batch, all
     assert needed_steps(20, 10, "last", []) == [20]
     assert needed_steps(20, 10, "all", []) == [10, 20]
     assert needed_steps(128, 32, "all", []) == [32, 64, 96, 128]
@@ -133,7 +160,7 @@ def test_config_differences_needed_steps_and_the_evaluation_command_by_hand(tmp_
     assert evaluation_command(log, Path("/r/eval/step=8.json")) is None
 
 
-@pytest.mark.parametrize("reuse", ["src", "src/a/b", "../x/a", "exp/a", 3])
+@pytest.mark.parametrize("reuse", ["src", "src/a/b", "../x/a", "exp/a", 3, "../a", "src/..", "./a"])
 def test_a_reuse_that_is_not_another_experiments_arm_is_refused(tmp_path, reuse):
     with pytest.raises(ValueError, match=r"arm 'a': reuse=.*give another experiment's arm as '<experiment>/<arm>'"):
         Experiment(name="exp", arms=[Arm("a", ["c.yaml"], reuse=reuse)], seeds=[0], checkpoint_every=2, results=tmp_path)
