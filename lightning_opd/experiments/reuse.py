@@ -93,7 +93,7 @@ def evaluation_command(log: Path, out: Path) -> str | None:
 def check_reusable(source: Path, target: Path, config: dict, expected: dict[int, list[str]],
                    start_sha256: str | None, precision: str | None = None) -> dict:
     """Check that the finished pair in ``source`` is the pair this runner would make in ``target`` (module
-    docstring, checks 2-4) and return the source's ``done.json``.
+    docstring, checks 2-5) and return the source's ``done.json``.
 
     Args:
         source: the source pair's folder (``<results>/<experiment>/<arm>/seed<k>``), with ``done.json``.
@@ -147,8 +147,8 @@ def check_reusable(source: Path, target: Path, config: dict, expected: dict[int,
 
 def copy_pair(source: Path, target: Path, done: dict, steps: list[int]) -> dict:
     """Empty ``target`` but its own ``fit_config.yaml`` and ``runner_overlay.yaml``, copy the source pair's files
-    into it (of its evaluations only those of ``steps``; ``fit.done`` last) and write ``target/done.json`` last (atomically): the source's record with ``run_dir``, ``evaluations`` under
-    ``target``: those of ``steps`` (optimizer steps, the checkpoints this arm evaluates), and ``"reused_from":
+    into it (of its evaluations only those of ``steps``; ``fit.done`` last) and write ``target/done.json`` last
+    (atomically): the source's record with ``run_dir``, ``evaluations`` under ``target``: those of ``steps`` (optimizer steps, the checkpoints this arm evaluates), and ``"reused_from":
     {"run_dir": <where it ran, through any earlier copies>, "copied_from": <source>}``. Returns the record."""
     keep = {"fit_config.yaml", "runner_overlay.yaml"}
     for item in target.iterdir():  # a partial fit or an interrupted copy: nothing of it may mix with the source's
