@@ -148,7 +148,8 @@ def check_reusable(source: Path, target: Path, config: dict, expected: dict[int,
 def copy_pair(source: Path, target: Path, done: dict, steps: list[int]) -> dict:
     """Empty ``target`` but its own ``fit_config.yaml`` and ``runner_overlay.yaml``, copy the source pair's files
     into it (of its evaluations only those of ``steps``; ``fit.done`` last) and write ``target/done.json`` last
-    (atomically): the source's record with ``run_dir``, ``evaluations`` under ``target``: those of ``steps`` (optimizer steps, the checkpoints this arm evaluates), and ``"reused_from":
+    (atomically): the source's record with ``run_dir``, ``evaluations`` under ``target``: those of ``steps``
+    (optimizer steps, the checkpoints this arm evaluates), and ``"reused_from":
     {"run_dir": <where it ran, through any earlier copies>, "copied_from": <source>}``. Returns the record."""
     keep = {"fit_config.yaml", "runner_overlay.yaml"}
     for item in target.iterdir():  # a partial fit or an interrupted copy: nothing of it may mix with the source's
